@@ -1,0 +1,129 @@
+"""Shared benchmark plumbing: quantile timing, peak memory, machine header, JSON rows, PNG plots.
+
+Every benchmark writes one JSON file of rows ``{bench, case, provider, metric, value, ...}`` plus a
+machine header, prints a short table with ratios against the baseline provider of the same run,
+and draws a PNG. Output folder: ``$OUT`` when set (GPU lane), else ``./outputs/bench``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", "write_results", "print_table"]
+
+
+def out_dir() -> Path:
+    path = Path(os.environ.get("OUT") or "outputs/bench")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001 - git may be absent on the device
+        return "unknown"
+
+
+def machine_header() -> dict[str, Any]:
+    """Date, host, GPU, and versions of the packages that matter for the numbers."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "megatron.core", "fla", "emerging_optimizers", "transformers", "sglang"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            versions[mod] = getattr(m, "__version__", "?")
+        except Exception:  # noqa: BLE001 - optional packages
+            pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "gpu": gpu,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "cpu_count": os.cpu_count(),
+        "commit": _git_commit(),
+        "versions": versions,
+    }
+
+
+def _quantiles(samples: list[float]) -> dict[str, float]:
+    t = torch.tensor(samples, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
+    return {"p20": q[0], "p50": q[1], "p80": q[2], "n": len(samples)}
+
+
+def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> dict[str, float]:
+    """Milliseconds per call from CUDA events (p20/p50/p80)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return _quantiles(samples)
+
+
+def time_cpu(fn: Callable[[], Any], *, warmup: int = 1, iters: int = 5) -> dict[str, float]:
+    """Milliseconds per call from wall clock (p20/p50/p80); synchronizes CUDA if present."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _quantiles(samples)
+
+
+def peak_memory(fn: Callable[[], Any]) -> int:
+    """Peak CUDA bytes allocated above the level before ``fn`` (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        fn()
+        return 0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def write_results(name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:
+    """Write ``{header, rows, extra}`` to ``<out>/<name>.json`` and return the path."""
+    path = out_dir() / f"{name}.json"
+    payload = {"header": machine_header(), "rows": rows, "extra": extra or {}}
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    """Print rows as a fixed-width table (the short summary printed last on the GPU lane)."""
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
