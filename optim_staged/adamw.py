@@ -1,0 +1,106 @@
+"""``StagedAdamW``: AdamW whose fp32 master, exp_avg and exp_avg_sq live in host slabs.
+
+Each ``step()`` streams contiguous slab ranges ("units", at most ``slot_numel`` elements, which
+may split parameters) through the slot ring: H2D of (master, m, v) -> gather the gradient pieces
+into the slot's fp32 grad buffer -> one PyTorch AdamW kernel call over the unit's pieces ->
+write the parameter pieces from the master (cast to the parameter dtype, e.g. bf16) -> D2H.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from optim_staged.base import StagedOptimizerBase, grad_of
+from optim_staged.config import AdamWConfig, SlotConfig
+from optim_staged.slabs import Piece, Unit, build_units
+from optim_staged.update import adamw_update_
+
+__all__ = ["StagedAdamW"]
+
+
+class StagedAdamW(StagedOptimizerBase):
+    """AdamW (decoupled weight decay, no AMSGrad) with host-staged state.
+
+    Args:
+        params: parameters or param-group dicts (any float dtype; CUDA or CPU).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``; per-group values may change
+            between steps.
+        slots: slot size/count and pinning (:class:`~optim_staged.config.SlotConfig`).
+        staged_fraction: fraction of elements (parameter order) whose state is staged; the rest
+            stays on the parameters' device.
+        impl: ``auto`` | ``fused`` | ``foreach`` update kernel.
+
+    ``state[p]`` holds ``master_param``, ``exp_avg``, ``exp_avg_sq`` (fp32 views of the slabs).
+    """
+
+    state_keys = ("master_param", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, *, slots: SlotConfig | None = None,
+                 staged_fraction: float = 1.0, impl: str = "auto",
+                 device: torch.device | str | None = None) -> None:
+        AdamWConfig(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, impl=impl)  # validates
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.impl = impl
+        super().__init__(params, defaults, slots=slots, staged_fraction=staged_fraction, device=device)
+        self._step_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    @classmethod
+    def from_config(cls, params: Iterable[Any], cfg: AdamWConfig, *, slots: SlotConfig | None = None,
+                    staged_fraction: float = 1.0) -> StagedAdamW:
+        return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                   slots=slots, staged_fraction=staged_fraction, impl=cfg.impl)
+
+    def _units(self, entries, *, whole: bool = False) -> list[Unit]:
+        if not entries:
+            return []
+        if whole:
+            return [Unit(g, o, o + p.numel(), (Piece(i, 0, p.numel(), 0),)) for i, g, p, o in entries if p.numel()]
+        units = build_units([p.numel() for _, _, p, _ in entries], [o for *_, o in entries],
+                            [g for _, g, _, _ in entries], slot_numel=self.slot_config.slot_numel)
+        # build_units indexes entries positionally; map back to parameter indices.
+        idx = [i for i, *_ in entries]
+        return [Unit(u.group, u.start, u.end,
+                     tuple(Piece(idx[pc.param_index], pc.p_start, pc.numel, pc.unit_offset) for pc in u.pieces))
+                for u in units]
+
+    def _begin_step(self) -> None:
+        super()._begin_step()
+        dev = self.compute_device
+        # One step tensor per group, filled once on the host side of the step (no per-param sync).
+        for gi, g in enumerate(self.param_groups):
+            key = (gi, dev)
+            t = self._step_tensors.get(key)
+            if t is None:
+                t = self._step_tensors[key] = torch.zeros((), dtype=torch.float32, device=dev)
+            t.fill_(float(g["step"]))
+
+    def _compute(self, unit: Unit, views: dict[str, torch.Tensor], params: list[torch.Tensor]) -> None:
+        g = self.param_groups[unit.group]
+        gbuf = views["grad"]
+        if gbuf is None:
+            gbuf = torch.empty(unit.numel, dtype=torch.float32, device=views["master_param"].device)
+        masters, grads, ms, vs, live = [], [], [], [], []
+        for pc in unit.pieces:
+            p = params[pc.param_index]
+            grad = grad_of(p)
+            if grad is None:
+                continue
+            sl = slice(pc.unit_offset, pc.unit_offset + pc.numel)
+            gbuf[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
+            masters.append(views["master_param"][sl])
+            grads.append(gbuf[sl])
+            ms.append(views["exp_avg"][sl])
+            vs.append(views["exp_avg_sq"][sl])
+            live.append(pc)
+        if not live:
+            return
+        beta1, beta2 = g["betas"]
+        adamw_update_(masters, grads, ms, vs, step=self._step_tensors[(unit.group, self.compute_device)],
+                      lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
+                      weight_decay=g["weight_decay"], impl=self.impl)
+        for pc, m in zip(live, masters):
+            params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel].copy_(m)
