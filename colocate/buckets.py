@@ -1,0 +1,95 @@
+"""Flattened buckets: many named tensors of mixed dtypes packed into one byte buffer.
+
+A bucket is a ``uint8`` buffer plus :class:`Entry` records ``(name, dtype, shape, offset)``;
+offsets are aligned to 256 bytes so every entry can be viewed in place with its own dtype.
+One bucket means one IPC handle / shared-memory segment / file, however many tensors it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Entry", "plan_buckets", "pack_bucket", "unpack_bucket", "tensor_checksum", "ALIGN"]
+
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor inside a bucket: byte ``offset``, ``dtype``, ``shape`` (contiguous)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(meta: Iterable[tuple[str, tuple[int, ...], torch.dtype]], *, bucket_bytes: int
+                 ) -> list[list[Entry]]:
+    """Greedy in-order packing of ``(name, shape, dtype)`` into buckets of at most
+    ``bucket_bytes`` (a tensor larger than that gets a bucket of its own)."""
+    buckets: list[list[Entry]] = []
+    cur: list[Entry] = []
+    used = 0
+    for name, shape, dtype in meta:
+        e = Entry(name, dtype, tuple(int(s) for s in shape), 0)
+        size = _align(e.nbytes)
+        if cur and used + size > bucket_bytes:
+            buckets.append(cur)
+            cur, used = [], 0
+        cur.append(Entry(name, dtype, e.shape, used))
+        used += size
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def bucket_nbytes(entries: list[Entry]) -> int:
+    """Bytes a buffer needs to hold ``entries``."""
+    last = entries[-1]
+    return _align(last.offset + last.nbytes)
+
+
+def pack_bucket(tensors: dict[str, torch.Tensor], entries: list[Entry], buffer: torch.Tensor) -> None:
+    """Copy each entry's tensor into ``buffer`` (uint8, ≥ :func:`bucket_nbytes`) at its offset."""
+    for e in entries:
+        t = tensors[e.name]
+        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+            raise ValueError(f"pack_bucket: {e.name} is {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
+        view(buffer, e).copy_(t)
+
+
+def view(buffer: torch.Tensor, e: Entry) -> torch.Tensor:
+    """The entry's tensor as a view into ``buffer`` (no copy)."""
+    return buffer[e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape)
+
+
+def unpack_bucket(buffer: torch.Tensor, entries: list[Entry]) -> dict[str, torch.Tensor]:
+    """Views of every entry in ``buffer`` by name (no copy)."""
+    return {e.name: view(buffer, e) for e in entries}
+
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """Bit-exact, device-independent checksum: ``sum_i bits(x_i)·(1 + i mod 7)`` in wrapping
+    int64, ``bits`` reading each element as a signed int of its width (reference:
+    :func:`colocate.reference.reference_tensor_checksum`)."""
+    flat = t.detach().contiguous().reshape(-1).view(_INT[t.element_size()]).to(torch.int64)
+    w = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 7 + 1
+    return int((flat * w).sum().item())

@@ -1,0 +1,171 @@
+"""Typed, validated configs for colocation (usable as Hydra structured configs).
+
+Every bad value raises :class:`ConfigError` (a ``ValueError``) naming the field and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["ConfigError", "HFModelSpec", "PublishConfig", "EngineConfig", "WorkerSpec"]
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A config field holds a value that cannot work; the message names field and value."""
+
+
+def _positive(obj: object, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{type(obj).__name__}.{n} must be a positive int, got {v!r}")
+
+
+@dataclass(kw_only=True)
+class HFModelSpec:
+    """Shape of a Qwen3 / Qwen3-MoE model as the HF checkpoint (and SGLang) sees it."""
+
+    arch: Literal["qwen3", "qwen3_moe"]
+    """HF architecture family: ``qwen3`` (dense) or ``qwen3_moe``."""
+    num_layers: int
+    """Transformer layers of the whole model (all pipeline stages)."""
+    hidden_size: int
+    """Model width H."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA groups); divides ``num_attention_heads``."""
+    head_dim: int
+    """Per-head channels (Megatron ``kv_channels``)."""
+    ffn_hidden_size: int
+    """Dense MLP intermediate size (per gate/up half)."""
+    vocab_size: int
+    """Rows of the embedding / LM head as trained (padded vocab)."""
+    tie_embeddings: bool = False
+    """LM head shares the embedding; no ``lm_head.weight`` is sent."""
+    num_experts: int | None = None
+    """Routed experts per MoE layer; None for a dense model."""
+    moe_ffn_hidden_size: int | None = None
+    """Expert intermediate size; defaults to ``ffn_hidden_size``."""
+    router_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """Dtype the router (``mlp.gate.weight``) is sent in; None keeps the training dtype."""
+    has_expert_bias: bool = False
+    """The router carries an aux-loss-free ``expert_bias`` (sent fp32 as ``e_score_correction_bias``)."""
+    num_experts_per_tok: int = 2
+    """Router top-k (receiver config only)."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base (Megatron ``rotary_base``; receiver config only)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon (Megatron ``layernorm_epsilon``; receiver config only)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the receiver is configured for."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("qwen3", "qwen3_moe"):
+            raise ConfigError(f"HFModelSpec.arch must be 'qwen3' or 'qwen3_moe', got {self.arch!r}")
+        _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+                  "ffn_hidden_size", "vocab_size")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"HFModelSpec.num_query_groups={self.num_query_groups} must divide "
+                              f"num_attention_heads={self.num_attention_heads}")
+        if (self.arch == "qwen3_moe") != bool(self.num_experts):
+            raise ConfigError(f"HFModelSpec.num_experts={self.num_experts!r} does not fit arch={self.arch!r} "
+                              "(qwen3_moe needs experts, qwen3 none)")
+        if self.num_experts is not None:
+            _positive(self, "num_experts")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.router_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise ConfigError(f"HFModelSpec.router_dtype must be None, 'fp32', 'bf16' or 'fp16', got {self.router_dtype!r}")
+
+
+@dataclass(kw_only=True)
+class PublishConfig:
+    """How the publisher moves converted weights to a receiver."""
+
+    transport: Literal["auto", "inprocess", "shm", "cuda_ipc", "disk"] = "auto"
+    """Transport; ``auto`` takes the first one the receiver's capabilities accept, in the order
+    inprocess, cuda_ipc, shm, disk."""
+    bucket_bytes: int = 512 * MiB
+    """Target bytes per flattened bucket (512 MiB–1 GiB on GPU; smaller values are for tests)."""
+    max_in_flight: int = 2
+    """Buckets handed to the receiver and not yet acknowledged (1 or 2)."""
+    verify: Literal["checksum", "sampled", "none"] = "checksum"
+    """After publish: full checksum of every tensor read back, a sampled comparison, or nothing."""
+    sample_count: int = 64
+    """Elements compared per tensor in ``sampled`` mode."""
+    timeout_s: float = 600.0
+    """Upper bound on any wait for the receiver (ack, load, verification)."""
+    disk_dir: str | None = None
+    """Folder for the disk transport; a fresh temp folder when None."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "inprocess", "shm", "cuda_ipc", "disk"):
+            raise ConfigError(f"PublishConfig.transport: unknown transport {self.transport!r}")
+        _positive(self, "bucket_bytes", "sample_count")
+        if self.max_in_flight not in (1, 2):
+            raise ConfigError(f"PublishConfig.max_in_flight must be 1 or 2, got {self.max_in_flight!r}")
+        if self.verify not in ("checksum", "sampled", "none"):
+            raise ConfigError(f"PublishConfig.verify must be 'checksum', 'sampled' or 'none', got {self.verify!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"PublishConfig.timeout_s must be > 0, got {self.timeout_s!r}")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """The embedded ``transformers`` rollout engine."""
+
+    device: str = "cpu"
+    """Torch device the engine's model lives on (``cpu`` or ``cuda[:i]``)."""
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype."""
+    max_new_tokens: int = 16
+    """Default generation length."""
+    temperature: float = 1.0
+    """Default sampling temperature; 0 means greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens before sampling (0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
+            raise ConfigError(f"EngineConfig.dtype: unsupported dtype {self.dtype!r}")
+        _positive(self, "max_new_tokens")
+        if self.temperature < 0:
+            raise ConfigError(f"EngineConfig.temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ConfigError(f"EngineConfig.top_k must be >= 0, got {self.top_k!r}")
+
+
+@dataclass(kw_only=True)
+class WorkerSpec:
+    """A colocated role forked from its owner (same node, same physical GPUs)."""
+
+    role: str
+    """Name of the role, e.g. ``rollout`` or ``teacher``."""
+    command: list[str]
+    """argv of the worker process."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Per-role overrides merged over the owner's environment (a value of ``""`` removes the key)."""
+    scheduler: Literal["local", "slurm", "ray"] = "local"
+    """Where to start it: a local subprocess, a Slurm step in the owner's job, or a Ray actor."""
+    health_timeout_s: float = 60.0
+    """How long ``start`` waits for the worker's ready line."""
+    kill_grace_s: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when stopping."""
+
+    def __post_init__(self) -> None:
+        if not self.role or not self.role.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"WorkerSpec.role must be a non-empty identifier, got {self.role!r}")
+        if not self.command or not all(isinstance(a, str) for a in self.command):
+            raise ConfigError(f"WorkerSpec.command must be a non-empty list of str, got {self.command!r}")
+        if self.scheduler not in ("local", "slurm", "ray"):
+            raise ConfigError(f"WorkerSpec.scheduler must be 'local', 'slurm' or 'ray', got {self.scheduler!r}")
+        bad = {k: v for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)}
+        if bad:
+            raise ConfigError(f"WorkerSpec.env must map str to str, bad entries: {bad!r}")
+        if not self.health_timeout_s > 0 or not self.kill_grace_s >= 0:
+            raise ConfigError(f"WorkerSpec timeouts must be positive, got health_timeout_s={self.health_timeout_s!r}, "
+                              f"kill_grace_s={self.kill_grace_s!r}")

@@ -1,0 +1,147 @@
+"""Megatron-Core side of colocation: gather TP/EP shards into HF tensors, residency hooks.
+
+The only module of :mod:`colocate` that imports ``megatron.core``. Process groups come from an
+explicit ``pg_collection`` (``ProcessGroupCollection``) or, when None, from Megatron's
+``parallel_state``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from colocate.config import HFModelSpec
+from colocate.convert import globalize_name, megatron_to_hf, merge_tp_shards
+
+__all__ = ["unwrap_model", "model_spec_from_megatron", "iter_hf_weights", "megatron_residency_hooks"]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / ``Float16Module`` wrappers (``.module`` chains) down to the ``GPTModel``."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_spec_from_megatron(model: torch.nn.Module, *, router_dtype: str | None = None) -> HFModelSpec:
+    """The :class:`HFModelSpec` of a Megatron ``GPTModel`` (read from its ``TransformerConfig``)."""
+    m = unwrap_model(model)
+    c = m.config
+    has_bias = bool(getattr(c, "moe_router_enable_expert_bias", False))
+    return HFModelSpec(
+        arch="qwen3_moe" if c.num_moe_experts else "qwen3",
+        num_layers=c.num_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_query_groups or c.num_attention_heads, head_dim=c.kv_channels,
+        ffn_hidden_size=c.ffn_hidden_size, vocab_size=m.vocab_size,
+        tie_embeddings=bool(m.share_embeddings_and_output_weights), num_experts=c.num_moe_experts,
+        moe_ffn_hidden_size=c.moe_ffn_hidden_size, router_dtype=router_dtype, has_expert_bias=has_bias,
+        num_experts_per_tok=c.moe_router_topk if c.num_moe_experts else 2,
+        rope_theta=float(getattr(m, "rotary_base", 10000)), rms_norm_eps=float(c.layernorm_epsilon),
+        max_position_embeddings=int(m.max_sequence_length),
+    )
+
+
+def _groups(pg_collection):
+    if pg_collection is not None:
+        return pg_collection.tp, getattr(pg_collection, "expt_tp", None), getattr(pg_collection, "ep", None)
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(check_initialized=False),
+            ps.get_expert_model_parallel_group(check_initialized=False))
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    n = dist.get_world_size(group) if group is not None else 1
+    if n == 1:
+        return [t]
+    t = t.detach().contiguous()
+    out = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(out, t, group=group)
+    return out
+
+
+def _kind(name: str, p: torch.Tensor) -> str:
+    if not getattr(p, "tensor_model_parallel", False):
+        return "replicated"
+    if name.endswith("linear_fc1.weight") or re.search(r"linear_fc1\.weight\d+$", name):
+        return "glu"
+    return "col" if getattr(p, "partition_dim", 0) == 0 else "row"
+
+
+@torch.no_grad()
+def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, spec: HFModelSpec,
+                    pg_collection=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every parameter of this pipeline stage, TP/ETP shards
+    merged and experts of all EP ranks gathered (collective: every rank of the TP/EP groups
+    must iterate in step). Every rank receives the full tensors.
+
+    Expert ``e`` local to EP rank r becomes global ``e + r·E/ep``; layer ``j`` of a chunk
+    becomes ``layer.layer_number - 1``; tied ``output_layer.weight`` is skipped.
+    """
+    chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
+    tp, etp, ep = _groups(pg_collection)
+    ep_size = dist.get_world_size(ep) if ep is not None else 1
+    for chunk in chunks:
+        m = unwrap_model(chunk)
+        layers = m.decoder.layers if hasattr(m, "decoder") else []
+        named = list(m.named_parameters()) + [(n, b) for n, b in m.named_buffers() if n.endswith("expert_bias")]
+        for name, p in named:
+            if name == "output_layer.weight" and spec.tie_embeddings:
+                continue
+            lm = _LAYER.match(name)
+            layer_id = layers[int(lm.group(1))].layer_number - 1 if lm else None
+            is_expert = ".experts." in name and ".shared_experts." not in name
+            kind = _kind(name, p)
+            shards = _all_gather(p, etp if is_expert else tp) if kind != "replicated" else [p.detach()]
+            full = merge_tp_shards(shards, kind=kind)
+            if is_expert and ep_size > 1:
+                local = spec.num_experts // ep_size
+                for r, t in enumerate(_all_gather(full, ep)):
+                    gname = globalize_name(name, layer_id=layer_id, expert_offset=r * local)
+                    yield from megatron_to_hf(gname, t, spec=spec)
+            else:
+                yield from megatron_to_hf(globalize_name(name, layer_id=layer_id), full, spec=spec)
+
+
+def megatron_residency_hooks(ddp_models: list[torch.nn.Module], optimizer=None) -> dict:
+    """Release/resume callables for a :class:`colocate.residency.Residency` over Megatron DDP.
+
+    Tags: ``grads`` (DDP flat grad buffers: storage resized to 0 / re-created zeroed),
+    ``weights`` (DDP flat param buffers: copied to a CPU mirror, storage resized to 0, then
+    restored), ``optimizer`` (every optimizer state tensor moved to CPU and back). Each
+    callable returns the bytes it freed or restored.
+    """
+    from colocate.residency import TensorOffload
+
+    ddps = ddp_models if isinstance(ddp_models, list | tuple) else [ddp_models]
+
+    def buffers(attr: str) -> list[torch.Tensor]:
+        out = []
+        for d in ddps:
+            for b in list(getattr(d, "buffers", [])) + list(getattr(d, "expert_parallel_buffers", [])):
+                t = getattr(b, attr, None)
+                if t is not None:
+                    out.append(t)
+        return out
+
+    def opt_states() -> list[torch.Tensor]:
+        if optimizer is None:
+            return []
+        opts = getattr(optimizer, "chained_optimizers", [optimizer])
+        out = []
+        for o in opts:
+            inner = getattr(o, "optimizer", o)
+            for st in inner.state.values():
+                out += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
+        return out
+
+    grads = TensorOffload(lambda: buffers("grad_data"), keep_contents=False)
+    weights = TensorOffload(lambda: buffers("param_data"), keep_contents=True)
+    optim = TensorOffload(opt_states, keep_contents=True)
+    return {"grads": (grads.release, grads.resume), "weights": (weights.release, weights.resume),
+            "optimizer": (optim.release, optim.resume)}

@@ -1,0 +1,204 @@
+"""Residency: an explicit, idempotent tag state machine for GPU memory shared by roles.
+
+A :class:`Residency` owns named tags (trainer: ``optimizer``, ``grads``, ``weights``; engine:
+``kv_cache``, ``weights``, ``cuda_graph``), each with a release and a resume callable that
+return the bytes freed / restored. Rules:
+
+* releasing a released tag, or resuming a resident one, is a no-op (never a ``KeyError``);
+* release is refused with :class:`BusyError` while the owner is busy (inside :meth:`busy`);
+* the device is synchronized before any release (no kernel may still read the memory);
+* tags given together are released in the declared order and resumed in reverse order;
+* every transition is logged with its bytes and kept in :attr:`Residency.events`.
+
+Canonical colocated cycle (enforced by the calls that need residency, see ``docs/colocate.md``):
+engine release ``kv_cache, weights, cuda_graph`` → train → trainer release ``optimizer, grads``
+→ engine resume ``weights`` → publish → trainer release ``weights`` → engine resume
+``cuda_graph, kv_cache`` → rollout → trainer resume ``weights, grads, optimizer`` → train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ResidencyError", "BusyError", "NotResidentError", "Residency", "ResidencyEvent", "TensorOffload",
+           "TRAINER_TAGS", "ENGINE_TAGS"]
+
+log = logging.getLogger(__name__)
+
+TRAINER_TAGS = ("optimizer", "grads", "weights")
+"""Trainer tags in release order."""
+ENGINE_TAGS = ("kv_cache", "weights", "cuda_graph")
+"""Engine tags in release order (SGLang's)."""
+
+
+class ResidencyError(RuntimeError):
+    """Base of residency errors."""
+
+
+class BusyError(ResidencyError):
+    """Release requested while the owner is busy (generating, training, publishing)."""
+
+
+class NotResidentError(ResidencyError):
+    """An operation needs a tag that is currently released."""
+
+
+@dataclass(frozen=True)
+class ResidencyEvent:
+    """One transition: ``op`` is ``release``/``resume``; ``nbytes`` moved; ``seconds`` taken."""
+
+    owner: str
+    op: str
+    tag: str
+    nbytes: int
+    seconds: float
+
+
+def _default_sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Residency:
+    """Tag state machine for one owner (a trainer rank or an engine).
+
+    ``hooks`` maps tag → ``(release_fn, resume_fn)``; each returns bytes moved (int or None).
+    The dict order is the release order. ``sync`` runs before releases (default: CUDA sync).
+    """
+
+    def __init__(self, hooks: dict[str, tuple[Callable[[], int | None], Callable[[], int | None]]], *,
+                 owner: str = "owner", sync: Callable[[], None] | None = None):
+        if not hooks:
+            raise ValueError("Residency needs at least one tag in hooks")
+        self.owner = owner
+        self._hooks = dict(hooks)
+        self._order = tuple(hooks)
+        self._released: set[str] = set()
+        self._sync = sync or _default_sync
+        self._busy = 0
+        self._lock = threading.RLock()
+        self.events: list[ResidencyEvent] = []
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return self._order
+
+    @property
+    def released(self) -> frozenset[str]:
+        return frozenset(self._released)
+
+    def is_resident(self, tag: str) -> bool:
+        self._check([tag])
+        return tag not in self._released
+
+    def _check(self, tags: Iterable[str]) -> list[str]:
+        tags = list(tags)
+        unknown = [t for t in tags if t not in self._hooks]
+        if unknown:
+            raise ValueError(f"{self.owner}: unknown residency tag(s) {unknown}; known: {list(self._order)}")
+        return tags
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark the owner busy (releases raise :class:`BusyError`); needs all tags resident."""
+        with self._lock:
+            self.require(*self._order)
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def require(self, *tags: str) -> None:
+        """Raise :class:`NotResidentError` naming any of ``tags`` that is released."""
+        missing = [t for t in self._check(tags) if t in self._released]
+        if missing:
+            raise NotResidentError(f"{self.owner}: needs {missing} resident; released now: {sorted(self._released)}")
+
+    def release(self, tags: Iterable[str] | None = None) -> dict[str, int]:
+        """Release ``tags`` (None = all) in declared order; already-released tags are skipped.
+        Returns bytes freed per tag actually released."""
+        with self._lock:
+            want = self._check(self._order if tags is None else tags)
+            todo = [t for t in self._order if t in want and t not in self._released]
+            if not todo:
+                return {}
+            if self._busy:
+                raise BusyError(f"{self.owner}: release of {todo} refused while busy")
+            self._sync()
+            return {t: self._run("release", t) for t in todo}
+
+    def resume(self, tags: Iterable[str] | None = None) -> dict[str, int]:
+        """Resume ``tags`` (None = all) in reverse declared order; resident tags are skipped."""
+        with self._lock:
+            want = self._check(self._order if tags is None else tags)
+            todo = [t for t in reversed(self._order) if t in want and t in self._released]
+            return {t: self._run("resume", t) for t in todo}
+
+    def _run(self, op: str, tag: str) -> int:
+        fn = self._hooks[tag][0 if op == "release" else 1]
+        t0 = time.perf_counter()
+        nbytes = int(fn() or 0)
+        dt = time.perf_counter() - t0
+        if op == "release":
+            self._released.add(tag)
+        else:
+            self._released.discard(tag)
+        ev = ResidencyEvent(self.owner, op, tag, nbytes, dt)
+        self.events.append(ev)
+        log.info("%s: %s %s %.1f MiB in %.2f ms", self.owner, op, tag, nbytes / 2**20, dt * 1e3)
+        return nbytes
+
+
+class TensorOffload:
+    """Release/resume of a set of tensors by storage resizing, keeping tensor identity.
+
+    ``release`` optionally copies each tensor into a CPU mirror (pinned when CUDA is present)
+    and resizes its storage to 0 bytes; views into it (e.g. Megatron params into the DDP flat
+    buffer) stay valid objects. ``resume`` re-grows the storage and restores the mirror, or
+    zero-fills when ``keep_contents`` is False (gradients). Both return bytes moved.
+    """
+
+    def __init__(self, tensors: Callable[[], list[torch.Tensor]], *, keep_contents: bool):
+        self._tensors = tensors
+        self._keep = keep_contents
+        self._saved: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+
+    def release(self) -> int:
+        total = 0
+        seen: set[int] = set()
+        for t in self._tensors():
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or st.nbytes() == 0:
+                continue
+            seen.add(st.data_ptr())
+            nbytes = st.nbytes()
+            mirror = None
+            if self._keep:
+                mirror = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.is_cuda)
+                mirror.untyped_storage().copy_(st)
+            self._saved.append((t, nbytes, mirror))
+            st.resize_(0)
+            total += nbytes
+        return total
+
+    def resume(self) -> int:
+        total = 0
+        for t, nbytes, mirror in self._saved:
+            st = t.untyped_storage()
+            st.resize_(nbytes)
+            if mirror is not None:
+                st.copy_(mirror.untyped_storage())
+            else:
+                st.fill_(0)
+            total += nbytes
+        self._saved.clear()
+        return total
