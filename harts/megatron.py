@@ -1,0 +1,236 @@
+"""Megatron-Core integration: tree attention by module substitution, RoPE by trie depth, and a
+forward driver returning edge log-probs / entropies through the tree-aware chunked LM head.
+
+The only module of ``harts`` importing ``megatron.core``. Usage::
+
+    model = model_provider()            # any GPTModel (local or TE layer spec)
+    apply_harts(model)                  # swap core attention classes, hook RoPE-by-depth
+    out = tree_forward(model, forest)   # (logp [T], entropy [T]) on the last pipeline stage
+
+What is substituted:
+
+* every ``core_attention`` module (``DotProductAttention``, ``TEDotProductAttention``...) gets a
+  subclass whose ``forward`` runs :func:`harts.attention.tree_attention` when it receives
+  :class:`TreePackedSeqParams`, and the original code otherwise (state dicts are unchanged);
+* a forward pre-hook on ``model.decoder`` replaces the rotary table ``[S, 1, 1, d]`` that
+  ``GPTModel._preprocess`` builds for positions ``0..S-1`` (ignoring ``position_ids``) by
+  ``table[depth]``. For ``mrope`` the model honours ``position_ids``; :func:`tree_forward`
+  passes depth repeated over the three sections.
+
+Tree metadata travels inside ``packed_seq_params`` (only O(T) tensors plus the BlockMask built
+once per microbatch), which Megatron forwards unchanged to every layer, also under full
+activation recomputation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from harts.attention import Backend, build_block_mask, tree_attention
+from harts.forest import Forest
+from harts.lm_head import TreeHeadOutput, tree_lm_head
+
+__all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
+           "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward"]
+
+
+class TreeIncompatibleError(ValueError):
+    """The model configuration cannot run tree-packed batches exactly."""
+
+
+@dataclass
+class TreePackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` carrying tree metadata (``qkv_format`` stays ``'sbhd'``: one row, b = 1)."""
+
+    tree_last: torch.Tensor | None = None
+    """[T] end of each node's pre-order subtree."""
+    tree_depth: torch.Tensor | None = None
+    """[T] trie depth = RoPE position."""
+    tree_backend: str = "flex"
+    """'flex' or 'dense' (tests)."""
+    block_mask: object = None
+    """FlexAttention BlockMask, built once per microbatch."""
+
+    def __post_init__(self):
+        if self.qkv_format is None:
+            self.qkv_format = "sbhd"
+        if self.qkv_format == "thd":
+            raise ValueError("TreePackedSeqParams uses qkv_format='sbhd' (one packed row), got 'thd'")
+        super().__post_init__()
+
+
+def check_tree_compatible(config) -> None:
+    """Raise :class:`TreeIncompatibleError` for configs that cannot be tree-executed exactly."""
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp > 1:
+        raise TreeIncompatibleError(f"context_parallel_size={cp}: tree packing does not support context parallelism")
+    if getattr(config, "num_moe_experts", None) and getattr(config, "moe_expert_capacity_factor", None) is not None:
+        raise TreeIncompatibleError(
+            f"moe_expert_capacity_factor={config.moe_expert_capacity_factor}: token-dropping MoE routes shared "
+            "tokens differently from per-sequence execution; use dropless MoE (capacity factor None)")
+    if getattr(config, "multi_latent_attention", False):
+        raise TreeIncompatibleError("multi_latent_attention=True is not supported by harts tree attention")
+    st = getattr(config, "softmax_type", "vanilla")
+    if st != "vanilla":
+        raise TreeIncompatibleError(f"softmax_type={st!r}: tree attention implements only 'vanilla' softmax")
+
+
+def _tree_forward(self, query, key, value, psp: TreePackedSeqParams):
+    """query [T, 1, Hq, D], key/value [T, 1, Hkv, D] → [T, 1, Hq·D]."""
+    if query.shape[1] != 1:
+        raise ValueError(f"tree attention expects micro-batch size 1 (one packed row), got b={query.shape[1]}")
+    scale = getattr(self, "softmax_scale", None)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    if getattr(self.config, "apply_query_key_layer_scaling", False) and hasattr(self, "layer_number"):
+        scale = scale * self.layer_number  # local DotProductAttention divides its scale by the layer number
+    out = tree_attention(query[:, 0], key[:, 0], value[:, 0], last=psp.tree_last, scale=scale,
+                         backend=psp.tree_backend, block_mask=psp.block_mask)
+    return out.reshape(out.shape[0], 1, -1)
+
+
+def tree_core_attention_class(base: type) -> type:
+    """Subclass of a core-attention class that runs tree attention for :class:`TreePackedSeqParams`."""
+    if getattr(base, "_harts_tree", False):
+        return base
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if isinstance(packed_seq_params, TreePackedSeqParams):
+            if attention_bias is not None:
+                raise ValueError("attention_bias is not supported with tree attention")
+            return _tree_forward(self, query, key, value, packed_seq_params)
+        return base.forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+
+    return type(f"Tree{base.__name__}", (base,), {"forward": forward, "_harts_tree": True, "__module__": __name__})
+
+
+def tree_layer_spec(spec):
+    """Copy of a ``TransformerLayer`` ``ModuleSpec`` with a tree-capable core attention."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = copy.deepcopy(spec)
+    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    sub = getattr(attn, "submodules", None)
+    core = getattr(sub, "core_attention", None)
+    if core is None:
+        raise ValueError("layer spec has no submodules.self_attention.submodules.core_attention")
+    if isinstance(core, ModuleSpec):
+        core.module = tree_core_attention_class(core.module)
+    else:
+        sub.core_attention = tree_core_attention_class(core)
+    return spec
+
+
+def _depth_rope_hook(module, args, kwargs):
+    psp = kwargs.get("packed_seq_params")
+    emb = kwargs.get("rotary_pos_emb")
+    if isinstance(psp, TreePackedSeqParams) and emb is not None and psp.tree_depth is not None:
+        d = psp.tree_depth
+        kwargs["rotary_pos_emb"] = tuple(e.index_select(0, d) for e in emb) if isinstance(emb, tuple) \
+            else emb.index_select(0, d)
+    return args, kwargs
+
+
+class HartsHandle:
+    """Undo handle returned by :func:`apply_harts`."""
+
+    def __init__(self):
+        self._hooks = []
+        self._swapped: list[tuple[torch.nn.Module, type]] = []
+        self._hooked: list[torch.nn.Module] = []
+
+    def remove(self) -> None:
+        """Remove the RoPE hooks and restore the original core-attention classes."""
+        for h in self._hooks:
+            h.remove()
+        for m, cls in self._swapped:
+            m.__class__ = cls
+        for m in self._hooked:
+            del m._harts_hooked
+        self._hooks.clear()
+        self._swapped.clear()
+        self._hooked.clear()
+
+
+def _gpt_models(model: torch.nn.Module):
+    return [m for m in model.modules() if hasattr(m, "decoder") and hasattr(m, "position_embedding_type")]
+
+
+def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
+    """Enable tree execution on a built model (GPTModel, possibly wrapped in DDP/Float16Module).
+
+    Swaps every ``core_attention`` module's class for :func:`tree_core_attention_class` and hooks
+    RoPE-by-depth into each ``GPTModel.decoder``. Idempotent; non-tree batches run unchanged.
+    """
+    handle = HartsHandle()
+    gpts = _gpt_models(model)
+    if not gpts:
+        raise ValueError(f"apply_harts: no GPTModel-like module (with .decoder) inside {type(model).__name__}")
+    for g in gpts:
+        if check:
+            check_tree_compatible(g.config)
+        if g.position_embedding_type in ("rope", "yarn") and not getattr(g.decoder, "_harts_hooked", False):
+            handle._hooks.append(g.decoder.register_forward_pre_hook(_depth_rope_hook, with_kwargs=True))
+            g.decoder._harts_hooked = True
+            handle._hooked.append(g.decoder)
+    for m in model.modules():
+        core = getattr(m, "core_attention", None)
+        if isinstance(core, torch.nn.Module) and not getattr(type(core), "_harts_tree", False):
+            handle._swapped.append((core, type(core)))
+            core.__class__ = tree_core_attention_class(type(core))
+    return handle
+
+
+def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128) -> TreePackedSeqParams:
+    """Per-microbatch tree metadata; the flex BlockMask is built here, once."""
+    bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
+    rope_len = int(forest.depth.max()) + 1  # the RoPE table only needs positions 0..max depth
+    return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
+                               max_seqlen_q=rope_len, max_seqlen_kv=rope_len)
+
+
+def _head_processor(forest: Forest, chunk_size: int, temperature: float, entropy_requires_grad: bool):
+    def processor(*, hidden_states, output_layer, output_weight, config, **_):
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        if getattr(config, "use_mup", False):
+            raise TreeIncompatibleError("use_mup=True: logit scaling is not applied by the tree LM head")
+        weight = output_weight if output_weight is not None else output_layer.weight
+        group = getattr(output_layer, "tp_group", None)
+        sp = bool(getattr(output_layer, "sequence_parallel", False)) and group is not None and group.size() > 1
+        h = hidden_states
+        if sp:
+            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=group)
+        if h.shape[1] != 1:
+            raise ValueError(f"tree forward expects one packed row (b = 1), got hidden {tuple(h.shape)}")
+        return tree_lm_head(h[:, 0], weight, forest.tokens, forest.parent, chunk_size=chunk_size,
+                            temperature=temperature, tp_group=group if group is not None and group.size() > 1 else None,
+                            entropy_requires_grad=entropy_requires_grad, reduce_grad_input=not sp)
+
+    return processor
+
+
+def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSeqParams | None = None,
+                 backend: Backend = "flex", temperature: float = 1.0, chunk_size: int = 1024,
+                 entropy_requires_grad: bool = False) -> TreeHeadOutput | torch.Tensor:
+    """Run ``model`` (after :func:`apply_harts`) on the compact row of ``forest``.
+
+    Returns ``(logp [T], entropy [T])`` on the last pipeline stage (see
+    :func:`harts.loss.sequence_logprobs` for per-sequence vectors) and the hidden states on
+    other stages. ``params`` defaults to :func:`make_tree_params` (pass it to reuse a BlockMask).
+    """
+    gpts = _gpt_models(model)
+    if not gpts:
+        raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")
+    params = params or make_tree_params(forest, backend=backend)
+    depth = forest.depth[None]
+    pos = depth.expand(3, 1, -1) if gpts[0].position_embedding_type == "mrope" else depth
+    return model(forest.tokens[None], pos, None, packed_seq_params=params,
+                 output_processor=_head_processor(forest, chunk_size, temperature, entropy_requires_grad))

@@ -1,0 +1,67 @@
+"""Plain-torch references (fp64-capable): dense tree mask, dense tree attention, full-logits
+tree LM head, and per-sequence execution of a callable model.
+
+These are the oracles the fast paths are tested against; they materialize [T, T] masks and
+[T, V] logits and must not be used at scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["tree_mask", "tree_attention_reference", "tree_head_reference", "per_sequence_head_reference"]
+
+
+def tree_mask(last: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool, ``mask[q, k] = k <= q <= last[k]`` (ancestor-or-self)."""
+    t = last.numel()
+    ar = torch.arange(t, device=last.device)
+    return (ar[None, :] <= ar[:, None]) & (ar[:, None] <= last[None, :])
+
+
+def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, last: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Dense tree attention: ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``.
+
+    ``o = softmax(scale · q kᵀ + log mask) v`` with ``mask = tree_mask(last)``; GQA by
+    repeating key/value heads.
+    """
+    rep = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)
+    vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    s = torch.matmul(q.transpose(0, 1), kk.transpose(1, 2)) * scale  # [H, T, T]
+    s = s.masked_fill(~tree_mask(last)[None], float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), vv).transpose(0, 1)
+
+
+def tree_head_reference(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor,
+                        *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-logits tree head: ``hidden [T, H]``, ``weight [V, H]``, ``tokens, parent [T]``.
+
+    ``z = hidden Wᵀ / τ``; returns ``logp [T]`` with ``logp[v] = log_softmax(z[parent[v]])[tokens[v]]``
+    (0 where ``parent[v] < 0``) and ``entropy [T] = -Σ_j p_j log p_j`` of every row.
+    """
+    z = (hidden @ weight.T) / temperature
+    lp = torch.log_softmax(z, dim=-1)
+    ent = -(lp.exp() * lp).sum(-1)
+    has = parent >= 0
+    logp = torch.zeros(hidden.shape[0], dtype=lp.dtype, device=lp.device)
+    logp = logp.masked_scatter(has, lp[parent[has], tokens[has]])
+    return logp, ent
+
+
+def per_sequence_head_reference(seqs: Sequence[torch.Tensor], logits_fn: Callable[[torch.Tensor], torch.Tensor],
+                                *, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpacked execution: ``logits_fn(seq [L]) -> [L, V]`` run on every sequence alone.
+
+    Returns flat ``logp [Σ(L_i-1)]`` (``log p(x_t | x_<t)``, t = 1..L_i-1) and ``entropy
+    [Σ(L_i-1)]`` (of rows t = 0..L_i-2), concatenated in sequence order.
+    """
+    lps, ents = [], []
+    for s in seqs:
+        lp = torch.log_softmax(logits_fn(s) / temperature, dim=-1)[:-1]
+        lps.append(lp.gather(-1, s[1:, None].to(lp.device)).squeeze(-1))
+        ents.append(-(lp.exp() * lp).sum(-1))
+    return torch.cat(lps), torch.cat(ents)

@@ -1,0 +1,117 @@
+"""Tree execution of the real tiny Megatron GPT equals per-sequence execution (fp64 on CPU):
+per-sequence log-probs, entropies, a PPO-style clipped loss and every parameter gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts.forest import build_forest
+from harts.loss import aggregate_loss, ppo_clip_token_loss, sequence_entropy, sequence_logprobs
+from mcore_distill.testing import TinyGPTConfig, assert_close, build_tiny_gpt, seed_all
+from tests.harts.cases import CASES
+
+VOCAB = 61  # odd on purpose
+
+
+def _objective(lp, ent, seq_ids, num_seqs, old, adv, mode):
+    tok = ppo_clip_token_loss(lp, old, adv[seq_ids], clip_low=0.2, clip_high=0.28) - 0.01 * ent
+    return aggregate_loss(tok, torch.ones_like(tok), seq_ids, num_seqs=num_seqs, mode=mode)
+
+
+def _per_sequence(model, seqs):
+    lps, ents = [], []
+    for s in seqs:
+        t = torch.tensor(s)
+        # explicit causal mask: Megatron's default mask is built on "cuda", which the CPU shim cannot
+        # redirect inside a recompute backward (autograd thread)
+        causal = torch.triu(torch.ones(len(s), len(s), dtype=torch.bool), diagonal=1)[None, None]
+        logits = model(t[None], torch.arange(len(s))[None], causal)[0]  # [L, V]
+        lp = torch.log_softmax(logits.double(), -1)[:-1]
+        lps.append(lp.gather(-1, t[1:, None]).squeeze(-1))
+        ents.append(-(lp.exp() * lp).sum(-1))
+    return torch.cat(lps), torch.cat(ents)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=False, tol):
+    """Shared by the 1-rank test and the TP=2 rank body."""
+    from harts.megatron import apply_harts, tree_forward
+
+    seed_all(1234)
+    cfg = TinyGPTConfig(vocab_size=VOCAB + (VOCAB % 2 if torch.distributed.get_world_size() > 1 else 0),
+                        params_dtype=dtype, recompute=recompute, tie_embeddings=tie,
+                        tensor_model_parallel_size=torch.distributed.get_world_size())
+    model = build_tiny_gpt(cfg).to(dtype)  # the torch-norm fallback keeps norm weights in fp32 otherwise
+    apply_harts(model)
+    forest = build_forest(seqs, vocab_size=VOCAB)
+    n = len(seqs)
+    g = torch.Generator().manual_seed(7)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    seq_ids = forest.pred_seq_ids()
+
+    out = tree_forward(model, forest, backend="dense", chunk_size=chunk_size, entropy_requires_grad=True)
+    lp, ent = sequence_logprobs(out.logp, forest), sequence_entropy(out.entropy, forest)
+    old = (lp.detach() + 0.1 * torch.randn(lp.shape, generator=g, dtype=torch.float64)).to(lp.dtype)
+    loss = _objective(lp, ent, seq_ids, n, old, adv.to(lp.dtype), mode)
+    loss.backward()
+    g_tree = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    lp_r, ent_r = _per_sequence(model, seqs)
+    loss_r = _objective(lp_r.to(lp.dtype), ent_r.to(lp.dtype), seq_ids, n, old, adv.to(lp.dtype), mode)
+    loss_r.backward()
+    g_ref = _grads(model)
+
+    assert_close("logp", lp_r, lp, atol=tol, rtol=tol)
+    assert_close("entropy", ent_r, ent, atol=tol, rtol=tol)
+    assert_close("loss", loss_r, loss, atol=tol, rtol=tol)
+    assert set(g_tree) == set(g_ref) and len(g_ref) > 0
+    for name, ref in g_ref.items():
+        assert ref.abs().max() > 0, f"{name}: zero reference gradient makes the check vacuous"
+        assert_close(f"grad {name}", ref, g_tree[name], atol=tol, rtol=tol)
+    return len(g_ref)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "recompute"])
+@pytest.mark.parametrize("seqs", CASES)
+def test_tree_equals_per_sequence_fp64(cpu_megatron, seqs, recompute):
+    run_exactness(seqs, dtype=torch.float64, recompute=recompute, tol=1e-10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum"])
+def test_tree_equals_per_sequence_fp32_tied(cpu_megatron, mode):
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 4, 5, 6], [1, 2]]
+    run_exactness(seqs, dtype=torch.float32, recompute=False, mode=mode, tie=True, tol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_flex_forward_matches_dense_in_megatron(cpu_megatron):
+    """FlexAttention (forward only on CPU) through the real model equals the dense backend."""
+    from harts.megatron import apply_harts, tree_forward
+
+    seed_all(3)
+    model = build_tiny_gpt(TinyGPTConfig(vocab_size=VOCAB, params_dtype=torch.float64)).double()
+    apply_harts(model)
+    seqs = [list(range(1, 40)), list(range(1, 30)) + [50, 51, 52], [1, 2, 3, 9, 9, 9], [5] * 20]
+    forest = build_forest(seqs).padded(16)
+    with torch.no_grad():
+        dense = tree_forward(model, forest, backend="dense")
+        flex = tree_forward(model, forest, backend="flex")
+    assert_close("flex logp", dense.logp, flex.logp, atol=1e-10, rtol=1e-10)
+    assert_close("flex entropy", dense.entropy, flex.entropy, atol=1e-10, rtol=1e-10)
+
+
+def test_incompatible_configs_raise():
+    from harts.megatron import TreeIncompatibleError, check_tree_compatible
+
+    with pytest.raises(TreeIncompatibleError, match="context_parallel_size=2"):
+        check_tree_compatible(type("C", (), {"context_parallel_size": 2})())
+    moe = type("C", (), {"num_moe_experts": 4, "moe_expert_capacity_factor": 1.0})()
+    with pytest.raises(TreeIncompatibleError, match="moe_expert_capacity_factor=1.0"):
+        check_tree_compatible(moe)
