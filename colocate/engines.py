@@ -257,6 +257,12 @@ class HFEngine:
             views = hf_checkpoint_views(self.model)
             return {n: tensor_checksum(views[n]) for n in (names if names is not None else views)}
 
+    def sample(self, indices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Live values at flat ``indices`` per HF name (for sampled verification)."""
+        with self._lock:
+            views = hf_checkpoint_views(self.model)
+            return {n: views[n].reshape(-1)[i.to(self.device)].cpu().clone() for n, i in indices.items()}
+
     def read(self, name: str) -> torch.Tensor:
         """A copy of one live parameter by HF checkpoint name."""
         return hf_checkpoint_views(self.model)[name].detach().clone()
