@@ -181,7 +181,9 @@ class HFEngine:
         with self._lock:
             self.residency.require("weights")
             if self._pending is not None:
-                raise UpdateError(f"begin_update({version}): update {self._pending[0]} still open")
+                if version <= self._pending[0]:
+                    raise UpdateError(f"begin_update({version}): update {self._pending[0]} still open")
+                self._pending = None  # a newer update supersedes an abandoned one (never committed)
             if self._shadow is None:
                 self._shadow = [torch.empty_like(p) for p in self._params]
                 self._shadow_views = self._views_of(self._shadow)

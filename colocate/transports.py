@@ -97,18 +97,18 @@ def read_bucket_file(path: str | Path, nbytes: int) -> torch.Tensor:
 def serve_receiver(conn: Any, receiver: Any) -> None:
     """Answer requests from a :class:`RemoteReceiver` until ``close`` or EOF.
 
-    Requests are ``(op, args)``; ``buffer``/``bucket`` ops address staging buffers by slot;
-    every request gets ``("ok", result)`` or ``("err", type name, message)``.
+    Requests are ``(seq, op, args)``; ``buffer``/``bucket`` ops address staging buffers by
+    slot; every request gets ``(seq, "ok", result)`` or ``(seq, "err", type name, message)``.
     """
     slots: dict[int, torch.Tensor] = {}
     while True:
         try:
-            op, args = conn.recv()
+            seq, op, args = conn.recv()
         except (EOFError, OSError):
             return
         try:
             if op == "close":
-                conn.send(("ok", None))
+                conn.send((seq, "ok", None))
                 return
             if op == "buffer":
                 slot, tensor = args
@@ -127,9 +127,9 @@ def serve_receiver(conn: Any, receiver: Any) -> None:
                 result = None
             else:
                 result = getattr(receiver, op)(*args)
-            conn.send(("ok", result))
+            conn.send((seq, "ok", result))
         except Exception as e:  # noqa: BLE001 - reported to the publisher with its type
-            conn.send(("err", type(e).__name__, str(e)))
+            conn.send((seq, "err", type(e).__name__, str(e)))
 
 
 def _receiver_main(conn: Any, factory: Callable[..., Any], args: tuple, ready_timeout: float) -> None:
@@ -137,9 +137,9 @@ def _receiver_main(conn: Any, factory: Callable[..., Any], args: tuple, ready_ti
     try:
         receiver = factory(*args)
     except Exception as e:  # noqa: BLE001
-        conn.send(("err", type(e).__name__, str(e)))
+        conn.send((0, "err", type(e).__name__, str(e)))
         return
-    conn.send(("ok", os.getpid()))
+    conn.send((0, "ok", os.getpid()))
     serve_receiver(conn, receiver)
 
 
@@ -149,13 +149,15 @@ class RemoteReceiver:
     ``capabilities()`` drops ``inprocess``. Staging buffers are sent once per slot
     (:meth:`attach_buffer`); buckets then name their slot. A dead process raises
     :class:`ReceiverDied`, a silent one :class:`ReceiverTimeout`, a raising one
-    :class:`RemoteError`.
+    :class:`RemoteError`. Requests carry sequence numbers, so a late answer to a request that
+    timed out is recognised and dropped instead of being taken for the next answer.
     """
 
     def __init__(self, conn: Any, process: Any, *, timeout_s: float = 600.0):
         self.conn, self.process, self.timeout_s = conn, process, timeout_s
         self._attached: dict[int, int] = {}
-        self._outstanding: list[str] = []
+        self._outstanding: list[tuple[int, str]] = []
+        self._seq = 0
 
     @property
     def pid(self) -> int | None:
@@ -164,32 +166,39 @@ class RemoteReceiver:
     def _call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
         while self._outstanding:
             self.wait_one(timeout=timeout)
-        self._submit(op, *args)
-        return self._reply(op, timeout)
+        seq = self._submit(op, *args)
+        return self._reply(seq, op, timeout)
 
-    def _submit(self, op: str, *args: Any) -> None:
+    def _submit(self, op: str, *args: Any) -> int:
         if not self.process.is_alive():
             raise ReceiverDied(f"receiver pid {self.process.pid} is dead (exit {self.process.exitcode}) before {op}")
+        self._seq += 1
         try:
-            self.conn.send((op, args))
+            self.conn.send((self._seq, op, args))
         except (BrokenPipeError, ConnectionResetError, EOFError) as e:
             raise ReceiverDied(f"receiver pid {self.process.pid}: pipe closed sending {op}") from e
+        return self._seq
 
-    def _reply(self, op: str, timeout: float | None) -> Any:
+    def _reply(self, seq: int, op: str, timeout: float | None) -> Any:
         deadline = time.monotonic() + (timeout or self.timeout_s)
-        while not self.conn.poll(0.05):
-            if not self.process.is_alive():
-                raise ReceiverDied(f"receiver pid {self.process.pid} died during {op} (exit {self.process.exitcode})")
-            if time.monotonic() > deadline:
-                raise ReceiverTimeout(f"receiver pid {self.process.pid} gave no answer to {op} "
-                                      f"within {timeout or self.timeout_s:.1f}s")
-        try:
-            reply = self.conn.recv()
-        except (EOFError, ConnectionResetError) as e:
-            raise ReceiverDied(f"receiver pid {self.process.pid}: pipe closed during {op}") from e
-        if reply[0] == "err":
-            raise RemoteError(op, reply[1], reply[2])
-        return reply[1]
+        while True:
+            while not self.conn.poll(0.05):
+                if not self.process.is_alive():
+                    raise ReceiverDied(f"receiver pid {self.process.pid} died during {op} "
+                                       f"(exit {self.process.exitcode})")
+                if time.monotonic() > deadline:
+                    raise ReceiverTimeout(f"receiver pid {self.process.pid} gave no answer to {op} "
+                                          f"within {timeout or self.timeout_s:.1f}s")
+            try:
+                reply = self.conn.recv()
+            except (EOFError, ConnectionResetError) as e:
+                raise ReceiverDied(f"receiver pid {self.process.pid}: pipe closed during {op}") from e
+            if reply[0] == seq:
+                break
+            # a late answer to an abandoned request: drop it
+        if reply[1] == "err":
+            raise RemoteError(op, reply[2], reply[3])
+        return reply[2]
 
     def capabilities(self) -> frozenset[str]:
         return frozenset(self._call("capabilities")) - {"inprocess"}
@@ -218,14 +227,13 @@ class RemoteReceiver:
     def submit_slot(self, slot: int, entries: list[Entry]) -> None:
         """Ask the receiver to load ``entries`` from ``slot`` without waiting; acknowledgements
         come back in order through :meth:`wait_one`."""
-        self._submit("bucket", slot, entries)
-        self._outstanding.append("bucket")
+        self._outstanding.append((self._submit("bucket", slot, entries), "bucket"))
 
     def wait_one(self, timeout: float | None = None) -> None:
         """Wait for the oldest outstanding acknowledgement."""
-        op = self._outstanding[0]
+        seq, op = self._outstanding[0]
         try:
-            self._reply(op, timeout)
+            self._reply(seq, op, timeout)
         finally:
             self._outstanding.pop(0)
 
@@ -286,7 +294,7 @@ def spawn_receiver(factory: Callable[..., Any], *args: Any, timeout_s: float = 6
             proc.kill()
             raise ReceiverTimeout(f"receiver did not start within {start_timeout_s:.0f}s")
     reply = parent.recv()
-    if reply[0] == "err":
+    if reply[1] == "err":
         proc.join(5)
-        raise RemoteError("start", reply[1], reply[2])
+        raise RemoteError("start", reply[2], reply[3])
     return RemoteReceiver(parent, proc, timeout_s=timeout_s)

@@ -1,0 +1,157 @@
+"""Publisher: in-process, shared-memory (other process, zero-copy), disk; verification,
+poisoned versions, mismatch/timeout/dead-receiver errors with the previous weights kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colocate import HFModelSpec, ParamMismatchError, PublishConfig
+from colocate.buckets import tensor_checksum
+from colocate.engines import HFEngine, UpdateError, build_hf_model, hf_checkpoint_views
+from colocate.publish import PoisonedVersionError, PublishError, Publisher
+from colocate.transports import ReceiverDied, ReceiverTimeout, TransportError, spawn_receiver
+
+from ._ranks import ShmProbe, slow_engine
+
+DENSE = HFModelSpec(arch="qwen3", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                    head_dim=8, ffn_hidden_size=48, vocab_size=64, rope_theta=10000.0)
+MOE = HFModelSpec(arch="qwen3_moe", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=1,
+                  head_dim=8, ffn_hidden_size=48, vocab_size=64, num_experts=3, tie_embeddings=True,
+                  rope_theta=10000.0)
+
+
+def _weights(spec, seed):
+    torch.manual_seed(seed)
+    return {n: v.detach().clone() for n, v in hf_checkpoint_views(build_hf_model(spec)).items()}
+
+
+@pytest.mark.parametrize("spec", [DENSE, MOE], ids=["dense", "moe-tied"])
+def test_inprocess_versions_logits_and_poisoning(spec):
+    engine = HFEngine(spec)
+    pub = Publisher(engine, PublishConfig(bucket_bytes=16 << 10))
+    assert pub.transport == "inprocess"
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    for version, seed in ((1, 10), (2, 11)):
+        w = _weights(spec, seed)
+        rep = pub.publish(w, version=version)
+        assert rep.num_buckets > 1 and rep.nbytes == sum(t.numel() * t.element_size() for t in w.values())
+        assert set(rep.timings) == {"convert", "bucket", "transfer", "load", "verify"}
+        assert engine.weight_version() == version
+        ref = build_hf_model(spec)
+        views = hf_checkpoint_views(ref)
+        with torch.no_grad():
+            for n, t in w.items():
+                views[n].copy_(t)
+            ref_logits = ref(input_ids=ids).logits
+        assert (engine.logits(ids) - ref_logits).abs().max().item() <= 1e-5
+        assert engine.checksums() == {n: tensor_checksum(t) for n, t in w.items()}
+    with pytest.raises(PoisonedVersionError, match="not newer"):
+        pub.publish(w, version=2)
+
+
+def test_mismatch_and_corruption_poison_and_keep_previous_weights():
+    engine = HFEngine(DENSE)
+    pub = Publisher(engine, PublishConfig(bucket_bytes=16 << 10))
+    good = _weights(DENSE, 1)
+    pub.publish(good, version=1)
+    before = engine.checksums()
+    bad = dict(good)
+    bad["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 32)
+    bad["bogus.weight"] = torch.zeros(2)
+    with pytest.raises(PublishError) as ei:
+        pub.publish(bad, version=2)
+    assert isinstance(ei.value.cause, ParamMismatchError) and ei.value.phase == "check"
+    assert "k_proj.weight: sent (8, 32) torch.float32, receiver expects (16, 32) torch.float32" in str(ei.value)
+    assert 2 in pub.poisoned and engine.weight_version() == 1 and engine.checksums() == before
+    with pytest.raises(PoisonedVersionError):
+        pub.publish(good, version=2)
+
+    class Corrupting(HFEngine):
+        def load_bucket(self, entries, buffer):
+            buffer[entries[-1].offset] ^= 1  # flip one bit of the last tensor of each bucket
+            super().load_bucket(entries, buffer)
+
+    engine2 = Corrupting(DENSE)
+    pub2 = Publisher(engine2, PublishConfig(bucket_bytes=16 << 10))
+    prev = engine2.checksums()
+    with pytest.raises(PublishError) as ei:
+        pub2.publish(_weights(DENSE, 2), version=1)
+    assert isinstance(ei.value.cause, UpdateError) and "checksum mismatch" in str(ei.value)
+    assert engine2.weight_version() is None and engine2.checksums() == prev
+    engine2.begin_update(5)  # the failed update was aborted: a new one can open
+    engine2.abort_update(5)
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_zero_copy_across_processes():
+    recv = spawn_receiver(ShmProbe, timeout_s=30)
+    try:
+        pub = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=1024, max_in_flight=2, verify="none"))
+        assert pub.transport == "shm"
+        buf = pub._buffer(0, 1024)
+        assert buf.is_shared()
+        recv.attach_buffer(0, buf)
+        for value in (7, 9):
+            buf[:4] = value
+            recv.submit_slot(0, [])
+            recv.wait_one(10)
+            assert buf[0].item() == 123  # the receiver's write is visible here: same memory
+        seen, distinct = recv.call("report")
+        assert seen == [[7, 7, 7, 7], [9, 9, 9, 9]] and distinct == 1
+    finally:
+        recv.close()
+
+
+@pytest.mark.timeout(180)
+def test_remote_engine_shm_disk_sampled_and_death():
+    recv = spawn_receiver(HFEngine, DENSE, timeout_s=60)
+    try:
+        pub = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=24 << 10, max_in_flight=2))
+        w1 = _weights(DENSE, 1)
+        rep = pub.publish(w1, version=1)
+        assert rep.num_buckets > 2 and rep.handles == 2  # one handle per staging buffer
+        assert recv.checksums() == {n: tensor_checksum(t) for n, t in w1.items()}
+        w2 = _weights(DENSE, 2)
+        assert pub.publish(w2, version=2).handles == 0  # buffers reused, no new handles
+        assert recv.checksums() == {n: tensor_checksum(t) for n, t in w2.items()}
+
+        disk = Publisher(recv, PublishConfig(transport="disk", bucket_bytes=64 << 10, verify="sampled"))
+        w3 = _weights(DENSE, 3)
+        assert disk.publish(w3, version=3).verify == "sampled"
+        assert recv.weight_version() == 3 and recv.checksums() == {n: tensor_checksum(t) for n, t in w3.items()}
+        out = recv.call("generate", [[1, 2, 3]], timeout=60)
+        assert len(out.tokens[0]) == 16
+
+        def dying():
+            for i, item in enumerate(_weights(DENSE, 4).items()):
+                if i == 5:
+                    recv.process.kill()
+                yield item
+
+        with pytest.raises(PublishError) as ei:
+            pub.publish(dying(), version=4, meta={n: (tuple(t.shape), t.dtype) for n, t in w3.items()})
+        assert isinstance(ei.value.cause, ReceiverDied) and 4 in pub.poisoned
+        with pytest.raises(TransportError):
+            recv.weight_version()
+    finally:
+        recv.close()
+
+
+@pytest.mark.timeout(120)
+def test_receiver_timeout_is_typed_and_poisons():
+    recv = spawn_receiver(slow_engine, DENSE, 3.0, timeout_s=0.5)
+    try:
+        pub = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=1 << 20, timeout_s=0.5))
+        with pytest.raises(PublishError) as ei:
+            pub.publish(_weights(DENSE, 1), version=1)
+        assert isinstance(ei.value.cause, ReceiverTimeout) and 1 in pub.poisoned
+        # The late answers to the abandoned update are recognised and dropped; a newer
+        # version supersedes the abandoned one on the receiver.
+        recv.timeout_s = 20
+        pub.config.timeout_s = 20
+        w = _weights(DENSE, 2)
+        assert pub.publish(w, version=2).version == 2
+        assert recv.checksums() == {n: tensor_checksum(t) for n, t in w.items()}
+    finally:
+        recv.close(timeout=1)
