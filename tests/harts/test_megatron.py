@@ -26,7 +26,7 @@ def _per_sequence(model, seqs):
         # explicit causal mask: Megatron's default mask is built on "cuda", which the CPU shim cannot
         # redirect inside a recompute backward (autograd thread)
         causal = torch.triu(torch.ones(len(s), len(s), dtype=torch.bool), diagonal=1)[None, None]
-        logits = model(t[None], torch.arange(len(s))[None], causal)[0]  # [L, V]
+        logits = model(t[None], torch.arange(len(s))[None], causal, runtime_gather_output=True)[0]  # [L, V]
         lp = torch.log_softmax(logits.double(), -1)[:-1]
         lps.append(lp.gather(-1, t[1:, None]).squeeze(-1))
         ents.append(-(lp.exp() * lp).sum(-1))
@@ -37,17 +37,17 @@ def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=False, tol):
+def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=False, sp=False, tol):
     """Shared by the 1-rank test and the TP=2 rank body."""
     from harts.megatron import apply_harts, tree_forward
 
     seed_all(1234)
     cfg = TinyGPTConfig(vocab_size=VOCAB + (VOCAB % 2 if torch.distributed.get_world_size() > 1 else 0),
                         params_dtype=dtype, recompute=recompute, tie_embeddings=tie,
-                        tensor_model_parallel_size=torch.distributed.get_world_size())
+                        tensor_model_parallel_size=torch.distributed.get_world_size(), sequence_parallel=sp)
     model = build_tiny_gpt(cfg).to(dtype)  # the torch-norm fallback keeps norm weights in fp32 otherwise
     apply_harts(model)
-    forest = build_forest(seqs, vocab_size=VOCAB)
+    forest = build_forest(seqs, vocab_size=VOCAB).padded(torch.distributed.get_world_size())
     n = len(seqs)
     g = torch.Generator().manual_seed(7)
     adv = torch.randn(n, generator=g, dtype=torch.float64)
