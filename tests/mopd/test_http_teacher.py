@@ -1,0 +1,87 @@
+"""HTTPTeacher against a real HTTP server serving a tiny transformers Qwen3 (same contract as SGLang)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_distill.testing import assert_close, free_port
+from mopd.backends import HTTPTeacher
+from mopd.config import RoutingSpec, TeacherPoolConfig
+from mopd.errors import NonFiniteInputError, TeacherBrokenError, TeacherServerError, TeacherTimeoutError
+from mopd.hf_server import HFTeacherServer, ServerFaults
+from mopd.routing import score_routed
+from mopd.teachers import TeacherPool, TeacherState
+from tests.mopd.mopd_helpers import reference_logp, tiny_qwen3, token_batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3(7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("max_new_tokens,max_batch,score_from", [(1, 64, False), (0, 2, True)])
+def test_scores_match_local_model(model, temperature, max_new_tokens, max_batch, score_from):
+    batch = token_batch(5, 11, seed=3, score_from=score_from)
+    with HFTeacherServer(model) as server:
+        teacher = HTTPTeacher("t", server.url, temperature=temperature, max_batch=max_batch,
+                              max_new_tokens=max_new_tokens)
+        teacher.load()
+        got = teacher.score(batch)
+    expect = reference_logp(model, batch, temperature)
+    assert_close("logp", expect, got.double(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got != 0, batch.label_mask() & (expect != 0))
+    assert teacher.requests == 1 + -(-5 // max_batch)
+
+
+def test_temperature_reaches_the_server(model):
+    batch = token_batch(2, 6, seed=1)
+    with HFTeacherServer(model) as server:
+        a = HTTPTeacher("t", server.url, temperature=1.0).score(batch)
+        b = HTTPTeacher("t", server.url, temperature=0.5).score(batch)
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_transient_5xx_is_retried(model):
+    with HFTeacherServer(model, faults=ServerFaults(fail_first=2)) as server:
+        teacher = HTTPTeacher("t", server.url, max_retries=2, retry_backoff_s=0.01)
+        teacher.load()
+        assert server.requests == 3
+
+
+def test_server_down_breaks_teacher_after_bounded_retries():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    teacher = HTTPTeacher("math", url, max_retries=2, retry_backoff_s=0.01, timeout_s=2.0)
+    pool = TeacherPool({"math": teacher}, config=TeacherPoolConfig())
+    with pytest.raises(TeacherServerError, match=rf"teacher 'math': {url}/health failed after 3 attempts"):
+        pool.acquire("math")
+    assert teacher.requests == 3 and pool.state("math") is TeacherState.BROKEN and teacher.closed
+    with pytest.raises(TeacherBrokenError):
+        pool.acquire("math")
+
+
+def test_slow_server_times_out(model):
+    with HFTeacherServer(model, faults=ServerFaults(delay_s=1.0)) as server:
+        teacher = HTTPTeacher("t", server.url, timeout_s=0.2, max_retries=1, retry_backoff_s=0.0)
+        with pytest.raises(TeacherTimeoutError, match="timed out after 0.2s, 2 attempts"):
+            teacher.score(token_batch(1, 4))
+
+
+def test_bad_request_is_not_retried(model):
+    with HFTeacherServer(model) as server:
+        teacher = HTTPTeacher("t", server.url, max_retries=3)
+        with pytest.raises(TeacherServerError, match="HTTP 400"):
+            teacher._request("/generate", {"input_ids": [[1, 2]], "logprob_start_len": 9})
+        assert teacher.requests == 1
+
+
+def test_nan_teacher_logprob_is_a_typed_error_naming_teacher_and_sample(model):
+    batch = token_batch(3, 6, seed=2)
+    spec = RoutingSpec(routes={"a": {"srv": 1.0}})
+    with HFTeacherServer(model, faults=ServerFaults(nan_at=(0, 3))) as server:
+        pool = TeacherPool({"srv": HTTPTeacher("srv", server.url)}, config=TeacherPoolConfig())
+        with pytest.raises(NonFiniteInputError, match="teacher 'srv' returned non-finite log-prob nan for batch "
+                                                      "sample 0 at position 2"):
+            score_routed(pool, batch, ["a"] * 3, spec)
+        pool.close()
