@@ -1,0 +1,46 @@
+"""Shared teacher source: one teacher forward feeds several independent student runs.
+
+See ``docs/shared_teacher.md``. Importing this package needs only torch and psutil; Megatron is
+imported inside :mod:`shared_teacher.megatron` functions.
+"""
+
+from shared_teacher.admission import NodeGate, PreflightReport, node_epoch_sizes, preflight, residue_bound
+from shared_teacher.client import StudentReader, Window, run_producer
+from shared_teacher.config import SIGNALS, CompatKey, NodeLimits, SourceConfig, StudentSpec
+from shared_teacher.errors import (
+    AdmissionConfigError,
+    IncompatibleSubscriptionError,
+    LeaseExpiredError,
+    SharedTeacherError,
+    SourceClosedError,
+    SourceConfigError,
+    SourceStalledError,
+    SourceTeardownBlockedError,
+    StaleRefError,
+    StoreError,
+)
+from shared_teacher.features import TeacherFeatureFn, features_from_logits, fingerprint_state_dict
+from shared_teacher.ledger import StudentCursor
+from shared_teacher.megatron import (
+    MegatronTeacher,
+    collate,
+    export_hf_state_dict,
+    topk_distill_loss,
+    train_window,
+)
+from shared_teacher.reference import SimResult, simulate_node, teacher_features_reference
+from shared_teacher.refs import SampleRef, epoch_order, sample_id
+from shared_teacher.rpc import SourceClient, SourceServer
+from shared_teacher.source import SharedTeacherSource
+from shared_teacher.store import FeatureStore, FileStore, ShmStore, open_store
+
+__all__ = [
+    "SIGNALS", "AdmissionConfigError", "CompatKey", "FeatureStore", "FileStore", "IncompatibleSubscriptionError",
+    "LeaseExpiredError", "MegatronTeacher", "NodeGate", "NodeLimits", "PreflightReport", "SampleRef",
+    "SharedTeacherError", "SharedTeacherSource", "ShmStore", "SimResult", "SourceClient", "SourceClosedError",
+    "SourceConfig", "SourceConfigError", "SourceServer", "SourceStalledError", "SourceTeardownBlockedError",
+    "StaleRefError", "StoreError", "StudentCursor", "StudentReader", "StudentSpec", "TeacherFeatureFn", "Window",
+    "collate", "epoch_order", "export_hf_state_dict", "features_from_logits", "fingerprint_state_dict",
+    "node_epoch_sizes", "open_store", "preflight", "residue_bound", "run_producer", "sample_id", "simulate_node",
+    "teacher_features_reference", "topk_distill_loss", "train_window",
+]

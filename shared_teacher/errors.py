@@ -1,0 +1,70 @@
+"""Typed errors of the shared teacher source. Every message names the field and the numbers."""
+
+from __future__ import annotations
+
+__all__ = [
+    "SharedTeacherError",
+    "SourceConfigError",
+    "AdmissionConfigError",
+    "IncompatibleSubscriptionError",
+    "StaleRefError",
+    "LeaseExpiredError",
+    "SourceTeardownBlockedError",
+    "SourceStalledError",
+    "SourceClosedError",
+    "StoreError",
+]
+
+
+class SharedTeacherError(RuntimeError):
+    """Base class of every error raised by :mod:`shared_teacher`."""
+
+
+class SourceConfigError(SharedTeacherError, ValueError):
+    """A config field has an invalid value (the message names the field and the value)."""
+
+
+class AdmissionConfigError(SourceConfigError):
+    """Preflight proved that admission/dispatch can stall; carries the offending numbers.
+
+    ``details`` is a list of dicts ``{node, student, check, need, have}``.
+    """
+
+    def __init__(self, message: str, details: list[dict] | None = None) -> None:
+        super().__init__(message)
+        self.details = list(details or [])
+
+
+class IncompatibleSubscriptionError(SharedTeacherError, ValueError):
+    """A student's compatibility key differs from the source's; ``fields`` maps name → (source, student)."""
+
+    def __init__(self, message: str, fields: dict | None = None) -> None:
+        super().__init__(message)
+        self.fields = dict(fields or {})
+
+
+class StaleRefError(SharedTeacherError, KeyError):
+    """A ``get`` named a sample generation that was released, aborted or superseded."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else ""
+
+
+class LeaseExpiredError(SharedTeacherError):
+    """A reader's lease is no longer valid (missed heartbeats, or its student was fenced)."""
+
+
+class SourceTeardownBlockedError(SharedTeacherError):
+    """A failed student's reader processes could not be confirmed exited; its pins are kept."""
+
+
+class SourceStalledError(SharedTeacherError, TimeoutError):
+    """The watchdog saw no progress for ``watchdog_s`` seconds; the state dump path is in the message."""
+
+
+class SourceClosedError(SharedTeacherError):
+    """The source was closed or failed; no more batches will come."""
+
+
+class StoreError(SharedTeacherError, OSError):
+    """A feature-store operation failed (corrupt object, missing file, capacity)."""

@@ -1,0 +1,676 @@
+"""The shared teacher source: a metadata-only control plane between one producer and many students.
+
+The source admits samples per node (:class:`~shared_teacher.admission.NodeGate`), records the
+producer's published :class:`SampleRef`\\ s, forms one dispatch window per optimizer step for each
+student, and frees a sample object only when every live student has settled it (durable ack at
+its step, resume skip, or epoch-tail drop) and every failed student has been fenced. It never
+touches tensors except through ``store.release``.
+
+Threading: every public method takes the lock; blocking methods wait on one condition with a
+timeout. A monitor thread expires leases, fences failed students and runs the watchdog. The RPC
+server (:mod:`shared_teacher.rpc`) calls these methods from its connection threads.
+
+Per student ``c`` and node ``n`` the dispatcher keeps a cursor into the node's stream (node
+positions ``s``: epoch ``s // D_n``, ``s % D_n``-th position of that epoch on ``n``). A window
+takes, per node, the next ``Q_cn`` unsettled samples (unpacked) or a next-fit packing of
+``ranks × accumulation`` bins (packed); ranks are node-major and each rank gets
+``accumulation_steps`` micro-batches. At most two windows are outstanding per student; the second
+is formed only after every rank fast-acked (read) all of the first (backpressure).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+from shared_teacher.admission import NodeGate, node_epoch_sizes, preflight, quantum_samples
+from shared_teacher.config import CompatKey, SourceConfig, StudentSpec
+from shared_teacher.errors import (
+    IncompatibleSubscriptionError,
+    LeaseExpiredError,
+    SharedTeacherError,
+    SourceClosedError,
+    SourceConfigError,
+    SourceStalledError,
+    SourceTeardownBlockedError,
+)
+from shared_teacher.ledger import StudentCursor, atomic_write_json
+from shared_teacher.refs import SampleRef, epoch_order, node_position, sample_id
+from shared_teacher.store import FeatureStore
+
+__all__ = ["SharedTeacherSource", "pid_alive"]
+
+_MAX_OUTSTANDING = 2
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs on this host and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+@dataclass
+class _Entry:
+    node: str
+    s: int
+    sid: str
+    epoch: int
+    tokens: int
+    generation: int
+    pins: set[str]
+    ref: SampleRef | None = None
+
+
+@dataclass
+class _Window:
+    index: int
+    epoch: int
+    parts: dict[int, list[list[tuple[str, int]]]]
+    keys: list[tuple[str, int]]
+    delivered: set[int] = field(default_factory=set)
+    read: set[tuple[int, int]] = field(default_factory=set)
+    acked: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Lease:
+    lease_id: str
+    rank: int
+    pid: int
+    beat: float
+
+
+@dataclass
+class _Student:
+    spec: StudentSpec
+    status: str = "pending"  # pending → live → done | failed → fencing → fenced | blocked
+    cursor: StudentCursor = field(default_factory=StudentCursor)
+    skip: set[str] = field(default_factory=set)
+    node_pos: dict[str, int] = field(default_factory=dict)
+    windows: dict[int, _Window] = field(default_factory=dict)
+    next_window: int = 0
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    owned_pids: set[int] = field(default_factory=set)
+    advanced: int = 0
+    reason: str = ""
+
+
+class SharedTeacherSource:
+    """Control plane of one shared teacher stream (see module docstring).
+
+    Args:
+        config: the source config; :func:`~shared_teacher.admission.preflight` runs here and
+            raises :class:`~shared_teacher.errors.AdmissionConfigError` before any work starts.
+        store: the feature store the producer writes to (used here only for ``release``).
+        monitor: start the lease/fencing/watchdog thread (tests may drive :meth:`tick` by hand).
+    """
+
+    def __init__(self, config: SourceConfig, store: FeatureStore, *, monitor: bool = True) -> None:
+        self.report = preflight(config)
+        self.cfg = config
+        self.store = store
+        self.nodes = list(config.nodes)
+        self.sizes = node_epoch_sizes(config.dataset_size, self.nodes)
+        self._cv = threading.Condition()
+        self._students = {s.name: _Student(spec=s) for s in config.students}
+        self._gates = {
+            n: NodeGate(config.nodes[n],
+                        quantum_samples=max(quantum_samples(s, n, min_seq_len=config.min_seq_len)
+                                            for s in config.students),
+                        quantum_tokens=max((s.quantum(n) for s in config.students if s.packed), default=0),
+                        max_sample_bytes=config.max_sample_bytes)
+            for n in self.nodes
+        }
+        self._entries: dict[tuple[str, int], _Entry] = {}
+        self._admit_pos: dict[str, int] = {}
+        self._generations: dict[tuple[str, int], int] = {}
+        self._orders: dict[int, list[int]] = {}
+        self._leases: dict[str, tuple[str, int]] = {}
+        self._start_epoch: int | None = None
+        self._fatal: BaseException | None = None
+        self._closed = False
+        self._last_progress = time.monotonic()
+        self.errors: list[BaseException] = []
+        self.counters = {"admitted": 0, "skipped": 0, "published": 0, "freed": 0, "windows": 0, "dropped": 0}
+        self._fencers: dict[str, threading.Thread] = {}
+        self._monitor = threading.Thread(target=self._monitor_loop, name="shared-teacher-monitor", daemon=True)
+        if monitor:
+            self._monitor.start()
+
+    # ---------------------------------------------------------------- positions
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            k = self.cfg.key
+            self._orders[epoch] = epoch_order(self.cfg.dataset_size, seed=k.seed, epoch=epoch, order=k.epoch_order)
+        return self._orders[epoch]
+
+    def locate(self, node: str, s: int) -> tuple[int, int, str]:
+        """Node stream position → (epoch, dataset index, sample id)."""
+        epoch, p = node_position(s, self.nodes.index(node), len(self.nodes), self.sizes[node])
+        index = self._order(epoch)[p]
+        return epoch, index, sample_id(epoch, index)
+
+    def _epoch_end(self, node: str, epoch: int) -> int:
+        return (epoch + 1) * self.sizes[node]
+
+    # ---------------------------------------------------------------- subscription
+    def subscribe(self, *, student: str, rank: int, pid: int, key: dict, resume: dict | None = None) -> dict:
+        """Register reader ``rank`` of ``student`` (process ``pid``); returns ``{lease, world_size, node}``.
+
+        Raises :class:`IncompatibleSubscriptionError` naming every differing key field.
+        """
+        theirs = CompatKey(**key)
+        diff = self.cfg.key.differences(theirs)
+        if diff:
+            lines = ", ".join(f"{k}: source={a!r} student={b!r}" for k, (a, b) in diff.items())
+            raise IncompatibleSubscriptionError(f"student {student!r} is incompatible with this source: {lines}", diff)
+        with self._cv:
+            self._check_open()
+            if student not in self._students:
+                raise SourceConfigError(f"subscribe: unknown student {student!r}; configured: {list(self._students)}")
+            st = self._students[student]
+            if not 0 <= rank < st.spec.world_size:
+                raise SourceConfigError(f"subscribe: rank={rank} out of range for student {student!r} "
+                                        f"(world_size={st.spec.world_size})")
+            if st.status not in ("pending", "live"):
+                raise LeaseExpiredError(f"student {student!r} is {st.status}; it cannot subscribe to this source")
+            cur = StudentCursor.from_dict(resume)
+            if st.leases and cur.to_dict() != st.cursor.to_dict():
+                raise SourceConfigError(f"subscribe: rank {rank} of {student!r} resumes from step {cur.step} epoch "
+                                        f"{cur.epoch}, other ranks from step {st.cursor.step} epoch {st.cursor.epoch}")
+            if rank in st.leases:
+                self._leases.pop(st.leases[rank].lease_id, None)
+            lease = _Lease(lease_id=uuid.uuid4().hex, rank=rank, pid=pid, beat=time.monotonic())
+            st.leases[rank] = lease
+            st.cursor = cur
+            st.skip = set(cur.settled)
+            self._leases[lease.lease_id] = (student, rank)
+            if len(st.leases) == st.spec.world_size:
+                st.status = "live"
+            self._maybe_start()
+            self._progress()
+            return {"lease": lease.lease_id, "world_size": st.spec.world_size, "node": st.spec.rank_nodes()[rank]}
+
+    def register_owned_pids(self, student: str, pids: list[int]) -> None:
+        """Declare processes this launcher started for ``student``: fencing may SIGKILL them."""
+        with self._cv:
+            self._students[student].owned_pids.update(int(p) for p in pids)
+
+    def _maybe_start(self) -> None:
+        if self._start_epoch is not None or any(s.status != "live" for s in self._students.values()):
+            return
+        self._start_epoch = min(s.cursor.epoch for s in self._students.values())
+        for n in self.nodes:
+            self._admit_pos[n] = self._start_epoch * self.sizes[n]
+        for st in self._students.values():
+            st.node_pos = {n: st.cursor.epoch * self.sizes[n] for n in self.nodes}
+        self._pump()
+        self._cv.notify_all()
+
+    # ---------------------------------------------------------------- producer side
+    def plan(self, *, timeout: float) -> dict:
+        """Block until every student subscribed; returns where production starts."""
+        with self._cv:
+            self._wait(lambda: self._start_epoch is not None, timeout, "plan: waiting for all students to subscribe")
+            return {"start_epoch": self._start_epoch, "num_epochs": self.cfg.num_epochs, "nodes": self.nodes,
+                    "sizes": self.sizes, "schema_key": self.cfg.key.schema_key(),
+                    "start": dict(self._admit_pos)}
+
+    def admit(self, *, node: str, lengths: list[int], timeout: float) -> list[dict]:
+        """Admit a prefix of the next positions of ``node`` (``lengths[j]``: tokens of the j-th next one).
+
+        Waits up to ``timeout`` for the gate to open; returns ``[]`` on timeout or at end of stream.
+        Each decision is ``{s, sample_id, epoch, index, generation, produce}``; ``produce=False``
+        means no live student needs it (skipped, not counted in flight).
+        """
+        with self._cv:
+            if self._start_epoch is None:
+                raise SourceConfigError("admit: call plan() first; not every student has subscribed")
+            end = self.cfg.num_epochs * self.sizes[node]
+            self._wait(lambda: self._admit_pos.get(node, end) >= end or self._gates[node].can_admit(), timeout,
+                       None)
+            out = []
+            for tokens in lengths:
+                s = self._admit_pos[node]
+                if s >= end:
+                    break
+                if not (self.cfg.min_seq_len <= tokens <= self.cfg.max_seq_len):
+                    raise SourceConfigError(f"admit: sample at node {node!r} position {s} has {tokens} tokens, "
+                                            f"outside [min_seq_len={self.cfg.min_seq_len}, "
+                                            f"max_seq_len={self.cfg.max_seq_len}]")
+                epoch, index, sid = self.locate(node, s)
+                pins = {c for c, st in self._students.items()
+                        if st.status == "live" and st.node_pos[node] <= s and sid not in st.skip}
+                gen = self._generations.get((node, s), 0) + 1
+                if not pins:
+                    self._admit_pos[node] = s + 1
+                    self.counters["skipped"] += 1
+                    out.append({"s": s, "sample_id": sid, "epoch": epoch, "index": index, "generation": gen,
+                                "produce": False})
+                    continue
+                if not self._gates[node].can_admit():
+                    break
+                self._generations[(node, s)] = gen
+                self._gates[node].admit(tokens)
+                self._entries[(node, s)] = _Entry(node=node, s=s, sid=sid, epoch=epoch, tokens=tokens,
+                                                  generation=gen, pins=pins)
+                self._admit_pos[node] = s + 1
+                self.counters["admitted"] += 1
+                out.append({"s": s, "sample_id": sid, "epoch": epoch, "index": index, "generation": gen,
+                            "produce": True})
+            if out:
+                self._progress()
+            return out
+
+    def publish(self, *, refs: list[dict]) -> None:
+        """Record committed objects (``SampleRef`` fields as dicts); frees any that lost all pins meanwhile."""
+        with self._cv:
+            for r in refs:
+                ref = SampleRef(**r)
+                key = (ref.node, self._node_pos_of(ref))
+                e = self._entries.get(key)
+                if e is None or e.generation != ref.generation or e.sid != ref.sample_id:
+                    self.store.release(ref)  # stale attempt: never visible to students
+                    continue
+                e.ref = ref
+                self._gates[ref.node].publish(ref.nbytes)
+                self.counters["published"] += 1
+                if not e.pins:
+                    self._free(e)
+            self._pump()
+            self._progress()
+
+    def _node_pos_of(self, ref: SampleRef) -> int:
+        return ref.epoch * self.sizes[ref.node] + ref.position // len(self.nodes)
+
+    # ---------------------------------------------------------------- reader side
+    def heartbeat(self, *, lease: str) -> None:
+        with self._cv:
+            st, rank = self._lease(lease)
+            st.leases[rank].beat = time.monotonic()
+
+    def next_window(self, *, lease: str, timeout: float) -> dict | None:
+        """This rank's share of the student's next window, or ``None`` at end of stream.
+
+        ``{window, epoch, micro_batches: [[SampleRef dict, ...] × accumulation_steps]}``.
+        """
+        with self._cv:
+            st, rank = self._lease(lease)
+
+            def ready() -> bool:
+                self._lease(lease)
+                return st.status == "done" or any(rank not in w.delivered for w in st.windows.values())
+
+            self._wait(ready, timeout, f"next_window: student {st.spec.name!r} rank {rank}")
+            pending = [w for i, w in sorted(st.windows.items()) if rank not in w.delivered]
+            if not pending:
+                return None
+            w = pending[0]
+            w.delivered.add(rank)
+            mbs = [[asdict(self._entries[k].ref) for k in mb] for mb in w.parts[rank]]
+            return {"window": w.index, "epoch": w.epoch, "micro_batches": mbs}
+
+    def ack_read(self, *, lease: str, window: int, micro: int) -> None:
+        """Fast ack: this rank has read (copied out) micro-batch ``micro`` of ``window``.
+
+        Once every rank fast-acked every micro-batch of the outstanding window, the next window may
+        be formed (dispatch backpressure); pins stay until :meth:`ack_step`.
+        """
+        with self._cv:
+            st, rank = self._lease(lease)
+            w = st.windows.get(window)
+            if w is not None:
+                w.read.add((rank, micro))
+                self._pump()
+                self._progress()
+
+    def ack_step(self, *, lease: str, window: int, timeout: float) -> dict:
+        """Durable ack at the optimizer step that consumed ``window``; returns the student's cursor.
+
+        Blocks until every rank of the student acked the window (their step is one collective).
+        """
+        with self._cv:
+            st, rank = self._lease(lease)
+            w = st.windows.get(window)
+            if w is None:
+                if window < st.next_window:
+                    return st.cursor.to_dict()  # all ranks acked already
+                raise SourceConfigError(f"ack_step: student {st.spec.name!r} has no window {window}")
+            w.acked.add(rank)
+            if len(w.acked) == st.spec.world_size:
+                self._settle_window(st, w)
+            self._wait(lambda: window not in st.windows, timeout,
+                       f"ack_step: student {st.spec.name!r} window {window}, waiting for all ranks")
+            return st.cursor.to_dict()
+
+    def _settle_window(self, st: _Student, w: _Window) -> None:
+        del st.windows[w.index]
+        settled = set(st.cursor.settled)
+        for k in w.keys:
+            e = self._entries[k]
+            settled.add(e.sid)
+            self._unpin(e, st.spec.name)
+        st.cursor = StudentCursor(epoch=st.cursor.epoch, settled=sorted(settled), step=st.cursor.step + 1)
+        self._persist(st)
+        self._pump()
+        self._cv.notify_all()
+
+    def _persist(self, st: _Student) -> None:
+        if self.cfg.state_dir:
+            atomic_write_json(Path(self.cfg.state_dir) / f"{st.spec.name}.ledger.json", st.cursor.to_dict())
+
+    # ---------------------------------------------------------------- dispatch
+    def _pump(self) -> None:
+        """Form every window that can be formed now (called under the lock after each change)."""
+        if self._start_epoch is None:
+            return
+        live = [st for st in self._students.values() if st.status == "live"]
+        for st in live:
+            while self._try_window(st, live):
+                pass
+        self._cv.notify_all()
+
+    def _try_window(self, st: _Student, live: list[_Student]) -> bool:
+        if len(st.windows) >= _MAX_OUTSTANDING:
+            return False
+        full = st.spec.world_size * st.spec.accumulation_steps
+        if st.windows and any(len(w.read) < full for w in st.windows.values()):
+            return False
+        if st.advanced - min(s.advanced for s in live) > self.cfg.lag_cap_samples:
+            return False
+        epoch = st.cursor.epoch
+        if epoch >= self.cfg.num_epochs:
+            if not st.windows:
+                st.status = "done"
+                self._cv.notify_all()
+            return False
+        spec = st.spec
+        takes: dict[str, list[int]] = {}
+        bins: dict[str, list[list[int]]] = {}
+        tail = False
+        for n in self.nodes:
+            cands = self._candidates(st, n, epoch)
+            nbins = spec.ranks_per_node[n] * spec.accumulation_steps
+            if not spec.packed:
+                q = spec.quantum(n)
+                first = list(itertools.islice(cands, q))
+                if len(first) < q:
+                    tail = True
+                    break
+                if any((n, s) not in self._entries or self._entries[(n, s)].ref is None for s in first):
+                    return False
+                takes[n] = first
+                per = spec.micro_batch_size
+                bins[n] = [first[b * per:(b + 1) * per] for b in range(nbins)]
+            else:
+                ready, tokens, whole = [], 0, True
+                for s in cands:
+                    e = self._entries.get((n, s))
+                    if e is None or e.ref is None or tokens >= spec.quantum(n):
+                        whole = False
+                        break
+                    ready.append(s)
+                    tokens += e.tokens
+                if tokens < spec.quantum(n) and not whole:
+                    return False
+                packed = self._next_fit(n, ready, spec.pack_budget_tokens, nbins)
+                if whole and any(not b for b in packed):
+                    tail = True
+                    break
+                bins[n] = packed
+                takes[n] = [s for b in packed for s in b]
+        if tail:
+            self._drop_epoch_tail(st, epoch)
+            return True
+        w = _Window(index=st.next_window, epoch=epoch, parts={}, keys=[])
+        rank = 0
+        for n in self.nodes:
+            r_n = spec.ranks_per_node[n]
+            for j in range(r_n):
+                w.parts[rank + j] = [[(n, s) for s in bins[n][m * r_n + j]] for m in range(spec.accumulation_steps)]
+            rank += r_n
+            w.keys.extend((n, s) for s in takes[n])
+            last = takes[n][-1]
+            passed = last + 1 - st.node_pos[n]
+            st.node_pos[n] = last + 1
+            st.advanced += passed
+        st.windows[w.index] = w
+        st.next_window += 1
+        self.counters["windows"] += 1
+        return True
+
+    def _candidates(self, st: _Student, node: str, epoch: int) -> Iterator[int]:
+        """Unsettled node positions of ``epoch`` from the student's cursor (skips resume-settled ids)."""
+        for s in range(st.node_pos[node], self._epoch_end(node, epoch)):
+            if not st.skip or self.locate(node, s)[2] not in st.skip:
+                yield s
+
+    def _next_fit(self, node: str, ready: list[int], budget: int, nbins: int) -> list[list[int]]:
+        bins: list[list[int]] = [[] for _ in range(nbins)]
+        b, used = 0, 0
+        for s in ready:
+            t = self._entries[(node, s)].tokens
+            if used + t > budget:
+                b, used = b + 1, 0
+                if b == nbins:
+                    break
+            bins[b].append(s)
+            used += t
+        return bins
+
+    def _drop_epoch_tail(self, st: _Student, epoch: int) -> None:
+        """The student cannot fill another window in ``epoch``: settle the rest and move to the next."""
+        for n in self.nodes:
+            end = self._epoch_end(n, epoch)
+            for s in range(st.node_pos[n], end):
+                e = self._entries.get((n, s))
+                if e is not None:
+                    self._unpin(e, st.spec.name)
+                self.counters["dropped"] += 1
+            st.advanced += end - st.node_pos[n]
+            st.node_pos[n] = end
+        st.cursor = StudentCursor(epoch=epoch + 1, settled=[], step=st.cursor.step)
+        st.skip = set()
+        self._progress()
+
+    # ---------------------------------------------------------------- freeing
+    def _unpin(self, e: _Entry, student: str) -> None:
+        e.pins.discard(student)
+        if not e.pins and e.ref is not None:
+            self._free(e)
+
+    def _free(self, e: _Entry) -> None:
+        del self._entries[(e.node, e.s)]
+        if e.ref is not None:
+            self.store.release(e.ref)
+            self._gates[e.node].free(e.tokens, e.ref.nbytes)
+        else:
+            self._gates[e.node].free(e.tokens, self.cfg.max_sample_bytes)
+        self.counters["freed"] += 1
+        self._cv.notify_all()
+
+    # ---------------------------------------------------------------- failures
+    def fail_student(self, student: str, reason: str) -> None:
+        """Stop dispatching to ``student``; fencing (then pin release) follows on the monitor thread."""
+        with self._cv:
+            st = self._students[student]
+            if st.status in ("pending", "live"):
+                st.status = "failed"
+                st.reason = reason
+                for lid in [ls.lease_id for ls in st.leases.values()]:
+                    self._leases.pop(lid, None)
+                self._pump()  # lag bounds of the others no longer include it
+                self._cv.notify_all()
+
+    def fence(self, student: str, *, timeout: float | None = None) -> None:
+        """Wait for the failed student's reader processes to exit, then drop its pins.
+
+        Waits up to ``timeout`` (default ``teardown_timeout_s``), then SIGKILLs the pids registered
+        with :meth:`register_owned_pids` and waits briefly again. If any reader process is still
+        alive, raises :class:`SourceTeardownBlockedError` and keeps its pins (memory not recycled).
+        """
+        with self._cv:
+            st = self._students[student]
+            if st.status not in ("failed", "blocked"):
+                raise SourceConfigError(f"fence: student {student!r} is {st.status}, not failed")
+            st.status = "fencing"
+            pids = {ls.pid for ls in st.leases.values()} | set(st.owned_pids)
+            owned = set(st.owned_pids)
+        limit = self.cfg.teardown_timeout_s if timeout is None else timeout
+        alive = self._wait_exit(pids, limit)
+        for pid in alive & owned:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if alive & owned:
+            alive = self._wait_exit(alive, min(limit, 5.0) + 0.5)
+        with self._cv:
+            if alive:
+                st.status = "blocked"
+                err = SourceTeardownBlockedError(
+                    f"student {student!r}: reader processes {sorted(alive)} still alive after {limit:.1f}s "
+                    f"(not owned, or did not die on SIGKILL); its pins stay, memory is not recycled")
+                self.errors.append(err)
+                raise err
+            for e in list(self._entries.values()):
+                if student in e.pins:
+                    self._unpin(e, student)
+            st.windows.clear()
+            st.status = "fenced"
+            self._pump()
+            self._progress()
+
+    @staticmethod
+    def _wait_exit(pids: set[int], timeout: float) -> set[int]:
+        deadline = time.monotonic() + timeout
+        alive = {p for p in pids if pid_alive(p)}
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = {p for p in alive if pid_alive(p)}
+        return alive
+
+    def tick(self) -> None:
+        """One monitor pass: expire leases, start fencing, run the watchdog."""
+        now = time.monotonic()
+        with self._cv:
+            for name, st in self._students.items():
+                if st.status == "live":
+                    late = [ls for ls in st.leases.values() if now - ls.beat > self.cfg.lease_timeout_s]
+                    if late:
+                        self.fail_student(name, f"rank {late[0].rank} (pid {late[0].pid}) missed heartbeats for "
+                                                f"{now - late[0].beat:.1f}s > lease_timeout_s={self.cfg.lease_timeout_s}")
+                if st.status == "failed" and name not in self._fencers:
+                    t = threading.Thread(target=self._fence_quietly, args=(name,), daemon=True)
+                    self._fencers[name] = t
+                    t.start()
+            busy = self._start_epoch is not None and not self.finished()
+            if busy and self._fatal is None and now - self._last_progress > self.cfg.watchdog_s:
+                path = self._dump("watchdog")
+                self._fatal = SourceStalledError(
+                    f"no progress for {now - self._last_progress:.1f}s > watchdog_s={self.cfg.watchdog_s}; "
+                    f"state dumped to {path}")
+                self.errors.append(self._fatal)
+                self._cv.notify_all()
+
+    def _fence_quietly(self, name: str) -> None:
+        try:
+            self.fence(name)
+        except SharedTeacherError:
+            pass  # recorded in self.errors; the student stays blocked
+
+    def _monitor_loop(self) -> None:
+        while not self._closed:
+            self.tick()
+            time.sleep(0.05)
+
+    # ---------------------------------------------------------------- observability
+    def finished(self) -> bool:
+        """Every student is done or fenced, and nothing is left in flight."""
+        with self._cv:
+            return all(s.status in ("done", "fenced") for s in self._students.values()) and not self._entries
+
+    def wait_finished(self, *, timeout: float) -> None:
+        with self._cv:
+            self._wait(lambda: all(s.status in ("done", "fenced", "blocked") for s in self._students.values()),
+                       timeout, "wait_finished")
+
+    def stats(self) -> dict:
+        """Per node: demand / ready / admitted / pinned bytes / gauges; per student: status, lag, step."""
+        with self._cv:
+            live = [s for s in self._students.values() if s.status == "live"]
+            slow = min((s.advanced for s in live), default=0)
+            nodes = {}
+            for n in self.nodes:
+                ents = [e for e in self._entries.values() if e.node == n]
+                nodes[n] = {
+                    **self._gates[n].snapshot(),
+                    "demand": sum(s.spec.quantum(n) for s in live if not s.windows),
+                    "ready": sum(1 for e in ents if e.ref is not None),
+                    "admitted": len(ents),
+                    "pinned_bytes": sum(e.ref.nbytes for e in ents if e.ref is not None and e.pins),
+                    "store_bytes": self.store.pool_bytes(n),
+                }
+            students = {name: {"status": s.status, "reason": s.reason, "epoch": s.cursor.epoch, "step": s.cursor.step,
+                               "lag": s.advanced - slow, "outstanding": sorted(s.windows),
+                               "pins": sum(1 for e in self._entries.values() if name in e.pins)}
+                        for name, s in self._students.items()}
+            return {"nodes": nodes, "students": students, "counters": dict(self.counters),
+                    "start_epoch": self._start_epoch, "admit_pos": dict(self._admit_pos)}
+
+    def _dump(self, tag: str) -> str:
+        state = self.stats()
+        if not self.cfg.state_dir:
+            return f"(no state_dir) {state}"
+        path = Path(self.cfg.state_dir) / f"{tag}-{int(time.time() * 1000)}.json"
+        atomic_write_json(path, state)
+        return str(path)
+
+    # ---------------------------------------------------------------- helpers
+    def _lease(self, lease: str) -> tuple[_Student, int]:
+        if self._fatal is not None:
+            raise self._fatal
+        if lease not in self._leases:
+            raise LeaseExpiredError(f"lease {lease[:8]}… is not valid (expired, fenced, or replaced)")
+        name, rank = self._leases[lease]
+        return self._students[name], rank
+
+    def _check_open(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closed:
+            raise SourceClosedError("the source is closed")
+
+    def _wait(self, pred, timeout: float, what: str | None) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_open()
+            if pred():
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if what is None:
+                    return
+                raise TimeoutError(f"{what}: timed out after {timeout:.1f}s")
+            self._cv.wait(min(left, 0.2))
+
+    def _progress(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._monitor.is_alive():
+            self._monitor.join(timeout=2)
