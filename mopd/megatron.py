@@ -1,0 +1,321 @@
+"""Megatron-Core integration: token log-probs, the frozen Megatron teacher, the loss hook.
+
+* :func:`token_logprobs` — log π(label) from vocab-parallel logits with Megatron's
+  ``vocab_parallel_cross_entropy`` (the student's kernel), at a temperature.
+* :class:`MegatronTeacherHost` / :class:`MegatronTeacher` — one frozen model in the trainer's
+  parallel layout shared by every teacher of that architecture; switching teachers writes the
+  next teacher's weights into it in place (shard files checked key/shape/dtype, or a Megatron
+  ``dist_checkpointing`` folder). Scoring runs Megatron's forward-only schedule, so TP/PP work
+  as in training; log-probs exist on the last pipeline stage (zeros elsewhere), where the
+  student's loss is computed too. ``logprob_fn`` is the seam for other batch layouts (harts
+  tree batches): it maps (model output, micro-batch) to per-token log-probs.
+* :func:`mopd_loss_func` — the loss for a Megatron ``forward_step_func``: returns
+  ``(loss_sum, num_tokens, metrics)`` (the per-token-loss convention), metrics per route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from mopd.backends import TokenBatch, read_teacher_shard, write_teacher_shard
+from mopd.config import MOPDLossConfig
+from mopd.errors import TeacherStateError
+from mopd.objectives import TokenTargets, compose_losses, mopd_pg_loss
+
+__all__ = [
+    "MOPDMicroBatch",
+    "MegatronTeacher",
+    "MegatronTeacherHost",
+    "mopd_loss_func",
+    "save_teacher_checkpoint",
+    "shard_tag",
+    "token_logprobs",
+]
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                   tp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
+    """``log softmax(logits / τ)[label]`` per token, fp32, from vocab-parallel ``logits
+    [b, s, V/TP]`` and ``labels [b, s]``; differentiable (Megatron's cross-entropy kernel)."""
+    scaled = logits.float() / temperature  # a fresh tensor: the kernel edits its input in place
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels, tp_group=tp_group)
+
+
+def _groups(pg_collection: Any | None) -> tuple[Any, Any]:
+    if pg_collection is not None:
+        return pg_collection.tp, pg_collection.pp
+    return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()
+
+
+def shard_tag(pg_collection: Any | None = None) -> str:
+    """``tp{rank}of{size}-pp{rank}of{size}`` of this rank: a shard written in one layout is
+    not found in another, so layouts cannot be mixed silently."""
+    tp, pp = _groups(pg_collection)
+    r = torch.distributed.get_rank
+    s = torch.distributed.get_world_size
+    return f"tp{r(tp)}of{s(tp)}-pp{r(pp)}of{s(pp)}"
+
+
+def _tensors(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, m in enumerate(chunks):
+        for k, v in m.state_dict(keep_vars=True).items():
+            if isinstance(v, torch.Tensor):
+                out[f"{i}.{k}"] = v
+    return out
+
+
+def save_teacher_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], folder: str, *,
+                            pg_collection: Any | None = None) -> None:
+    """Write this model-parallel rank's weights as a teacher shard (atomic); only data-parallel
+    rank 0 writes. Collective over the default group (a barrier at the end)."""
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    dp_rank = (pg_collection.dp.rank() if pg_collection is not None
+               else parallel_state.get_data_parallel_rank())
+    if dp_rank == 0:
+        write_teacher_shard(_tensors(chunks), folder, rank_tag=shard_tag(pg_collection))
+    torch.distributed.barrier()
+
+
+class MegatronTeacherHost:
+    """A frozen model (list of chunks for virtual pipeline) that teachers share.
+
+    ``free()`` drops the device storage of every parameter/buffer of the state dict;
+    ``write(tensors)`` (re)allocates and copies a teacher's weights in; ``snapshot()`` copies
+    the current weights to host memory (pinned when on CUDA). ``owner`` names the teacher
+    whose weights are in the model (None when freed).
+    """
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], *, pg_collection: Any | None = None,
+                 micro_batch_size: int = 1) -> None:
+        self.chunks = list(model) if isinstance(model, Sequence) else [model]
+        for m in self.chunks:
+            m.eval()
+            for p in m.parameters():
+                p.requires_grad_(False)
+        self.pg_collection = pg_collection
+        self.micro_batch_size = micro_batch_size
+        self._targets = _tensors(self.chunks)
+        self.layout = {k: (tuple(v.shape), v.dtype) for k, v in self._targets.items()}
+        self.device = next(iter(self._targets.values())).device
+        self.owner: str | None = None
+
+    def free(self) -> None:
+        for v in self._targets.values():
+            v.data = torch.empty(0, dtype=v.dtype, device=self.device)
+        self.owner = None
+
+    def write(self, tensors: dict[str, torch.Tensor], owner: str) -> None:
+        for k, v in self._targets.items():
+            shape, dtype = self.layout[k]
+            if tuple(v.data.shape) != shape:
+                v.data = torch.empty(shape, dtype=dtype, device=self.device)
+            v.data.copy_(tensors[k], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.owner = owner
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        pin = self.device.type == "cuda"
+        return {k: v.detach().to("cpu").pin_memory() if pin else v.detach().to("cpu", copy=True)
+                for k, v in self._targets.items()}
+
+    def load_dist_checkpoint(self, folder: str, owner: str) -> None:
+        """Load a Megatron ``dist_checkpointing`` folder in place (collective; main thread)."""
+        from megatron.core import dist_checkpointing
+
+        for k, v in self._targets.items():  # storage must exist for an in-place load
+            shape, dtype = self.layout[k]
+            if tuple(v.data.shape) != shape:
+                v.data = torch.empty(shape, dtype=dtype, device=self.device)
+        for m in self.chunks:
+            sharded = m.sharded_state_dict()
+            state = dist_checkpointing.load(sharded, folder)
+            m.load_state_dict(state, strict=False)
+        self.owner = owner
+
+
+@dataclass(frozen=True, slots=True)
+class _Micro:
+    ids: torch.Tensor
+    labels: torch.Tensor
+
+
+class MegatronTeacher:
+    """One teacher's weights for a :class:`MegatronTeacherHost` (see module docstring).
+
+    ``checkpoint`` is a folder of teacher shards (:func:`save_teacher_checkpoint`; prefetchable
+    on a host thread, memory-mapped) or a ``dist_checkpointing`` folder (loaded in ``load``).
+    ``logprob_fn(output, micro)`` replaces :func:`token_logprobs` for other batch layouts.
+    """
+
+    def __init__(self, teacher_id: str, host: MegatronTeacherHost, checkpoint: str, *, temperature: float = 1.0,
+                 logprob_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None) -> None:
+        self.teacher_id, self.host, self.checkpoint = teacher_id, host, checkpoint
+        self.temperature = temperature
+        self.logprob_fn = logprob_fn
+        self._staged: dict[str, torch.Tensor] | None = None
+        self._offloaded: dict[str, torch.Tensor] | None = None
+
+    def _is_shard_folder(self) -> bool:
+        import glob
+        import os
+
+        return bool(glob.glob(os.path.join(self.checkpoint, "shard_*.pt")))
+
+    def prefetch(self) -> None:
+        if self._staged is None and self._is_shard_folder():
+            self._staged = read_teacher_shard(self.checkpoint, rank_tag=shard_tag(self.host.pg_collection),
+                                              expect=self.host.layout)
+
+    def load(self) -> None:
+        if self._is_shard_folder():
+            self.prefetch()
+            self.host.write(self._staged, self.teacher_id)
+            self._staged = None
+        else:
+            self.host.load_dist_checkpoint(self.checkpoint, self.teacher_id)
+
+    def offload(self) -> None:
+        if self.host.owner == self.teacher_id:
+            self._offloaded = self.host.snapshot()
+            self.host.free()
+
+    def onload(self) -> None:
+        if self._offloaded is None:
+            raise TeacherStateError(f"teacher {self.teacher_id!r} has no offloaded weights to onload")
+        self.host.write(self._offloaded, self.teacher_id)
+        self._offloaded = None
+
+    def close(self) -> None:
+        self._staged = self._offloaded = None
+        if self.host.owner == self.teacher_id:
+            self.host.free()
+
+    @torch.no_grad()
+    def score(self, batch: TokenBatch) -> torch.Tensor:
+        """``logp [B, L]`` fp32 on the last pipeline stage (zeros on other stages)."""
+        if self.host.owner != self.teacher_id:
+            raise TeacherStateError(f"teacher {self.teacher_id!r} is not the host's resident teacher "
+                                    f"(owner: {self.host.owner!r})")
+        ids = batch.input_ids.to(self.host.device)
+        B, L = ids.shape
+        mbs = self.host.micro_batch_size
+        pad = (-B) % mbs
+        ids_p = torch.cat([ids, ids[:1].expand(pad, L)]) if pad else ids
+        labels = torch.cat([ids_p[:, 1:], ids_p[:, -1:]], dim=1)
+        micro = [_Micro(ids_p[i:i + mbs], labels[i:i + mbs]) for i in range(0, ids_p.shape[0], mbs)]
+        tp_group = _groups(self.host.pg_collection)[0]
+        temperature, custom = self.temperature, self.logprob_fn
+
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            pos = torch.arange(L, device=mb.ids.device).expand_as(mb.ids)
+            output = model(mb.ids, pos, None)
+
+            def collect(output_tensor, non_loss_data=True):
+                if custom is not None:
+                    return custom(output_tensor, mb)
+                return token_logprobs(output_tensor, mb.labels, temperature=temperature, tp_group=tp_group)
+
+            return output, collect
+
+        fb = get_forward_backward_func()
+        chunks = self.host.chunks
+        kw = {} if self.host.pg_collection is None else {"pg_collection": self.host.pg_collection}
+        res = fb(forward_step_func=step, data_iterator=iter(micro) if len(chunks) == 1 else [iter(micro)] * len(chunks),
+                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro), seq_length=L,
+                 micro_batch_size=mbs, forward_only=True, collect_non_loss_data=True, **kw)
+        if not res:  # not the last pipeline stage
+            return torch.zeros(B, L, dtype=torch.float32, device=ids.device)
+        logp = torch.cat([r.float() for r in res])[:B]
+        return torch.where(batch.label_mask().to(logp.device), logp, torch.zeros_like(logp))
+
+
+@dataclass(kw_only=True)
+class MOPDMicroBatch:
+    """Per-micro-batch inputs of :func:`mopd_loss_func`; token tensors share one shape ``[*]``
+    (``[b, s]`` for plain batches, the packed token layout for tree batches).
+
+    ``labels`` (next tokens), ``loss_mask`` (bool), ``old_logp`` (behaviour), ``targets``
+    (aggregated teacher targets), ``route_ids`` (int route index per token, −1 = none),
+    optional ``normalization_mask`` and ``rl_advantages``, plus ``extra`` for custom hooks.
+    """
+
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logp: torch.Tensor
+    targets: TokenTargets
+    route_ids: torch.Tensor
+    normalization_mask: torch.Tensor | None = None
+    rl_advantages: torch.Tensor | None = None
+    extra: dict | None = None
+
+
+_ROUTE_METRICS = ("loss", "reward", "is_weight", "is_capped_frac", "adv_clip_frac", "teacher_weight")
+
+
+def mopd_loss_func(micro: MOPDMicroBatch, output_tensor: torch.Tensor, *, config: MOPDLossConfig,
+                   route_names: Sequence[str], temperature: float = 1.0,
+                   logprob_fn: Callable[[torch.Tensor, MOPDMicroBatch], torch.Tensor] | None = None,
+                   rl_loss_fn: Callable[[torch.Tensor, MOPDMicroBatch], torch.Tensor] | None = None,
+                   tp_group: Any | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss for Megatron's ``forward_step_func``: ``return output, partial(mopd_loss_func, micro, config=...)``.
+
+    Student log-probs come from ``logprob_fn(output, micro)`` or :func:`token_logprobs`.
+    Total = ``rl_coef · rl_loss_fn(ℓθ, micro) + distill_coef · L_mopd_sum`` (sums over tokens;
+    a zero coefficient skips its term, ``rl_loss_fn`` is then not called). Returns
+    ``(loss_sum, num_tokens, metrics)``; every metric is a ``[sum, count]`` fp32 pair (Megatron
+    reports sum/count): ``mopd/<metric>`` overall and ``mopd/<route>/<metric>`` for metrics
+    loss, reward (−reverse KL estimate), is_weight, is_capped_frac, adv_clip_frac,
+    teacher_weight, plus ``mopd/<route>/tokens`` as ``[tokens, 1]``.
+    """
+    if logprob_fn is not None:
+        student = logprob_fn(output_tensor, micro)
+    else:
+        student = token_logprobs(output_tensor, micro.labels, temperature=temperature, tp_group=tp_group)
+    out = mopd_pg_loss(student, micro.old_logp, micro.targets, micro.loss_mask, config=config,
+                       normalization_mask=micro.normalization_mask, rl_advantages=micro.rl_advantages)
+    rl_sum = rl_loss_fn(student, micro) if config.rl_coef != 0.0 else None
+    total = compose_losses(rl_loss=rl_sum, distill_loss=out.loss_sum if config.distill_coef != 0.0 else None,
+                           rl_coef=config.rl_coef, distill_coef=config.distill_coef)
+    metrics = _route_metrics(out, micro, student, route_names)
+    return total, out.num_tokens.to(torch.int), metrics
+
+
+@torch.no_grad()
+def _route_metrics(out: Any, micro: MOPDMicroBatch, student: torch.Tensor,
+                   route_names: Sequence[str]) -> dict[str, torch.Tensor]:
+    mask = micro.loss_mask.bool()
+    st = out.stats
+    lp = torch.where(mask, student.detach(), torch.zeros_like(student))
+    per_token = {
+        "loss": -(st["rho"] * st["advantage"]),
+        "reward": st["reward"],
+        "is_weight": st["rho"],
+        "is_capped_frac": st["capped"].to(lp.dtype),
+        "adv_clip_frac": st["adv_clipped"].to(lp.dtype),
+        "teacher_weight": torch.where(mask, micro.targets.weight_sum, torch.zeros_like(lp)).to(lp.dtype),
+    }
+    del lp
+    R = len(route_names)
+    codes = torch.where(mask & (micro.route_ids >= 0), micro.route_ids, torch.full_like(micro.route_ids, R)).reshape(-1)
+    counts = torch.zeros(R + 1, dtype=torch.float32, device=codes.device).index_add_(
+        0, codes, torch.ones_like(codes, dtype=torch.float32))
+    metrics: dict[str, torch.Tensor] = {}
+    n_all = mask.sum().float()
+    for name, v in per_token.items():
+        v = v.reshape(-1).float()
+        sums = torch.zeros(R + 1, dtype=torch.float32, device=codes.device).index_add_(0, codes, v)
+        metrics[f"mopd/{name}"] = torch.stack([v.sum(), n_all])
+        for r, rn in enumerate(route_names):
+            metrics[f"mopd/{rn}/{name}"] = torch.stack([sums[r], counts[r]])
+    for r, rn in enumerate(route_names):
+        metrics[f"mopd/{rn}/tokens"] = torch.stack([counts[r], torch.ones_like(counts[r])])
+    return metrics
