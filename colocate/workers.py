@@ -1,0 +1,261 @@
+"""Forked colocated workers: a role started as a child of its owner, on the owner's node and
+physical GPUs, with per-role environment overrides merged over the owner's environment.
+
+Schedulers:
+
+* :class:`LocalScheduler` — a subprocess in its own session under a small guard process; the
+  group (worker and its children) is killed on :meth:`ForkedWorker.kill`, on owner exit
+  (``atexit``), and, through the guard's ``PR_SET_PDEATHSIG``, when the owner dies hard, so no
+  orphan survives the owner (a descendant that calls ``setsid`` itself escapes, as with any
+  process-group scheme).
+* :class:`SlurmScheduler` — an ``srun --overlap --jobid=<owner job> -n1 -N1 -w <owner node>``
+  step inside the owner's allocation (``--overlap`` lets it share the owner's CPUs/GPUs); the
+  role env is set in srun's own environment (``--export=ALL`` does not override variables that
+  already exist); kill also ``scancel``s the step.
+
+A worker signals readiness by calling :func:`mark_ready` (it writes a small JSON file named by
+``COLOCATE_READY_FILE`` with its pid, host, Slurm step and ``CUDA_VISIBLE_DEVICES``).
+GPU ids: :func:`physical_gpu_ids` maps the owner's logical devices through
+``CUDA_VISIBLE_DEVICES``; the worker gets the same physical list, so its logical device i is
+the owner's, and IPC keys use :func:`ipc_key` built from physical ids.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+
+from colocate.config import WorkerSpec
+
+__all__ = ["WorkerError", "WorkerStartTimeout", "ForkedWorker", "LocalScheduler", "SlurmScheduler", "merge_env",
+           "physical_gpu_ids", "ipc_key", "mark_ready", "READY_ENV"]
+
+READY_ENV = "COLOCATE_READY_FILE"
+
+
+class WorkerError(RuntimeError):
+    """A worker could not be started or exited unexpectedly."""
+
+
+class WorkerStartTimeout(WorkerError, TimeoutError):
+    """The worker did not report ready within ``health_timeout_s``."""
+
+
+def merge_env(base: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str, str]:
+    """``base`` with ``overrides`` applied; an override of ``""`` removes the variable."""
+    env = dict(base)
+    for k, v in overrides.items():
+        if v == "":
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def physical_gpu_ids(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """Physical device ids (indices or UUIDs) behind logical devices 0..n-1, read from
+    ``CUDA_VISIBLE_DEVICES``; None when unset (logical == physical)."""
+    env = os.environ if env is None else env
+    raw = env.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    return [d.strip() for d in raw.split(",") if d.strip()]
+
+
+def ipc_key(logical_device: int, *, env: Mapping[str, str] | None = None, host: str | None = None) -> str:
+    """A node-unique key for a device: ``host:physical-id`` (the same for every colocated role
+    however each one numbers its devices)."""
+    ids = physical_gpu_ids(env)
+    if ids is not None and not 0 <= logical_device < len(ids):
+        raise ValueError(f"logical device {logical_device} outside CUDA_VISIBLE_DEVICES={','.join(ids)!r}")
+    phys = ids[logical_device] if ids is not None else str(logical_device)
+    return f"{host or socket.gethostname()}:{phys}"
+
+
+def mark_ready(**extra: object) -> None:
+    """Call in a worker once it serves: writes the ready file its owner waits for (atomic)."""
+    path = os.environ.get(READY_ENV)
+    if not path:
+        raise WorkerError(f"mark_ready: {READY_ENV} is not set (not started by a colocate scheduler)")
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **extra}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# The guard sits between owner and worker, leads the worker's process group, and dies with the
+# owner (PR_SET_PDEATHSIG → SIGTERM); on SIGTERM it forwards SIGTERM to the worker, waits the
+# grace period, then SIGKILLs the whole group, grandchildren included. Stdlib only: it starts
+# in milliseconds.
+_GUARD = r"""
+import ctypes, os, signal, subprocess, sys
+owner, grace = int(sys.argv[1]), float(sys.argv[2])
+ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+if os.getppid() != owner:
+    os.killpg(0, signal.SIGKILL)
+child = subprocess.Popen(sys.argv[3:])
+def stop(signum, frame):
+    try:
+        child.send_signal(signal.SIGTERM)
+        child.wait(grace)
+    except Exception:
+        pass
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+code = child.wait()
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
+class ForkedWorker:
+    """A started worker: ``pid``, readiness info, health, kill (idempotent, no orphans)."""
+
+    def __init__(self, spec: WorkerSpec, proc: subprocess.Popen, ready_file: Path, env: dict[str, str],
+                 on_kill=None):
+        self.spec, self.proc, self.ready_file, self.env = spec, proc, ready_file, env
+        self.info: dict | None = None
+        self._on_kill = on_kill
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float | None = None) -> dict:
+        """Block until the worker called :func:`mark_ready`; returns its info. Raises
+        :class:`WorkerError` if it exits first, :class:`WorkerStartTimeout` after the timeout."""
+        deadline = time.monotonic() + (self.spec.health_timeout_s if timeout is None else timeout)
+        while not self.ready_file.exists():
+            code = self.proc.poll()
+            if code is not None:
+                raise WorkerError(f"worker {self.spec.role!r} (pid {self.pid}) exited with {code} before ready")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise WorkerStartTimeout(f"worker {self.spec.role!r} (pid {self.pid}) not ready within "
+                                         f"{self.spec.health_timeout_s if timeout is None else timeout:.1f}s")
+            time.sleep(0.02)
+        self.info = json.loads(self.ready_file.read_text())
+        return self.info
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        """Alive and ready."""
+        return self.alive() and self.ready_file.exists()
+
+    def kill(self) -> int | None:
+        """SIGTERM the guard (which forwards it to the worker), SIGKILL the whole process group
+        after ``kill_grace_s``; returns the exit code."""
+        if self._on_kill is not None:
+            with contextlib.suppress(Exception):
+                self._on_kill(self)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(self.spec.kill_grace_s + 2)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers in the group, if any
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        shutil.rmtree(self.ready_file.parent, ignore_errors=True)
+        return self.proc.returncode
+
+
+class LocalScheduler:
+    """Starts workers as local subprocesses of this (owner) process; kills them all on exit."""
+
+    def __init__(self, *, owner_env: Mapping[str, str] | None = None):
+        self.owner_env = dict(os.environ if owner_env is None else owner_env)
+        self.workers: list[ForkedWorker] = []
+        self._lock = threading.Lock()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
+
+    def _argv(self, spec: WorkerSpec, env: dict[str, str]) -> list[str]:
+        return list(spec.command)
+
+    def _on_kill(self, worker: ForkedWorker) -> None:
+        return None
+
+    def fork(self, spec: WorkerSpec, *, wait: bool = True) -> ForkedWorker:
+        """Start ``spec`` with the owner env + role overrides; wait for ready unless ``wait=False``."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"colocate-{spec.role}-"))
+        env = merge_env(self.owner_env, spec.env)
+        env[READY_ENV] = str(tmp / "ready.json")
+        env["COLOCATE_ROLE"] = spec.role
+        env["COLOCATE_OWNER_PID"] = str(os.getpid())
+        argv = self._argv(spec, env)
+        if shutil.which(argv[0], path=env.get("PATH")) is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WorkerError(f"cannot start worker {spec.role!r}: {argv[0]!r} not found or not executable")
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(spec.kill_grace_s), *argv],
+                                    env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WorkerError(f"cannot start worker {spec.role!r}: {argv[0]!r}: {e}") from e
+        worker = ForkedWorker(spec, proc, tmp / "ready.json", env, on_kill=self._on_kill)
+        with self._lock:
+            self.workers.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
+
+    def shutdown(self) -> None:
+        """Kill every worker started here (idempotent)."""
+        with self._lock:
+            workers, self.workers = self.workers, []
+        for w in workers:
+            w.kill()
+
+
+class SlurmScheduler(LocalScheduler):
+    """Starts workers as job steps inside the owner's Slurm allocation (same node)."""
+
+    def __init__(self, *, owner_env: Mapping[str, str] | None = None, srun: str = "srun",
+                 scancel: str = "scancel", extra_args: tuple[str, ...] = ()):
+        super().__init__(owner_env=owner_env)
+        self.job_id = self.owner_env.get("SLURM_JOB_ID") or self.owner_env.get("SLURM_JOBID")
+        if not self.job_id:
+            raise WorkerError("SlurmScheduler: SLURM_JOB_ID is not set in the owner environment "
+                              "(the owner must run inside a Slurm allocation)")
+        self.node = self.owner_env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.srun, self.scancel, self.extra_args = srun, scancel, tuple(extra_args)
+
+    def _argv(self, spec: WorkerSpec, env: dict[str, str]) -> list[str]:
+        # Step variables of the owner must not leak into the new step's srun.
+        for k in [k for k in env if k.startswith("SLURM_STEP") or k in ("SLURM_STEPID",)]:
+            env.pop(k)
+        return [self.srun, "--overlap", f"--jobid={self.job_id}", "-n1", "-N1", f"--nodelist={self.node}",
+                "--export=ALL", f"--job-name=colocate-{spec.role}", *self.extra_args, *spec.command]
+
+    def _on_kill(self, worker: ForkedWorker) -> None:
+        info = worker.info
+        if info is None and worker.ready_file.exists():
+            info = json.loads(worker.ready_file.read_text())
+        step = (info or {}).get("slurm_step_id")
+        if step is not None:
+            subprocess.run([self.scancel, "--signal=KILL", f"{self.job_id}.{step}"], env=worker.env,
+                           capture_output=True, timeout=30)

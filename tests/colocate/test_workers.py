@@ -1,0 +1,135 @@
+"""Forked colocated workers: env overrides, readiness, kill of the whole group, no orphans when
+the owner dies hard, start timeouts, GPU id resolution; the Slurm path on a real one-node Slurm."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colocate import ConfigError, WorkerSpec
+from colocate.workers import (
+    LocalScheduler,
+    SlurmScheduler,
+    WorkerError,
+    WorkerStartTimeout,
+    ipc_key,
+    merge_env,
+    physical_gpu_ids,
+)
+
+from . import _slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = [sys.executable, "-m", "tests.colocate._worker"]
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    """True once ``pid`` does not exist or is a zombie (reaping is the parent's business)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+        except (FileNotFoundError, IndexError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _owner_env(**extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FOO="owner", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    env.update(extra)
+    return env
+
+
+def test_env_merge_gpu_ids_and_ipc_keys():
+    assert merge_env({"A": "1", "B": "2"}, {"B": "", "C": "3"}) == {"A": "1", "C": "3"}
+    env = {"CUDA_VISIBLE_DEVICES": "3,1"}
+    assert physical_gpu_ids(env) == ["3", "1"] and physical_gpu_ids({}) is None
+    assert ipc_key(1, env=env, host="n0") == "n0:1" and ipc_key(0, env=env, host="n0") == "n0:3"
+    assert ipc_key(0, env={"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}, host="n0") == "n0:GPU-aa"
+    with pytest.raises(ValueError, match="logical device 2 outside"):
+        ipc_key(2, env=env)
+    with pytest.raises(ConfigError, match="WorkerSpec.command"):
+        WorkerSpec(role="rollout", command=[])
+    with pytest.raises(ConfigError, match="WorkerSpec.scheduler"):
+        WorkerSpec(role="rollout", command=["x"], scheduler="k8s")
+
+
+@pytest.mark.timeout(90)
+def test_local_fork_env_health_kill_and_timeouts():
+    sched = LocalScheduler(owner_env=_owner_env(CUDA_VISIBLE_DEVICES="5,2"))
+    spec = WorkerSpec(role="rollout", command=WORKER, env={"PYTORCH_CUDA_ALLOC_CONF": "", "BAR": "role"},
+                      health_timeout_s=60, kill_grace_s=2)
+    w = sched.fork(spec)
+    info = w.info
+    assert info["alloc"] is None and info["foo"] == "owner" and info["bar"] == "role" and info["role"] == "rollout"
+    assert info["cuda_visible_devices"] == "5,2"  # same physical devices as the owner
+    assert w.healthy()
+    grandchild = info["child"]
+    w.kill()
+    assert not w.alive() and _gone(w.pid) and _gone(info["pid"]) and _gone(grandchild)
+    w.kill()  # idempotent
+
+    never = WorkerSpec(role="teacher", command=[sys.executable, "-c", "import time; time.sleep(60)"],
+                       health_timeout_s=1.0, kill_grace_s=1)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartTimeout, match="not ready within 1.0s"):
+        sched.fork(never)
+    assert time.monotonic() - t0 < 10
+    assert all(not x.alive() for x in sched.workers if x.spec.role == "teacher")
+    with pytest.raises(WorkerError, match="exited with 3 before ready"):
+        sched.fork(WorkerSpec(role="teacher", command=[sys.executable, "-c", "raise SystemExit(3)"]))
+    with pytest.raises(WorkerError, match="cannot start worker"):
+        sched.fork(WorkerSpec(role="teacher", command=["/nonexistent/binary"]))
+    sched.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_no_orphans_when_the_owner_is_killed():
+    out = subprocess.run([sys.executable, "-m", "tests.colocate._owner"], env=_owner_env(), capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == -9, out.stderr
+    worker_pid, grandchild = (int(x) for x in out.stdout.split())
+    assert _gone(worker_pid), "worker outlived its owner"
+    assert _gone(grandchild), "the worker's child outlived the owner"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not _slurm.available(), reason="slurm binaries absent (apt: slurmctld slurmd slurm-client munge)")
+def test_slurm_overlap_step_in_owner_allocation(tmp_path):
+    with _slurm.slurm_cluster(tmp_path / "slurm") as env:
+        alloc = subprocess.run(["salloc", "--no-shell", "-n1", "-N1", "--job-name=owner"], env=env,
+                               capture_output=True, text=True, timeout=60)
+        assert alloc.returncode == 0, alloc.stderr
+        job = next(tok for tok in alloc.stderr.split() if tok.isdigit())
+        owner = _owner_env(SLURM_CONF=env["SLURM_CONF"], SLURM_JOB_ID=job, SLURMD_NODENAME="localhost")
+        sched = SlurmScheduler(owner_env=owner)
+        spec = WorkerSpec(role="rollout", command=WORKER, env={"PYTORCH_CUDA_ALLOC_CONF": "", "BAR": "role"},
+                          scheduler="slurm", health_timeout_s=60, kill_grace_s=2)
+        w = sched.fork(spec)
+        assert w.info["slurm_job_id"] == job and w.info["slurm_step_id"] is not None
+        assert w.info["alloc"] is None and w.info["foo"] == "owner" and w.info["bar"] == "role"
+        steps = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], env=env, capture_output=True,
+                               text=True, timeout=30).stdout.split()
+        assert f"{job}.{w.info['slurm_step_id']}" in steps
+        w.kill()
+        assert _gone(w.info["pid"]) and _gone(w.info["child"])
+
+        def step_listed():
+            out = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], env=env, capture_output=True,
+                                 text=True, timeout=30).stdout.split()
+            return f"{job}.{w.info['slurm_step_id']}" in out
+        deadline = time.monotonic() + 20
+        while step_listed() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not step_listed()
+        subprocess.run(["scancel", job], env=env, timeout=30)
+        with pytest.raises(WorkerError, match="SLURM_JOB_ID is not set"):
+            SlurmScheduler(owner_env={})
