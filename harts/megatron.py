@@ -32,6 +32,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from harts.attention import Backend, build_block_mask, tree_attention
+from harts.config import HeadConfig
 from harts.forest import Forest
 from harts.lm_head import TreeHeadOutput, tree_lm_head
 
@@ -219,13 +220,17 @@ def _head_processor(forest: Forest, chunk_size: int, temperature: float, entropy
 
 def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSeqParams | None = None,
                  backend: Backend = "flex", temperature: float = 1.0, chunk_size: int = 1024,
-                 entropy_requires_grad: bool = False) -> TreeHeadOutput | torch.Tensor:
+                 entropy_requires_grad: bool = False, head: HeadConfig | None = None) -> TreeHeadOutput | torch.Tensor:
     """Run ``model`` (after :func:`apply_harts`) on the compact row of ``forest``.
 
     Returns ``(logp [T], entropy [T])`` on the last pipeline stage (see
     :func:`harts.loss.sequence_logprobs` for per-sequence vectors) and the hidden states on
     other stages. ``params`` defaults to :func:`make_tree_params` (pass it to reuse a BlockMask).
+    ``head`` (a :class:`~harts.config.HeadConfig`), when given, overrides the four keyword options.
     """
+    if head is not None:
+        backend, temperature, chunk_size = head.backend, head.temperature, head.chunk_size
+        entropy_requires_grad = head.entropy_requires_grad
     gpts = _gpt_models(model)
     if not gpts:
         raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")

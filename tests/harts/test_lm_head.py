@@ -9,11 +9,11 @@ import torch
 from harts.forest import build_chain_forest, build_forest
 from harts.lm_head import tree_lm_head
 from harts.reference import tree_head_reference
-from mcore_distill.testing import assert_close, run_ranks
+from mcore_distill.testing import assert_close
 from tests.harts.cases import CASES
 
 
-def _compare(f, *, v, h=12, chunk, temp, ent_grad, dtype, tol, seed=0, tp_group=None, rank=0, world=1):
+def compare_head(f, *, v, h=12, chunk, temp, ent_grad, dtype, tol, seed=0, tp_group=None, rank=0, world=1):
     g = torch.Generator().manual_seed(seed)
     t = f.num_nodes
     hid = torch.randn(t, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
@@ -39,13 +39,13 @@ def _compare(f, *, v, h=12, chunk, temp, ent_grad, dtype, tol, seed=0, tp_group=
 @pytest.mark.parametrize("seqs", CASES)
 @pytest.mark.parametrize("chunk", [1, 3, 7, 4096], ids=lambda c: f"chunk{c}")
 def test_chunked_head_fp64(seqs, chunk):
-    _compare(build_forest(seqs), v=37, chunk=chunk, temp=0.7, ent_grad=True, dtype=torch.float64, tol=1e-12)
+    compare_head(build_forest(seqs), v=37, chunk=chunk, temp=0.7, ent_grad=True, dtype=torch.float64, tol=1e-12)
 
 
 @pytest.mark.parametrize("ent_grad", [False, True])
 def test_chunked_head_fp32_plain_packing(ent_grad):
     seqs = [list(range(3, 40)), list(range(5, 25)), [1]]
-    _compare(build_chain_forest(seqs), v=253, chunk=16, temp=1.0, ent_grad=ent_grad, dtype=torch.float32, tol=1e-5)
+    compare_head(build_chain_forest(seqs), v=253, chunk=16, temp=1.0, ent_grad=ent_grad, dtype=torch.float32, tol=1e-5)
 
 
 def test_head_entropy_detached_by_default():
@@ -55,29 +55,3 @@ def test_head_entropy_detached_by_default():
     assert lp.requires_grad and not en.requires_grad
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         tree_lm_head(hid, torch.randn(9, 4), f.tokens, f.parent, chunk_size=0)
-
-
-def _tp2_body(rank, world):
-    """One spawned run: chunked head under vocab parallelism, then the real model at TP=2 (and
-    TP=2 + sequence parallelism) tree vs per-sequence in fp64."""
-    import torch.distributed as dist
-
-    from mcore_distill.testing import destroy_megatron, init_megatron
-    from tests.harts.cases import CASES
-    from tests.harts.test_megatron import run_exactness
-
-    f = build_forest(CASES[1].values[0])
-    _compare(f, v=38, chunk=4, temp=0.9, ent_grad=True, dtype=torch.float64, tol=1e-12,
-             tp_group=dist.group.WORLD, rank=rank, world=world)
-    init_megatron(tp=world)
-    seqs = CASES[0].values[0] + CASES[3].values[0] + [[40, 50, 60, 41], [40, 50, 59]]  # both vocab shards
-    n = run_exactness(seqs, dtype=torch.float64, recompute=True, tol=1e-10)
-    destroy_megatron()
-    return n
-
-
-@pytest.mark.multirank
-@pytest.mark.timeout(180)
-def test_tp2_gloo():
-    res = run_ranks(_tp2_body, 2, timeout=170)
-    assert res[0] == res[1] > 0

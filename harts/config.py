@@ -1,0 +1,88 @@
+"""Configuration dataclasses (Hydra structured configs) for harts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["HartsConfigError", "CostModelConfig", "PlannerConfig", "HeadConfig"]
+
+
+class HartsConfigError(ValueError):
+    """An invalid harts configuration value (the message names the field and the value)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CostModelConfig:
+    """Linear cost of one microbatch: ``c0 + c_token · rows + c_attn · attention pairs``.
+
+    ``rows`` counts padded compact rows (tree) or padded tokens (THD); attention pairs are
+    ``Σ_v (depth_v + 1)`` for a tree and ``Σ_i L_i(L_i+1)/2`` for THD. Refit from measured step
+    times with :func:`harts.planner.fit_cost_model` (the benchmark prints fitted values).
+    """
+
+    c0: float = 0.0
+    """Fixed cost per microbatch (launch overhead)."""
+    c_token: float = 1.0
+    """Cost per row (projections, MLP, norms, LM head)."""
+    c_attn: float = 0.0
+    """Cost per attended (query, key) pair; 0 models token-linear-dominant shapes."""
+
+    def __post_init__(self) -> None:
+        for name in ("c0", "c_token", "c_attn"):
+            v = getattr(self, name)
+            if v < 0:
+                raise HartsConfigError(f"CostModelConfig.{name} must be >= 0, got {v}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PlannerConfig:
+    """How rollouts are packed into microbatches and spread over DP ranks."""
+
+    token_cap: int = 8192
+    """Maximum rows per microbatch, alignment padding included (real compact tokens for trees,
+    real tokens for THD)."""
+    align: int = 128
+    """Rows of each microbatch are padded to a multiple of this (FlexAttention block size; use
+    ``lcm(block, TP)`` under tensor/sequence parallelism)."""
+    fallback_compression: float = 1.15
+    """Microbatches with compression C = ΣL / T below this run as plain THD packing (no tree).
+    Calibrate with ``bench/harts.py`` (speedup vs C)."""
+    dp_size: int = 1
+    """Data-parallel ranks; every rank receives the same number of microbatches."""
+    cost: CostModelConfig = field(default_factory=CostModelConfig)
+    """Cost model used to balance ranks."""
+
+    def __post_init__(self) -> None:
+        if self.token_cap < 1:
+            raise HartsConfigError(f"PlannerConfig.token_cap must be >= 1, got {self.token_cap}")
+        if self.align < 1 or self.token_cap % self.align:
+            raise HartsConfigError(
+                f"PlannerConfig.align={self.align} must be >= 1 and divide token_cap={self.token_cap}")
+        if self.fallback_compression < 0:
+            raise HartsConfigError(
+                f"PlannerConfig.fallback_compression must be >= 0, got {self.fallback_compression}")
+        if self.dp_size < 1:
+            raise HartsConfigError(f"PlannerConfig.dp_size must be >= 1, got {self.dp_size}")
+
+
+@dataclass(kw_only=True, slots=True)
+class HeadConfig:
+    """Tree-aware chunked LM head and attention options for :func:`harts.megatron.tree_forward`."""
+
+    backend: str = "flex"
+    """Tree attention backend: ``flex`` (FlexAttention, BlockMask once per microbatch) or
+    ``dense`` (tests only)."""
+    chunk_size: int = 1024
+    """Rows per LM-head chunk; extra memory ≈ 3 · chunk_size · V_local fp32 values."""
+    temperature: float = 1.0
+    """Sampling temperature τ; logits are divided by it."""
+    entropy_requires_grad: bool = False
+    """Make the returned entropy differentiable (entropy bonus)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("flex", "dense"):
+            raise HartsConfigError(f"HeadConfig.backend must be 'flex' or 'dense', got {self.backend!r}")
+        if self.chunk_size < 1:
+            raise HartsConfigError(f"HeadConfig.chunk_size must be >= 1, got {self.chunk_size}")
+        if not self.temperature > 0:
+            raise HartsConfigError(f"HeadConfig.temperature must be > 0, got {self.temperature}")

@@ -1,0 +1,37 @@
+"""Two gloo ranks, one spawn (spawning costs ~10 s): vocab-parallel chunked LM head, the real
+tiny GPT at TP=2 tree vs per-sequence in fp64 with recomputation, and the DP row exchange."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_distill.testing import run_ranks
+
+
+def _body(rank, world):
+    import torch.distributed as dist
+
+    from harts.forest import build_forest
+    from mcore_distill.testing import destroy_megatron, init_megatron
+    from tests.harts.cases import CASES
+    from tests.harts.test_lm_head import compare_head
+    from tests.harts.test_megatron import run_exactness
+    from tests.harts.test_planner import exchange_body
+
+    compare_head(build_forest(CASES[1].values[0]), v=38, chunk=4, temp=0.9, ent_grad=True, dtype=torch.float64,
+                 tol=1e-12, tp_group=dist.group.WORLD, rank=rank, world=world)
+    rows = exchange_body(rank, world)
+    init_megatron(tp=world)
+    seqs = CASES[0].values[0] + CASES[3].values[0] + [[40, 50, 60, 41], [40, 50, 59]]  # both vocab shards
+    n = run_exactness(seqs, dtype=torch.float64, recompute=True, tol=1e-10)
+    destroy_megatron()
+    return n, rows
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_tp2_and_dp_exchange_gloo():
+    res = run_ranks(_body, 2, timeout=230)
+    assert res[0][0] == res[1][0] > 0
+    assert res[0][1] + res[1][1] == 12
