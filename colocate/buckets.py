@@ -86,10 +86,15 @@ def unpack_bucket(buffer: torch.Tensor, entries: list[Entry]) -> dict[str, torch
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def tensor_checksum(t: torch.Tensor) -> int:
+def tensor_checksum(t: torch.Tensor, *, chunk: int = 1 << 24) -> int:
     """Bit-exact, device-independent checksum: ``sum_i bits(x_i)·(1 + i mod 7)`` in wrapping
     int64, ``bits`` reading each element as a signed int of its width (reference:
-    :func:`colocate.reference.reference_tensor_checksum`)."""
-    flat = t.detach().contiguous().reshape(-1).view(_INT[t.element_size()]).to(torch.int64)
-    w = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 7 + 1
-    return int((flat * w).sum().item())
+    :func:`colocate.reference.reference_tensor_checksum`). Works in chunks of ``chunk``
+    elements, so the int64 temporaries stay bounded."""
+    flat = t.detach().contiguous().reshape(-1).view(_INT[t.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start: start + chunk].to(torch.int64)
+        w = (torch.arange(start, start + part.numel(), device=flat.device, dtype=torch.int64) % 7) + 1
+        total += (part * w).sum()
+    return int(total.item())

@@ -89,6 +89,14 @@ class Publisher:
         self.poisoned: set[int] = set()
         self.last_good: int | None = None
         self.reports: list[PublishReport] = []
+        # A receiver whose acknowledgement does not mean "copied on the device" (SGLang returns
+        # before its copies finish) gets a fresh buffer per bucket, freed after the final sync.
+        self._fresh = bool(getattr(receiver, "unsynced_acks", False))
+        self._verifies = bool(getattr(receiver, "verifies_checksums", True))
+        if self.config.verify == "sampled" and not hasattr(receiver, "sample"):
+            from colocate.config import ConfigError
+
+            raise ConfigError(f"PublishConfig.verify='sampled': receiver {type(receiver).__name__} cannot sample")
         self._staging: list[torch.Tensor | None] = [None] * self.config.max_in_flight
         self._disk = Path(self.config.disk_dir or tempfile.mkdtemp(prefix="colocate-publish-"))
 
@@ -146,6 +154,11 @@ class Publisher:
             t0 = time.perf_counter()
             self.receiver.end_update(version, report.pop("checksums"))
             timings["load"] = time.perf_counter() - t0
+            if self._fresh:
+                self._staging = [None] * self.config.max_in_flight
+                report.pop("fresh", None)
+                if torch.cuda.is_available():
+                    torch.cuda.ipc_collect()
             phase = "verify"
             t0 = time.perf_counter()
             got = self.receiver.weight_version()
@@ -166,7 +179,7 @@ class Publisher:
         self.last_good = version
         rep = PublishReport(version=version, transport=self.transport, num_tensors=len(meta),
                             nbytes=report["nbytes"], num_buckets=len(plan), handles=report["handles"],
-                            timings=timings, verify=self.config.verify)
+                            timings=timings, verify=self.config.verify if self._verifies else "version-only")
         self.reports.append(rep)
         log.info("published v%s via %s: %d tensors, %.1f MiB, %d buckets, %s", version, self.transport, len(meta),
                  rep.nbytes / 2**20, len(plan), {k: round(v * 1e3, 2) for k, v in timings.items()})
@@ -176,12 +189,13 @@ class Publisher:
         cfg = self.config
         want = {e.name: b for b, entries in enumerate(plan) for e in entries}
         pending: dict[str, torch.Tensor] = {}
-        checksums: dict[str, int] | None = {} if cfg.verify == "checksum" else None
+        checksums: dict[str, int] | None = {} if cfg.verify == "checksum" and self._verifies else None
         samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         gen = torch.Generator().manual_seed(version)
         nbytes = handles = 0
         remote = isinstance(self.receiver, RemoteReceiver)
         cap = max(bucket_nbytes(entries) for entries in plan)
+        fresh: list[torch.Tensor] = []
         for b, entries in enumerate(plan):
             while any(e.name not in pending for e in entries):
                 t0 = time.perf_counter()
@@ -201,7 +215,11 @@ class Publisher:
                 self.receiver.wait_one(cfg.timeout_s)  # slot's previous bucket acked (receiver synced)
             timings["transfer"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            buf = self._buffer(slot, cap)
+            if self._fresh:
+                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+                fresh.append(buf)  # alive until the receiver's end_update synchronized
+            else:
+                buf = self._buffer(slot, cap)
             tensors = {e.name: pending.pop(e.name) for e in entries}
             pack_bucket(tensors, entries, buf)
             for e in entries:
@@ -247,7 +265,10 @@ class Publisher:
         timings["transfer"] += time.perf_counter() - t0
         if pending:
             raise ValueError(f"weights yielded {len(pending)} tensor(s) twice or unplanned: {sorted(pending)[:10]}")
-        return {"nbytes": nbytes, "handles": int(handles), "checksums": checksums, "samples": samples}
+        if self._fresh:
+            handles = len(fresh)
+        return {"nbytes": nbytes, "handles": int(handles), "checksums": checksums, "samples": samples,
+                "fresh": fresh}
 
     def _verify_sampled(self, samples: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         got = self.receiver.sample({n: idx for n, (idx, _) in samples.items()})

@@ -1,0 +1,175 @@
+"""SGLang rollout engine adapter (``sglang`` imported lazily; GPU lane only).
+
+:class:`SGLangEngine` wraps an in-process ``sglang.Engine`` and gives it the receiver and
+residency surface of :class:`~colocate.engines.HFEngine`:
+
+* ``load_bucket`` hands SGLang the bucket's tensors as views into one CUDA buffer through
+  ``update_weights_from_tensor(load_format=None)`` (HF names; SGLang stacks q/k/v and gate/up
+  and slices per TP rank). Torch's CUDA IPC shares a storage once, so one bucket is one IPC
+  memory handle whatever its tensor count. SGLang serializes one payload per TP rank.
+* The ``begin_weight_update`` / ``end_weight_update`` bracket (mandatory from SGLang 0.5.21,
+  absent in 0.5.17) is used when the engine has it — feature-detected, not version-parsed.
+* SGLang acknowledges a load before its device copies finish, so this adapter sets
+  ``unsynced_acks``: the publisher then gives every bucket a fresh buffer and frees them only
+  after ``end_update``, which reads SGLang's weight checksum (a device sync in the scheduler).
+* SGLang's checker hashes its own (fused) layout, so per-tensor checksums cannot be compared:
+  ``verifies_checksums = False``; tests compare the engine checksum against a disk load of the
+  same weights and the engine's logprobs against a reference HF model.
+* Loads are in place: a failure in the middle leaves SGLang half-updated; :meth:`restore_from_disk`
+  reloads a checkpoint (SGLang rolls back a failed disk load by itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from colocate.buckets import Entry, unpack_bucket
+from colocate.config import HFModelSpec
+from colocate.convert import check_params, hf_param_specs
+from colocate.engines import UpdateError
+from colocate.residency import ENGINE_TAGS, Residency
+
+__all__ = ["SGLangEngine", "sglang_checksum"]
+
+
+def _ok(result: Any) -> tuple[bool, str]:
+    if isinstance(result, tuple | list):
+        return bool(result[0]), str(result[1] if len(result) > 1 else "")
+    if isinstance(result, dict):
+        return bool(result.get("success", True)), str(result.get("message", ""))
+    return bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
+
+
+def sglang_checksum(engine: Any) -> str:
+    """The engine's weight checksum (SGLang's ``check_weights`` action ``checksum``)."""
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    r = engine.loop.run_until_complete(
+        engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
+    return str(r[-1] if isinstance(r, tuple | list) else r)
+
+
+class SGLangEngine:
+    """Receiver + residency adapter over an in-process ``sglang.Engine`` (see module docstring)."""
+
+    unsynced_acks = True
+    verifies_checksums = False
+
+    def __init__(self, engine: Any, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16):
+        self.engine = engine
+        self.spec = spec
+        self.dtype = dtype
+        self._specs = hf_param_specs(spec, dtype=dtype)
+        self._version: int | None = None
+        self._open: int | None = None
+        self.has_bracket = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
+        self.last_checksum: str | None = None
+
+        def hook(op: str, tag: str):
+            def run() -> int:
+                torch.cuda.synchronize()
+                free0 = torch.cuda.mem_get_info()[0]
+                ok, msg = _ok(getattr(engine, f"{op}_memory_occupation")(tags=[tag]))
+                if not ok:
+                    raise UpdateError(f"sglang {op}_memory_occupation({tag}) failed: {msg}")
+                return abs(torch.cuda.mem_get_info()[0] - free0)
+            return run
+
+        self.residency = Residency({t: (hook("release", t), hook("resume", t)) for t in ENGINE_TAGS},
+                                   owner="sglang")
+
+    @classmethod
+    def launch(cls, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16, **engine_kwargs: Any) -> SGLangEngine:
+        """Start ``sglang.Engine(**engine_kwargs)`` (lazy import) and wrap it."""
+        import sglang
+
+        return cls(sglang.Engine(**engine_kwargs), spec=spec, dtype=dtype)
+
+    # ----- receiver surface ----------------------------------------------------------------
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"cuda_ipc"})
+
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self._specs)
+
+    def weight_version(self) -> int | None:
+        return self._version
+
+    def begin_update(self, version: int) -> None:
+        self.residency.require("weights")
+        if self.has_bracket:
+            ok, msg = _ok(self.engine.begin_weight_update())
+            if not ok:
+                raise UpdateError(f"sglang begin_weight_update failed: {msg}")
+        self._open = version
+
+    def load_bucket(self, entries: list[Entry], buffer: torch.Tensor) -> None:
+        if self._open is None:
+            raise UpdateError("load without begin_update")
+        if not buffer.is_cuda:
+            raise UpdateError(f"SGLang takes CUDA tensors only, got a buffer on {buffer.device}")
+        named = list(unpack_bucket(buffer, entries).items())
+        check_params({n: (tuple(t.shape), t.dtype) for n, t in named}, self._specs, require_all=False)
+        ok, msg = _ok(self.engine.update_weights_from_tensor(named_tensors=named, load_format=None,
+                                                             flush_cache=False))
+        if not ok:
+            raise UpdateError(f"sglang update_weights_from_tensor failed: {msg}")
+
+    def end_update(self, version: int, checksums: dict[str, int] | None = None) -> None:
+        if self._open != version:
+            raise UpdateError(f"end_update({version}) without a matching begin_update (open: {self._open})")
+        if self.has_bracket:
+            ok, msg = _ok(self.engine.end_weight_update())
+            if not ok:
+                raise UpdateError(f"sglang end_weight_update failed: {msg}")
+        self.engine.flush_cache()
+        self.last_checksum = sglang_checksum(self.engine)  # also: scheduler-side device sync
+        self._version = version
+        self._open = None
+
+    def abort_update(self, version: int) -> None:
+        if self._open == version:
+            if self.has_bracket:
+                self.engine.end_weight_update()
+            self._open = None
+            self._version = None  # weights may be half-updated: no version is valid
+
+    def restore_from_disk(self, model_path: str, *, version: int | None = None) -> None:
+        """Reload weights from an HF checkpoint folder (SGLang rolls back a failed load)."""
+        ok, msg = _ok(self.engine.update_weights_from_disk(model_path))
+        if not ok:
+            raise UpdateError(f"sglang update_weights_from_disk({model_path!r}) failed: {msg}")
+        self._version = version
+
+    # ----- residency and rollout -----------------------------------------------------------
+    def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, int]:
+        return self.residency.release(tags)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> dict[str, int]:
+        return self.residency.resume(tags)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16, temperature: float = 0.0,
+                 return_logprob: bool = True, seed: int | None = None) -> list[dict]:
+        """Token-in/token-out generation; returns SGLang's output dicts (``output_ids``,
+        ``meta_info.output_token_logprobs``)."""
+        with self.residency.busy():
+            params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
+            if seed is not None:
+                params["sampling_seed"] = seed
+            return self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=params,
+                                        return_logprob=return_logprob)
+
+    def prompt_logprobs(self, prompt: Sequence[int]) -> list[float]:
+        """Log-probabilities SGLang assigns to tokens 1..T-1 of ``prompt`` (prefill, no sampling)."""
+        with self.residency.busy():
+            out = self.engine.generate(input_ids=[list(prompt)], sampling_params={"max_new_tokens": 1,
+                                                                                  "temperature": 0.0},
+                                       return_logprob=True, logprob_start_len=0)
+        rows = out[0]["meta_info"]["input_token_logprobs"]
+        return [float(r[0]) for r in rows if r[0] is not None]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
