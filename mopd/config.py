@@ -141,7 +141,8 @@ class RoutingSpec:
     """Sample key read to pick the route (value ``str`` or ``int``, never ``bool``)."""
     routes: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """``{route: {teacher_id: weight}}``; weights finite, ≥ 0, at least one > 0 per route.
-    Integer field values match the route named by their decimal string."""
+    Integer field values match the route named by their decimal string. Empty only as a
+    schema default: :class:`MOPDConfig` requires at least one route."""
     default_route: str | None = None
     """Route for samples whose field is missing or names no route (only when not strict)."""
     strict: bool = True
@@ -152,8 +153,8 @@ class RoutingSpec:
             raise ConfigError(f"routing.field must be a non-empty str, got {self.field!r}")
         if self.field == ROUTE_KEY:
             raise ConfigError(f"routing.field may not be the reserved key {ROUTE_KEY!r}")
-        if not isinstance(self.routes, dict) or not self.routes:
-            raise ConfigError(f"routing.routes must be a non-empty mapping, got {self.routes!r}")
+        if not isinstance(self.routes, dict):
+            raise ConfigError(f"routing.routes must be a mapping, got {self.routes!r}")
         for route, weights in self.routes.items():
             if not isinstance(route, str) or not route:
                 raise ConfigError(f"routing.routes key {route!r} must be a non-empty str")
@@ -256,6 +257,8 @@ class MOPDConfig:
     def __post_init__(self) -> None:
         if not self.teachers:
             raise ConfigError("mopd.teachers is empty: configure at least one teacher")
+        if not self.routing.routes:
+            raise ConfigError("routing.routes is empty: configure at least one route")
         for tid in self.teachers:
             check_teacher_id(tid, where="mopd.teachers key")
         self.routing.check_teachers(list(self.teachers))

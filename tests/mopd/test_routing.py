@@ -29,7 +29,7 @@ SPEC = RoutingSpec(field="task_type", routes={"math": {"m": 1.0}, "code": {"c": 
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"routes": {}}, "non-empty"),
+    ({"routes": []}, "must be a mapping"),
     ({"routes": {"a": {"t": -1.0}}}, r"routes\['a'\]\['t'\] must be >= 0"),
     ({"routes": {"a": {"t": math.nan}}}, "finite"),
     ({"routes": {"a": {"t": 0.0}}}, "no positive weight"),
