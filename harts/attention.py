@@ -86,7 +86,7 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
 
     if compile is None:
         compile = q.is_cuda
-    fn = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+    fn = torch.compile(flex_attention) if compile else flex_attention  # dynamic after the first new shape
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D]
     out = fn(qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
     return out.squeeze(0).transpose(0, 1)

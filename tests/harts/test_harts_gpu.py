@@ -1,0 +1,78 @@
+"""GPU lane: FlexAttention backward (compiled) against the fp64 dense reference, the real tiny
+GPT tree vs per-sequence through the flex backend, and the chunked LM head in bf16.
+
+Run: ``pytest -q -m gpu tests/harts/test_harts_gpu.py`` on a CUDA machine (skipped on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harts.attention import build_block_mask, tree_attention
+from harts.forest import build_forest
+from harts.lm_head import tree_lm_head
+from harts.reference import tree_attention_reference, tree_head_reference
+from harts.workload import caterpillar, grpo_groups
+from mcore_distill.testing import assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
+def test_flex_backward_matches_dense(kind):
+    seqs = (grpo_groups(2, prompt_len=300, response_len=200, n=4, vocab_size=1000, seed=1) if kind == "grpo"
+            else caterpillar(2, turns=4, turn_len=70, branches=2, branch_len=50, vocab_size=1000))
+    f = build_forest(seqs, device="cuda")
+    t = f.num_nodes
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(t, h, 64, device="cuda", generator=g) for h in (8, 2, 2))
+    do = torch.randn(t, 8, 64, device="cuda", generator=g)
+    qf, kf, vf = (x.clone().requires_grad_(True) for x in (q, k, v))
+    out = tree_attention(qf, kf, vf, last=f.last, backend="flex", block_mask=build_block_mask(f.last))
+    out.backward(do)
+    qr, kr, vr = (x.double().requires_grad_(True) for x in (q, k, v))
+    ref = tree_attention_reference(qr, kr, vr, last=f.last, scale=0.125)
+    ref.backward(do.double())
+    assert_close("flex out", ref, out, atol=2e-5, rtol=1e-4)
+    for name, a, b in (("dq", qr.grad, qf.grad), ("dk", kr.grad, kf.grad), ("dv", vr.grad, vf.grad)):
+        assert_close(f"flex {name}", a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "recompute"])
+def test_megatron_tree_flex_fp32(cpu_megatron, recompute):
+    from tests.harts.cases import CASES
+    from tests.harts.test_megatron import run_exactness
+
+    seqs = [s for c in CASES[:4] for s in c.values[0]]
+    run_exactness(seqs, dtype=torch.float32, recompute=recompute, tol=1e-5, grad_tol=1e-4, device="cuda",
+                  backend="flex")
+
+
+@pytest.mark.timeout(300)
+def test_chunked_head_bf16_inputs():
+    seqs = grpo_groups(2, prompt_len=500, response_len=300, n=4, vocab_size=32000, seed=2)
+    f = build_forest(seqs, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h = torch.randn(f.num_nodes, 256, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    w = (0.05 * torch.randn(32000, 256, device="cuda", generator=g)).bfloat16().requires_grad_(True)
+    lp, ent = tree_lm_head(h, w, f.tokens, f.parent, chunk_size=512, entropy_requires_grad=True)
+    (lp.sum() + ent.sum()).backward()
+    hr, wr = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    lr, er = tree_head_reference(hr, wr, f.tokens, f.parent)
+    (lr.sum() + er.sum()).backward()
+    assert_close("logp", lr, lp, atol=1e-4, rtol=1e-4)
+    assert_close("entropy", er, ent, atol=1e-4, rtol=1e-4)
+    # gradients are rounded to bf16 (8 bits of mantissa): relative tolerance 1/128
+    assert_close("dhidden", hr.grad, h.grad, atol=1e-3, rtol=8e-3)
+    assert_close("dweight", wr.grad, w.grad, atol=1e-3, rtol=8e-3)
