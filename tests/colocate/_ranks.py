@@ -140,3 +140,25 @@ def slow_engine(spec, delay_s: float):
 def convert_and_publish(rank: int, world_size: int, cases: list[dict]):
     """Both round trips in one spawned run (multi-rank tests are expensive)."""
     return convert_roundtrip(rank, world_size, cases), publish_roundtrip(rank, world_size, cases)
+
+
+def megatron_hf_weights(rank: int, world_size: int, case: dict) -> dict:
+    """Build the tiny Megatron Qwen3 (GPU lane: NCCL; CPU: gloo) and return its HF state dict
+    on CPU plus logits for a fixed batch (reference for engines fed from it)."""
+    from colocate.megatron import iter_hf_weights, model_spec_from_megatron
+
+    init_megatron(tp=world_size, seed=case.get("seed", 9))
+    cfg = TinyGPTConfig(tensor_model_parallel_size=world_size, num_moe_experts=case.get("experts"),
+                        tie_embeddings=case.get("tied", False), num_layers=2, hidden_size=128,
+                        num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=256,
+                        vocab_size=512, max_sequence_length=256, rotary_base=10000)
+    model = build_tiny_gpt(cfg)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    model.eval()
+    spec = model_spec_from_megatron(model)
+    weights = {n: t.detach().cpu().clone() for n, t in iter_hf_weights([model], spec=spec)}
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    logits = _megatron_logits(model, tokens.to(next(model.parameters()).device)).float().cpu()
+    destroy_megatron()
+    return {"spec": spec, "weights": weights, "tokens": tokens, "logits": logits}

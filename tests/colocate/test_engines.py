@@ -8,7 +8,7 @@ import torch
 
 from colocate import EngineConfig, HFModelSpec, NotResidentError, PublishConfig
 from colocate.engines import HFEngine, UpdateError, WeightReceiver, hf_checkpoint_views
-from colocate.publish import PublishError, Publisher
+from colocate.publish import Publisher, PublishError
 from colocate.residency import BusyError
 
 SPEC = HFModelSpec(arch="qwen3", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,

@@ -9,7 +9,7 @@ import torch
 from colocate import HFModelSpec, ParamMismatchError, PublishConfig
 from colocate.buckets import tensor_checksum
 from colocate.engines import HFEngine, UpdateError, build_hf_model, hf_checkpoint_views
-from colocate.publish import PoisonedVersionError, PublishError, Publisher
+from colocate.publish import PoisonedVersionError, Publisher, PublishError
 from colocate.transports import ReceiverDied, ReceiverTimeout, TransportError, spawn_receiver
 
 from ._ranks import ShmProbe, slow_engine
