@@ -42,9 +42,21 @@ def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
     return x
 
 
+def _low_precision_cuda(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in ``cdtype``; bf16/fp16 CUDA operands multiply natively with fp32 output
+    (fp32 accumulation, no fp32 copy of the [V, H] weight)."""
+    if _low_precision_cuda(a, b):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.to(cdtype) @ b.to(cdtype)
+
+
 def _chunk_stats(h, w, inv_temp, cdtype, group):
-    """Logits of one chunk and its (max, sum-exp, Σexp·z) reduced over the vocab shards."""
-    z = (h.to(cdtype) @ w.to(cdtype).T) * inv_temp
+    """Logits of one chunk and its max, reduced over the vocab shards."""
+    z = _mm(h, w.T, cdtype) * inv_temp
     m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
     e = torch.exp(z - m[:, None])
     return z, m, e
@@ -92,8 +104,8 @@ class _TreeHead(torch.autograd.Function):
         g_edge = g_logp[e_child].to(cdtype) if g_logp is not None else None
         for r0 in range(0, t, chunk):
             r1 = min(r0 + chunk, t)
-            h = hidden[r0:r1].to(cdtype)
-            z = (h @ weight.to(cdtype).T) * inv_temp
+            h = hidden[r0:r1]
+            z = _mm(h, weight.T, cdtype) * inv_temp
             logp = z - lse[r0:r1, None]
             p = torch.exp(logp)
             dz = torch.zeros_like(z)
@@ -109,8 +121,10 @@ class _TreeHead(torch.autograd.Function):
             if g_ent is not None:
                 dz -= g_ent[r0:r1, None].to(cdtype) * p * (logp + ent[r0:r1, None])
             dz *= inv_temp
-            dh[r0:r1] = dz @ weight.to(cdtype)
-            dw += dz.T @ h
+            if _low_precision_cuda(h, weight):
+                dz = dz.to(h.dtype)  # logit gradients in the model dtype, as Megatron's own head
+            dh[r0:r1] = _mm(dz, weight, cdtype)
+            dw += _mm(dz.T, h, cdtype)
         if reduce_grad_input:
             _all_reduce(dh, dist.ReduceOp.SUM, group)
         return (dh.to(hidden.dtype), dw.to(weight.dtype), None, None, None, None, None, None, None, None, None)
