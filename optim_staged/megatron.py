@@ -1,0 +1,184 @@
+"""Megatron-Core integration (the only module of the package importing ``megatron.core``).
+
+``get_staged_optimizer(config, model_chunks)`` builds the *normal* Megatron optimizer through
+``get_megatron_optimizer`` (distributed optimizer, ``ChainedOptimizer``, grad-norm, clipping,
+param all-gather all stay Megatron's) and then swaps each ``DistributedOptimizer`` leaf for a
+:class:`StagedDistributedOptimizer` over the same buffers, whose inner optimizer is
+:class:`~optim_staged.StagedAdamW` driven through Megatron's precision-aware contract: the
+DistOpt hands the inner optimizer bf16 (or fp32) shard views of the parameters plus fp32
+``decoupled_grad`` views, allocates no fp32 main params, and checkpoints through
+``get_unscaled_state`` / ``set_scaled_state``. TransformerEngine is not required: the contract is
+implemented here, so the precision-aware flags are set on a copy of the Megatron config after its
+TE-only validation.
+
+The stock build allocates fp32 main-param shards once (4 B/param, freed when the leaf is swapped).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from optim_staged.adamw import StagedAdamW
+from optim_staged.config import StagedOptimizerConfig, UnsupportedMegatronConfigError
+
+__all__ = ["get_staged_optimizer", "StagedDistributedOptimizer", "megatron_optimizer_config", "staged_leaves"]
+
+
+def megatron_optimizer_config(cfg: StagedOptimizerConfig, model_chunks: list[Any], **overrides: Any) -> OptimizerConfig:
+    """The Megatron ``OptimizerConfig`` equivalent to ``cfg`` for these model chunks (AdamW)."""
+    mc = model_chunks[0].config
+    a = cfg.adamw
+    kwargs = dict(
+        optimizer="adam", lr=a.lr, min_lr=0.0, weight_decay=a.weight_decay, adam_beta1=a.betas[0],
+        adam_beta2=a.betas[1], adam_eps=a.eps, use_distributed_optimizer=True, clip_grad=cfg.clip_grad,
+        bf16=bool(getattr(mc, "bf16", False)), fp16=bool(getattr(mc, "fp16", False)),
+        params_dtype=getattr(mc, "params_dtype", torch.float32),
+    )
+    kwargs.update(overrides)
+    return OptimizerConfig(**kwargs)
+
+
+def _check_supported(mcfg: OptimizerConfig, model_chunks: list[Any]) -> None:
+    def bad(field: str, value: Any, why: str) -> None:
+        raise UnsupportedMegatronConfigError(f"{field}={value!r} is not supported by staged optimizers: {why}")
+
+    if mcfg.fp16:
+        bad("OptimizerConfig.fp16", mcfg.fp16, "use bf16 (no loss-scaled fp16 path)")
+    if mcfg.optimizer != "adam":
+        bad("OptimizerConfig.optimizer", mcfg.optimizer, "the staged AdamW path needs 'adam' (Muon: algorithm='muon')")
+    if getattr(mcfg, "optimizer_cuda_graph", False):
+        bad("OptimizerConfig.optimizer_cuda_graph", True, "the staged step streams state and cannot be captured")
+    if mcfg.optimizer_cpu_offload:
+        bad("OptimizerConfig.optimizer_cpu_offload", True, "HybridDeviceOptimizer and staging are exclusive")
+    if not mcfg.use_distributed_optimizer:
+        bad("OptimizerConfig.use_distributed_optimizer", False, "staged AdamW plugs into the distributed optimizer")
+    if mcfg.exp_avg_dtype != torch.float32 or mcfg.exp_avg_sq_dtype != torch.float32:
+        bad("OptimizerConfig.exp_avg_dtype", mcfg.exp_avg_dtype, "moments are staged in fp32")
+    for chunk in model_chunks:
+        mc = chunk.config
+        if getattr(mc, "fp8", None):
+            bad("TransformerConfig.fp8", mc.fp8, "FP8 parameters need TE's quantized master copies")
+        if getattr(mc, "fp4", None):
+            bad("TransformerConfig.fp4", mc.fp4, "FP4 parameters need TE's quantized master copies")
+        if not chunk.ddp_config.use_distributed_optimizer:
+            bad("DistributedDataParallelConfig.use_distributed_optimizer", False,
+                "wrap the model with use_distributed_optimizer=True")
+        if getattr(chunk.ddp_config, "use_megatron_fsdp", False):
+            bad("DistributedDataParallelConfig.use_megatron_fsdp", True, "Megatron-FSDP is not supported")
+
+
+def _init_state_fn(opt: torch.optim.Optimizer, config: Any = None) -> None:
+    opt.initialize_state()
+
+
+class StagedDistributedOptimizer(DistributedOptimizer):
+    """``DistributedOptimizer`` whose inner optimizer is a staged optimizer.
+
+    Adds ``prefetch`` of the first slots from ``prepare_grads`` (state H2D overlaps grad
+    unscale/norm/clip), RL-colocation ``offload_to_cpu`` (drain, free slots: accelerator state
+    bytes go to 0) / ``restore_from_cpu`` (nothing to move; slots come back on the next step),
+    and ``reload_model_params`` support (masters re-read from the model params).
+    """
+
+    def prepare_grads(self) -> bool:
+        if not self.is_stub_optimizer:
+            self.optimizer.prefetch()
+        return super().prepare_grads()
+
+    def offload_to_cpu(self) -> None:
+        if not self.is_stub_optimizer:
+            self.optimizer.drain(release=True)
+
+    def restore_from_cpu(self) -> None:
+        """State never left the host; slots are re-allocated lazily by the next step."""
+
+    def _copy_model_params_to_main_params(self, state_dict=None) -> None:
+        if self.is_stub_optimizer:
+            return
+        if state_dict is not None:
+            raise UnsupportedMegatronConfigError(
+                "reload_model_params(state_dict=...) is not supported with staged state; load the model "
+                "weights first, then call reload_model_params() without a state_dict")
+        opt = self.optimizer
+        for g in opt.param_groups:
+            for p in g["params"]:
+                opt.set_scaled_state(p, "master_param", p.detach().float())
+
+    @property
+    def gpu_state_bytes(self) -> int:
+        return 0 if self.is_stub_optimizer else self.optimizer.gpu_state_bytes
+
+
+def _restage(leaf: DistributedOptimizer, cfg: StagedOptimizerConfig) -> DistributedOptimizer:
+    if leaf.is_stub_optimizer:
+        return leaf
+    groups = []
+    for gi, gr in enumerate(leaf.opt_group_ranges):
+        orig = gr["orig_group"]
+        params = list(leaf.model_fp32_groups[gi]) + list(leaf.model_float16_groups[gi])
+        groups.append({**{k: v for k, v in orig.items() if k != "params"}, "params": params})
+    a = cfg.adamw
+    inner = StagedAdamW(groups, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,
+                        slots=cfg.slots, staged_fraction=cfg.staged_fraction, impl=a.impl)
+    # Precision-aware flags on a copy: OptimizerConfig's own check only looks for TE FusedAdam.
+    pa = copy.copy(leaf.config)
+    pa.use_precision_aware_optimizer = True
+    pa.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    pa.store_param_remainders = False
+    new = StagedDistributedOptimizer(
+        inner, pa, leaf.grad_scaler, _init_state_fn,
+        model_chunks=leaf.model_chunks, per_model_buffers=leaf.per_model_buffers,
+        data_parallel_group=leaf.data_parallel_group, data_parallel_group_gloo=leaf.data_parallel_group_gloo,
+        data_parallel_group_idx=leaf.data_parallel_group_idx,
+        distributed_optimizer_instance_id=leaf.distributed_optimizer_instance_id,
+    )
+    for attr in ("grad_stats_parallel_group", "tp_group", "expert_tp_group"):
+        if hasattr(leaf, attr):
+            setattr(new, attr, getattr(leaf, attr))
+    new.optimizer.initialize_state()  # allocate slabs now (host RAM checked), masters <- params
+    return new
+
+
+def staged_leaves(optimizer: Any) -> list[StagedDistributedOptimizer]:
+    """The staged leaves of a (possibly chained) Megatron optimizer."""
+    leaves = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return [x for x in leaves if isinstance(x, StagedDistributedOptimizer)]
+
+
+def get_staged_optimizer(config: StagedOptimizerConfig, model_chunks: list[Any], *,
+                         megatron_config: OptimizerConfig | None = None, config_overrides: Any = None,
+                         pg_collection: Any = None, use_gloo_process_groups: bool = True):
+    """Build Megatron's optimizer for ``model_chunks`` with staged AdamW state.
+
+    Args:
+        config: algorithm / residency / slots / hyper-parameters.
+        model_chunks: Megatron DDP-wrapped model chunks (``use_distributed_optimizer=True``).
+        megatron_config: a full Megatron ``OptimizerConfig`` to start from (LR schedule fields,
+            ``config_overrides`` semantics); default :func:`megatron_optimizer_config`.
+        pg_collection: explicit process groups, passed to ``get_megatron_optimizer``.
+
+    Returns the Megatron optimizer (``ChainedOptimizer`` of :class:`StagedDistributedOptimizer`
+    leaves). ``residency='gpu'`` returns the stock Megatron optimizer unchanged.
+    """
+    if config.algorithm != "adamw":
+        from optim_staged.config import StagedConfigError
+
+        raise StagedConfigError(
+            f"algorithm={config.algorithm!r}: get_staged_optimizer builds AdamW; for Muon use "
+            "optim_staged.muon.StagedMuon.from_tensor_parallel_muon on Megatron's Muon leaves")
+    mcfg = megatron_config or megatron_optimizer_config(config, model_chunks)
+    _check_supported(mcfg, model_chunks)
+    opt = get_megatron_optimizer(mcfg, model_chunks, config_overrides=config_overrides,
+                                 use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection)
+    if config.residency == "gpu":
+        return opt
+    if isinstance(opt, ChainedOptimizer):
+        opt.chained_optimizers = [_restage(x, config) if isinstance(x, DistributedOptimizer) else x
+                                  for x in opt.chained_optimizers]
+        return opt
+    return _restage(opt, config)
