@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 __all__ = ["Forest", "build_forest", "build_chain_forest", "as_token_lists", "EmptySequenceError",
-           "TokenOutOfRangeError"]
+           "TokenOutOfRangeError", "lexicographic_order"]
 
 
 class EmptySequenceError(ValueError):
@@ -185,6 +185,15 @@ class Forest:
         return Forest(**kw)
 
 
+def lexicographic_order(arrs: list[np.ndarray]) -> list[int]:
+    """Indices sorting non-negative int64 sequences lexicographically (a prefix sorts first).
+
+    Big-endian bytes compare like the integer sequences, so the sort runs on ``memcmp``.
+    """
+    keys = [a.astype(">i8").tobytes() for a in arrs]
+    return sorted(range(len(arrs)), key=keys.__getitem__)
+
+
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     m = min(a.size, b.size)
     if m == 0:
@@ -233,7 +242,7 @@ def build_forest(seqs: Sequence, *, vocab_size: int | None = None, device=None) 
     Raises :class:`EmptySequenceError` and :class:`TokenOutOfRangeError` (with ``vocab_size``).
     """
     arrs = as_token_lists(seqs, vocab_size=vocab_size)
-    order = sorted(range(len(arrs)), key=lambda i: arrs[i].tolist())
+    order = lexicographic_order(arrs)
     tok_parts, par_parts, dep_parts = [], [], []
     paths: list[np.ndarray | None] = [None] * len(arrs)
     prev: np.ndarray | None = None

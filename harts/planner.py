@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from harts.config import CostModelConfig, PlannerConfig
-from harts.forest import Forest, _lcp, as_token_lists, build_chain_forest, build_forest
+from harts.forest import Forest, _lcp, as_token_lists, build_chain_forest, build_forest, lexicographic_order
 
 __all__ = ["CapacityError", "PlanError", "SharingStats", "sharing_stats", "Microbatch", "StepPlan", "plan_step",
            "fit_cost_model"]
@@ -195,7 +195,7 @@ def plan_step(seqs, config: PlannerConfig, *, vocab_size: int | None = None) -> 
                                 f"alignment to {cfg.align}), more than token_cap={cfg.token_cap}")
     if len(arrs) < cfg.dp_size:
         raise PlanError(f"{len(arrs)} sequences cannot fill dp_size={cfg.dp_size} ranks")
-    order = sorted(range(len(arrs)), key=lambda i: arrs[i].tolist())
+    order = lexicographic_order(arrs)
     runs, cur, rows, prev = [], [], 0, None
     for i in order:
         a = arrs[i]

@@ -38,7 +38,7 @@ def _grads(model):
 
 
 def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=False, tol, grad_tol=None,
-                  device="cpu", backend="dense"):
+                  device="cpu", backend="dense", **model_kw):
     """Shared by the 1-rank test, the TP=2 rank body and the GPU lane."""
     grad_tol = tol if grad_tol is None else grad_tol
     from harts.megatron import apply_harts, tree_forward
@@ -46,7 +46,7 @@ def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=
     seed_all(1234)
     cfg = TinyGPTConfig(vocab_size=VOCAB + (VOCAB % 2 if torch.distributed.get_world_size() > 1 else 0),
                         params_dtype=dtype, recompute=recompute, tie_embeddings=tie,
-                        tensor_model_parallel_size=torch.distributed.get_world_size())
+                        tensor_model_parallel_size=torch.distributed.get_world_size(), **model_kw)
     model = build_tiny_gpt(cfg).to(device=device, dtype=dtype)  # the torch-norm fallback keeps norm weights in fp32 otherwise
     apply_harts(model)
     forest = build_forest(seqs, vocab_size=VOCAB, device=device).padded(torch.distributed.get_world_size())
@@ -90,6 +90,19 @@ def test_tree_equals_per_sequence_fp64(cpu_megatron, seqs, recompute):
 def test_tree_equals_per_sequence_fp32_tied(cpu_megatron, mode):
     seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 4, 5, 6], [1, 2]]
     run_exactness(seqs, dtype=torch.float32, recompute=False, mode=mode, tie=True, tol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_tree_equals_per_sequence_dropless_moe(cpu_megatron):
+    """Dropless top-2 MoE (allgather dispatcher): routing is per token, so trees stay exact.
+
+    Megatron always takes the router softmax in fp32 (``moe_utils.topk_routing_with_score_function``),
+    and at a fork the summed upstream gradient is rounded to fp32 once instead of per branch, so
+    gradients agree to fp32 rounding of the router path (1e-8) while values stay at 1e-10.
+    """
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 4, 5, 6], [9, 9]]
+    run_exactness(seqs, dtype=torch.float64, recompute=False, tol=1e-10, grad_tol=1e-8, num_moe_experts=4,
+                  moe_router_topk=2)
 
 
 @pytest.mark.timeout(120)
