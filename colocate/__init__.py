@@ -1,4 +1,7 @@
-"""colocate: residency, Megatron → HF/SGLang weight publication, forked colocated workers."""
+"""colocate: residency, Megatron → HF/SGLang weight publication, forked colocated workers.
+
+Re-exports only; ``import colocate`` needs neither CUDA nor sglang (both imported lazily).
+"""
 
 from colocate.buckets import Entry, pack_bucket, plan_buckets, tensor_checksum, unpack_bucket
 from colocate.config import ConfigError, EngineConfig, HFModelSpec, PublishConfig, WorkerSpec
@@ -13,6 +16,24 @@ from colocate.convert import (
     merge_tp_shards,
     split_qkv,
 )
+from colocate.cycle import ColocatedCycle
+from colocate.engines import (
+    GenerateResult,
+    HFEngine,
+    UpdateError,
+    WeightReceiver,
+    build_hf_model,
+    hf_checkpoint_views,
+    hf_config,
+)
+from colocate.megatron import (
+    iter_hf_weights,
+    megatron_residency_hooks,
+    model_spec_from_megatron,
+    publish_megatron,
+    unwrap_model,
+)
+from colocate.publish import PoisonedVersionError, Publisher, PublishError, PublishReport
 from colocate.reference import reference_merge_glu, reference_split_qkv, reference_tensor_checksum
 from colocate.residency import (
     ENGINE_TAGS,
@@ -24,11 +45,38 @@ from colocate.residency import (
     ResidencyEvent,
     TensorOffload,
 )
+from colocate.sglang_engine import SGLangEngine, sglang_checksum
+from colocate.transports import (
+    ReceiverDied,
+    ReceiverTimeout,
+    RemoteError,
+    RemoteReceiver,
+    TransportError,
+    choose_transport,
+    spawn_receiver,
+)
+from colocate.workers import (
+    ForkedWorker,
+    LocalScheduler,
+    SlurmScheduler,
+    WorkerError,
+    WorkerStartTimeout,
+    ipc_key,
+    mark_ready,
+    merge_env,
+    physical_gpu_ids,
+)
 
 __all__ = [
-    "ENGINE_TAGS", "TRAINER_TAGS", "BusyError", "ConfigError", "ConversionError", "EngineConfig", "Entry",
-    "HFModelSpec", "NotResidentError", "ParamMismatchError", "PublishConfig", "Residency", "ResidencyError",
-    "ResidencyEvent", "TensorOffload", "WorkerSpec", "check_params", "globalize_name", "hf_param_specs",
-    "megatron_to_hf", "merge_qkv", "merge_tp_shards", "pack_bucket", "plan_buckets", "reference_merge_glu",
-    "reference_split_qkv", "reference_tensor_checksum", "split_qkv", "tensor_checksum", "unpack_bucket",
+    "ENGINE_TAGS", "TRAINER_TAGS", "BusyError", "ColocatedCycle", "ConfigError", "ConversionError", "EngineConfig",
+    "Entry", "ForkedWorker", "GenerateResult", "HFEngine", "HFModelSpec", "LocalScheduler", "NotResidentError",
+    "ParamMismatchError", "PoisonedVersionError", "PublishConfig", "PublishError", "PublishReport", "Publisher",
+    "ReceiverDied", "ReceiverTimeout", "RemoteError", "RemoteReceiver", "Residency", "ResidencyError",
+    "ResidencyEvent", "SGLangEngine", "SlurmScheduler", "TensorOffload", "TransportError", "UpdateError",
+    "WeightReceiver", "WorkerError", "WorkerSpec", "WorkerStartTimeout", "build_hf_model", "check_params",
+    "choose_transport", "globalize_name", "hf_checkpoint_views", "hf_config", "hf_param_specs", "ipc_key",
+    "iter_hf_weights", "mark_ready", "megatron_residency_hooks", "megatron_to_hf", "merge_env", "merge_qkv",
+    "merge_tp_shards", "model_spec_from_megatron", "pack_bucket", "physical_gpu_ids", "plan_buckets",
+    "publish_megatron", "reference_merge_glu", "reference_split_qkv", "reference_tensor_checksum",
+    "sglang_checksum", "spawn_receiver", "split_qkv", "tensor_checksum", "unpack_bucket", "unwrap_model",
 ]

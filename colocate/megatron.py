@@ -16,7 +16,8 @@ import torch.distributed as dist
 from colocate.config import HFModelSpec
 from colocate.convert import globalize_name, megatron_to_hf, merge_tp_shards
 
-__all__ = ["unwrap_model", "model_spec_from_megatron", "iter_hf_weights", "megatron_residency_hooks"]
+__all__ = ["unwrap_model", "model_spec_from_megatron", "iter_hf_weights", "publish_megatron",
+           "megatron_residency_hooks"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -106,6 +107,44 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, sp
                     yield from megatron_to_hf(gname, t, spec=spec)
             else:
                 yield from megatron_to_hf(globalize_name(name, layer_id=layer_id), full, spec=spec)
+
+
+def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, dtype: torch.dtype | None = None,
+                     pg_collection=None):
+    """Collective: every rank of the TP/EP groups calls this; the rank holding the receiver
+    passes ``publish`` (e.g. ``Publisher.publish`` or ``ColocatedCycle.publish``), the others
+    pass None and only take part in the gathers. Tensors are cast to ``dtype`` one at a time
+    (None keeps the training dtype). Returns the publish report (None on non-publishing ranks).
+
+    With a single pipeline stage the name/shape/dtype check runs before any gather; with several
+    stages each stage publishes its own part (``require_all`` relaxed by the caller's publisher).
+    """
+    chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
+    first = next(unwrap_model(chunks[0]).parameters())
+    out_dtype = dtype or first.dtype
+    stream = ((n, t if t.dtype == out_dtype or n.endswith("e_score_correction_bias") else t.to(out_dtype))
+              for n, t in iter_hf_weights(chunks, spec=spec, pg_collection=pg_collection))
+    if publish is None:
+        for _ in stream:
+            pass
+        return None
+    pp = pg_collection.pp if pg_collection is not None else None
+    if pp is None:
+        from megatron.core import parallel_state as ps
+
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+    else:
+        pp_size = dist.get_world_size(pp)
+    meta = None
+    if pp_size == 1:
+        from colocate.convert import hf_param_specs
+
+        meta = hf_param_specs(spec, dtype=out_dtype)
+        if spec.router_dtype is None and spec.num_experts:
+            for n in meta:
+                if n.endswith("mlp.gate.weight"):
+                    meta[n] = (meta[n][0], out_dtype)
+    return publish(stream, version=version, meta=meta)
 
 
 def megatron_residency_hooks(ddp_models: list[torch.nn.Module], optimizer=None) -> dict:
