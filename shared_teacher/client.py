@@ -97,6 +97,10 @@ class StudentReader:
         return StudentCursor.from_dict(
             self.client.call("ack_step", lease=self.lease, window=window.index, timeout=timeout or self.timeout))
 
+    def leave(self, reason: str = "left") -> None:
+        """Stop consuming (step limit reached); the source fences this student once its processes exit."""
+        self.client.call("leave", lease=self.lease, reason=reason)
+
     def __iter__(self):
         while (w := self.next_window()) is not None:
             yield w

@@ -142,6 +142,7 @@ class SharedTeacherSource:
         self._closed = False
         self._last_progress = time.monotonic()
         self.errors: list[BaseException] = []
+        self.events: list[tuple[str, str, float]] = []  # (event, student, monotonic time) of failures/fencing
         self.counters = {"admitted": 0, "skipped": 0, "published": 0, "freed": 0, "windows": 0, "dropped": 0}
         self._fencers: dict[str, threading.Thread] = {}
         self._monitor = threading.Thread(target=self._monitor_loop, name="shared-teacher-monitor", daemon=True)
@@ -222,7 +223,11 @@ class SharedTeacherSource:
     def plan(self, *, timeout: float) -> dict:
         """Block until every student subscribed; returns where production starts."""
         with self._cv:
-            self._wait(lambda: self._start_epoch is not None, timeout, "plan: waiting for all students to subscribe")
+            pending = lambda: [n for n, s in self._students.items() if s.status == "pending"]  # noqa: E731
+            try:
+                self._wait(lambda: self._start_epoch is not None, timeout, "plan")
+            except TimeoutError:
+                raise TimeoutError(f"plan: students {pending()} did not subscribe within {timeout:.1f}s") from None
             return {"start_epoch": self._start_epoch, "num_epochs": self.cfg.num_epochs, "nodes": self.nodes,
                     "sizes": self.sizes, "schema_key": self.cfg.key.schema_key(),
                     "start": dict(self._admit_pos)}
@@ -501,6 +506,12 @@ class SharedTeacherSource:
         self._cv.notify_all()
 
     # ---------------------------------------------------------------- failures
+    def leave(self, *, lease: str, reason: str = "left") -> None:
+        """A student stops early (step limit, preemption): same path as a failure, fenced on exit."""
+        with self._cv:
+            st, _ = self._lease(lease)
+            self.fail_student(st.spec.name, reason)
+
     def fail_student(self, student: str, reason: str) -> None:
         """Stop dispatching to ``student``; fencing (then pin release) follows on the monitor thread."""
         with self._cv:
@@ -508,6 +519,7 @@ class SharedTeacherSource:
             if st.status in ("pending", "live"):
                 st.status = "failed"
                 st.reason = reason
+                self.events.append(("failed", student, time.monotonic()))
                 for lid in [ls.lease_id for ls in st.leases.values()]:
                     self._leases.pop(lid, None)
                 self._pump()  # lag bounds of the others no longer include it
@@ -543,10 +555,13 @@ class SharedTeacherSource:
                     f"student {student!r}: reader processes {sorted(alive)} still alive after {limit:.1f}s "
                     f"(not owned, or did not die on SIGKILL); its pins stay, memory is not recycled")
                 self.errors.append(err)
+                self.events.append(("teardown_blocked", student, time.monotonic()))
                 raise err
+            self.events.append(("exit_confirmed", student, time.monotonic()))
             for e in list(self._entries.values()):
                 if student in e.pins:
                     self._unpin(e, student)
+            self.events.append(("pins_released", student, time.monotonic()))
             st.windows.clear()
             st.status = "fenced"
             self._pump()
@@ -589,10 +604,21 @@ class SharedTeacherSource:
             self.fence(name)
         except SharedTeacherError:
             pass  # recorded in self.errors; the student stays blocked
+        except BaseException as e:  # noqa: BLE001 - an unexpected failure must not leave it 'fencing' silently
+            with self._cv:
+                self._students[name].status = "blocked"
+                self.errors.append(e)
+                self.events.append(("teardown_blocked", name, time.monotonic()))
 
     def _monitor_loop(self) -> None:
         while not self._closed:
-            self.tick()
+            try:
+                self.tick()
+            except BaseException as e:  # noqa: BLE001 - keep monitoring; surface the error to every caller
+                with self._cv:
+                    self.errors.append(e)
+                    self._fatal = self._fatal or e
+                    self._cv.notify_all()
             time.sleep(0.05)
 
     # ---------------------------------------------------------------- observability
