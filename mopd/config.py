@@ -121,6 +121,9 @@ class DivergenceConfig:
     the coarsened distributions), ``renorm`` renormalizes both over the k ids."""
     chunk_rows: int = 1024
     """Rows per chunk; bounds the temporaries to ``[chunk_rows, V]``."""
+    check_finite: bool = True
+    """Raise :class:`~mopd.errors.NonFiniteInputError` on NaN/inf in an active row (teacher
+    log-probs may be −inf: probability 0). One host sync per chunk."""
 
     def __post_init__(self) -> None:
         _choice("divergence.kind", self.kind, DIVERGENCES)

@@ -27,28 +27,44 @@ from collections.abc import Callable
 import torch
 
 from mopd.config import DivergenceConfig
-from mopd.objectives import check_finite
+from mopd.errors import NonFiniteInputError
 
 __all__ = ["full_vocab_divergence", "topk_divergence", "row_divergence"]
 
 
-def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    """Σ_v e^{p} (p − q) over the last dim, with 0·log 0 = 0 (p = −inf entries dropped)."""
+def _kl(p_log: torch.Tensor, q_log: torch.Tensor, *, p_finite: bool = False) -> torch.Tensor:
+    """Σ_v e^{p} (p − q) over the last dim, with 0·log 0 = 0 (p = −inf entries dropped unless
+    the caller knows ``p_log`` is finite, e.g. a student log-softmax of finite logits)."""
     p = p_log.exp()
-    diff = torch.where(p > 0, p_log - q_log, torch.zeros_like(p_log))
+    diff = p_log - q_log
+    if not p_finite:
+        diff = torch.where(p > 0, diff, torch.zeros_like(diff))
     return (p * diff).sum(-1)
 
 
 def row_divergence(s: torch.Tensor, t: torch.Tensor, *, kind: str, beta: float) -> torch.Tensor:
-    """Divergence per row between log-prob rows ``s`` (student) and ``t`` (teacher), ``[N, C]`` → ``[N]``."""
+    """Divergence per row between log-prob rows ``s`` (student, finite) and ``t`` (teacher,
+    may hold −inf), ``[N, C]`` → ``[N]``."""
     if kind == "forward_kl" or (kind == "jsd" and beta == 0.0):
         return _kl(t, s)
     if kind == "reverse_kl" or (kind == "jsd" and beta == 1.0):
-        return _kl(s, t)
+        return _kl(s, t, p_finite=True)
     if kind == "jsd":
         m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
-        return beta * _kl(t, m) + (1.0 - beta) * _kl(s, m)
+        return beta * _kl(t, m) + (1.0 - beta) * _kl(s, m, p_finite=True)
     raise ValueError(f"kind must be forward_kl, reverse_kl or jsd, got {kind!r}")
+
+
+def _check_rows(name: str, x: torch.Tensor, m: torch.Tensor, offset: int) -> None:
+    """Raise :class:`NonFiniteInputError` if an active row of this chunk has NaN/inf (−inf is
+    allowed in teacher log-probs: probability 0)."""
+    ok = (~torch.isnan(x) & (x != math.inf)) if name == "teacher_logp" else torch.isfinite(x)
+    bad = m & ~ok.all(-1)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0, 0])
+        c = int((~ok[r]).nonzero()[0, 0])
+        raise NonFiniteInputError(f"{name} is non-finite at active position ({offset + r}, {c}) "
+                                  f"(value {x[r, c].item()!r})")
 
 
 class _ChunkedRowLoss(torch.autograd.Function):
@@ -57,15 +73,17 @@ class _ChunkedRowLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, mask, chunk_rows, fn, teacher):
         need_grad = ctx.needs_input_grad[0]
-        grad = torch.zeros_like(logits) if need_grad else None
+        grad = torch.empty_like(logits) if need_grad else None
         total = torch.zeros((), dtype=torch.float64, device=logits.device)
+        all_active = bool(mask.all())
         for i in range(0, logits.shape[0], chunk_rows):
             j = min(i + chunk_rows, logits.shape[0])
             m = mask[i:j]
+            dense = all_active or bool(m.all())
             with torch.enable_grad():
                 z = logits[i:j].detach().requires_grad_(need_grad)
-                per_row = fn(z, m, *(x[i:j] for x in teacher))
-                chunk = torch.where(m, per_row, torch.zeros_like(per_row)).sum()
+                per_row = fn(z, m, dense, i, *(x[i:j] for x in teacher))
+                chunk = (per_row if dense else torch.where(m, per_row, torch.zeros_like(per_row))).sum()
                 if need_grad:
                     (g,) = torch.autograd.grad(chunk, z)
                     grad[i:j] = g
@@ -81,6 +99,10 @@ class _ChunkedRowLoss(torch.autograd.Function):
 
 def _run(logits: torch.Tensor, mask: torch.Tensor, chunk_rows: int, fn: Callable, *teacher: torch.Tensor):
     return _ChunkedRowLoss.apply(logits, mask, chunk_rows, fn, teacher)
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _prep(student_logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -110,14 +132,16 @@ def full_vocab_divergence(student_logits: torch.Tensor, teacher_logp: torch.Tens
     mask = _prep(student_logits, mask)
     if teacher_logp.shape != student_logits.shape:
         raise ValueError(f"teacher_logp shape {tuple(teacher_logp.shape)} != student_logits {tuple(student_logits.shape)}")
-    row_mask = mask[:, None].expand_as(student_logits)
-    check_finite("student_logits", student_logits.detach(), row_mask)
-    check_finite("teacher_logp", teacher_logp, row_mask)
-    tau, kind, beta = config.temperature, config.kind, config.beta
+    tau, kind, beta, check = config.temperature, config.kind, config.beta, config.check_finite
 
-    def fn(z, m, t):
-        z = torch.where(m[:, None], z, torch.zeros_like(z))
-        t = torch.where(m[:, None], t.detach().to(z.dtype), torch.zeros_like(z))
+    def fn(z, m, dense, offset, t):
+        if check:
+            _check_rows("student_logits", z.detach(), m, offset)
+            _check_rows("teacher_logp", t, m, offset)
+        z, t = _upcast(z), _upcast(t.detach())
+        if not dense:
+            z = torch.where(m[:, None], z, torch.zeros_like(z))
+            t = torch.where(m[:, None], t, torch.zeros_like(t))
         return row_divergence(torch.log_softmax(z / tau, -1), torch.log_softmax(t, -1), kind=kind, beta=beta)
 
     return _run(student_logits, mask, config.chunk_rows, fn, teacher_logp), mask.sum()
@@ -144,19 +168,21 @@ def topk_divergence(student_logits: torch.Tensor, teacher_ids: torch.Tensor, tea
     k = teacher_ids.shape[1]
     if k > v:
         raise ValueError(f"top-k width k={k} exceeds vocabulary V={v}")
-    row_mask = mask[:, None].expand(n, k)
-    check_finite("student_logits", student_logits.detach(), mask[:, None].expand(n, v))
-    check_finite("teacher_logp", teacher_logp, row_mask)
-    bad_ids = row_mask & ((teacher_ids < 0) | (teacher_ids >= v))
+    bad_ids = mask[:, None] & ((teacher_ids < 0) | (teacher_ids >= v))
     if bool(bad_ids.any()):
         idx = tuple(bad_ids.nonzero()[0].tolist())
         raise ValueError(f"teacher_ids out of range [0, {v}) at active position {idx}: {teacher_ids[idx].item()}")
-    tau, kind, beta, tail = config.temperature, config.kind, config.beta, config.top_k_tail
+    tau, kind, beta, tail, check = config.temperature, config.kind, config.beta, config.top_k_tail, config.check_finite
 
-    def fn(z, m, ids, t):
-        z = torch.where(m[:, None], z, torch.zeros_like(z))
-        ids = torch.where(m[:, None], ids, torch.arange(k, device=ids.device).expand_as(ids))
-        t = torch.where(m[:, None], t.detach().to(z.dtype), torch.full_like(t, -math.log(v), dtype=z.dtype))
+    def fn(z, m, dense, offset, ids, t):
+        if check:
+            _check_rows("student_logits", z.detach(), m, offset)
+            _check_rows("teacher_logp", t, m, offset)
+        z, t = _upcast(z), _upcast(t.detach())
+        if not dense:
+            z = torch.where(m[:, None], z, torch.zeros_like(z))
+            ids = torch.where(m[:, None], ids, torch.arange(k, device=ids.device).expand_as(ids))
+            t = torch.where(m[:, None], t, torch.full_like(t, -math.log(v)))
         s_full = torch.log_softmax(z / tau, -1)
         s = s_full.gather(-1, ids)
         if tail == "renorm":

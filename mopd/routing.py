@@ -158,7 +158,7 @@ class TargetAccumulator:
         self.mix_lse = torch.full_like(self.logp_sum, -math.inf)
         self.old_logp = old_logp
         self.loss_mask = self.valid if loss_mask is None else (loss_mask.bool() & self.valid)
-        self.teacher_stats: dict[str, dict[str, float]] = {}
+        self._stats: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, teacher_id: str, indices: torch.Tensor, weights: torch.Tensor, logp: torch.Tensor) -> None:
         """Add teacher ``teacher_id``'s scores ``logp [n, L]`` of samples ``indices [n]`` with
@@ -166,13 +166,14 @@ class TargetAccumulator:
         n, L = indices.shape[0], self.valid.shape[1]
         if logp.shape != (n, L):
             raise ValueError(f"teacher {teacher_id!r}: logp shape {tuple(logp.shape)} != (n={n}, L={L})")
-        if teacher_id in self.teacher_stats:
+        if teacher_id in self._stats:
             raise ValueError(f"teacher {teacher_id!r} was already added to this accumulator")
-        if n and bool((weights <= 0).any()) or not bool(torch.isfinite(weights).all()):
-            raise ValueError(f"teacher {teacher_id!r}: weights must be finite and > 0, got {weights.tolist()}")
         valid = self.valid[indices]
         bad = valid & ~torch.isfinite(logp)
-        if bool(bad.any()):
+        bad_w = (weights <= 0) | ~torch.isfinite(weights)
+        if bool(bad.any() | bad_w.any()):  # the only host sync of add()
+            if bool(bad_w.any()):
+                raise ValueError(f"teacher {teacher_id!r}: weights must be finite and > 0, got {weights.tolist()}")
             r, c = bad.nonzero()[0].tolist()
             raise NonFiniteInputError(
                 f"teacher {teacher_id!r} returned non-finite log-prob {logp[r, c].item()!r} for batch sample "
@@ -186,12 +187,18 @@ class TargetAccumulator:
                            torch.full_like(lp, -math.inf))
         self.mix_lse[indices] = torch.logaddexp(self.mix_lse[indices], term)
         m = self.loss_mask[indices]
-        stats = {"samples": float(n), "tokens": float(m.sum()), "weight_sum": float((w * m).sum()),
-                 "logp_sum": float((lp * m).sum())}
+        stats = {"samples": torch.tensor(float(n)), "tokens": m.sum(), "weight_sum": (w * m).sum(),
+                 "logp_sum": (lp * m).sum()}
         if self.old_logp is not None:
             old = torch.where(m, self.old_logp[indices].to(lp.dtype), torch.zeros_like(lp))
-            stats["reward_vs_behaviour_sum"] = float((w * (lp - old) * m).sum())
-        self.teacher_stats[teacher_id] = stats
+            stats["reward_vs_behaviour_sum"] = (w * (lp - old) * m).sum()
+        self._stats[teacher_id] = stats
+
+    @property
+    def teacher_stats(self) -> dict[str, dict[str, float]]:
+        """Per teacher: ``samples``, ``tokens`` (in ``loss_mask``), ``weight_sum``, ``logp_sum``
+        and, with ``old_logp``, ``reward_vs_behaviour_sum`` = Σ w (ℓ_j − ℓ_old). Reading it syncs."""
+        return {t: {k: float(v) for k, v in st.items()} for t, st in self._stats.items()}
 
     def targets(self) -> TokenTargets:
         """The aggregated targets (detached ``[B, L]`` tensors)."""

@@ -135,7 +135,7 @@ _DIV_CHANGES = {"kind": "forward_kl", "beta": 0.2, "temperature": 0.5, "top_k_ta
 
 def test_every_divergence_config_value_reaches_the_kernel(monkeypatch):
     names = {f.name for f in dataclasses.fields(DivergenceConfig)}
-    assert names == set(_DIV_CHANGES) | {"chunk_rows"}, "add the new field to _DIV_CHANGES"
+    assert names == set(_DIV_CHANGES) | {"chunk_rows", "check_finite"}, "add the new field to _DIV_CHANGES"
     z, _, ids, t_k, mask = _data(seed=8)
     base_cfg = DivergenceConfig(kind="jsd", beta=0.6)
 
@@ -154,6 +154,24 @@ def test_every_divergence_config_value_reaches_the_kernel(monkeypatch):
         got = value(dataclasses.replace(base_cfg, chunk_rows=rows))
         assert len(calls) == math.ceil(13 / rows) and max(calls) <= rows
         assert abs(got - base) < 1e-12
+    # check_finite: on → typed error on a NaN in an active row, off → the NaN reaches the loss
+    t_nan = t_k.clone()
+    t_nan[int(mask.nonzero()[0, 0]), 0] = float("nan")
+    with pytest.raises(NonFiniteInputError):
+        div.topk_divergence(z, ids, t_nan, mask, config=base_cfg)
+    off = div.topk_divergence(z, ids, t_nan, mask, config=dataclasses.replace(base_cfg, check_finite=False))[0]
+    assert math.isnan(off.item())
+
+
+def test_teacher_zero_probability_is_allowed():
+    z, t, _, _, mask = _data(seed=9)
+    t[:, 0] = -math.inf
+    t = torch.log_softmax(t, -1)
+    loss, _ = div.full_vocab_divergence(z, t, mask, config=DivergenceConfig(kind="forward_kl"))
+    assert torch.isfinite(loss) and torch.isfinite(_grad(loss, z)).all()
+    z2 = z.detach().clone().requires_grad_(True)
+    expect = ref.divergence_reference(z2, t, mask, kind="forward_kl", beta=0.5, temperature=1.0)
+    assert_close("loss", expect.detach(), loss.detach(), atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("kwargs,match", [({"kind": "tv"}, "divergence.kind"), ({"beta": 1.5}, "divergence.beta"),
