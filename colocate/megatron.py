@@ -150,10 +150,13 @@ def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, 
 def megatron_residency_hooks(ddp_models: list[torch.nn.Module], optimizer=None) -> dict:
     """Release/resume callables for a :class:`colocate.residency.Residency` over Megatron DDP.
 
-    Tags: ``grads`` (DDP flat grad buffers: storage resized to 0 / re-created zeroed),
-    ``weights`` (DDP flat param buffers: copied to a CPU mirror, storage resized to 0, then
-    restored), ``optimizer`` (every optimizer state tensor moved to CPU and back). Each
-    callable returns the bytes it freed or restored.
+    Tags: ``optimizer``, ``grads`` (DDP flat grad buffers: storage resized to 0, re-created
+    zeroed), ``weights`` (DDP flat param buffers: copied to a CPU mirror, storage resized to 0,
+    then restored in place, so parameters and optimizer shards stay views of the buffer).
+    Optimizer leaves that stage their state on the host (``optim_staged``, recognised by
+    ``gpu_state_bytes``) use their own ``offload_to_cpu``/``restore_from_cpu``; other leaves get
+    their state tensors offloaded like the buffers (Megatron's own ``offload_to_cpu`` replaces
+    ``p.data`` and would break the aliasing with the param buffer). Callables return bytes moved.
     """
     from colocate.residency import TensorOffload
 
@@ -168,13 +171,16 @@ def megatron_residency_hooks(ddp_models: list[torch.nn.Module], optimizer=None) 
                     out.append(t)
         return out
 
+    leaves = [] if optimizer is None else list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    staged = [x for x in leaves if hasattr(x, "gpu_state_bytes") and hasattr(x, "offload_to_cpu")]
+    plain = [x for x in leaves if x not in staged]
+
     def opt_states() -> list[torch.Tensor]:
-        if optimizer is None:
-            return []
-        opts = getattr(optimizer, "chained_optimizers", [optimizer])
         out = []
-        for o in opts:
+        for o in plain:
             inner = getattr(o, "optimizer", o)
+            if inner is None:
+                continue
             for st in inner.state.values():
                 out += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
         return out
@@ -182,5 +188,19 @@ def megatron_residency_hooks(ddp_models: list[torch.nn.Module], optimizer=None) 
     grads = TensorOffload(lambda: buffers("grad_data"), keep_contents=False)
     weights = TensorOffload(lambda: buffers("param_data"), keep_contents=True)
     optim = TensorOffload(opt_states, keep_contents=True)
-    return {"grads": (grads.release, grads.resume), "weights": (weights.release, weights.resume),
-            "optimizer": (optim.release, optim.resume)}
+
+    def release_optimizer() -> int:
+        freed = 0
+        for x in staged:
+            before = x.gpu_state_bytes
+            x.offload_to_cpu()
+            freed += before - x.gpu_state_bytes
+        return freed + optim.release()
+
+    def resume_optimizer() -> int:
+        for x in staged:
+            x.restore_from_cpu()  # staged state never left the host; slots return on the next step
+        return optim.resume()
+
+    return {"optimizer": (release_optimizer, resume_optimizer), "grads": (grads.release, grads.resume),
+            "weights": (weights.release, weights.resume)}
