@@ -20,22 +20,30 @@ from harts.planner import StepPlan
 __all__ = ["gather_sequences", "RowExchange"]
 
 
+def _comm_device(group) -> torch.device:
+    """Device of communication buffers: CUDA for NCCL groups, CPU otherwise."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def gather_sequences(local_seqs: Sequence, *, group=None) -> tuple[list[torch.Tensor], list[int]]:
-    """All-gather every rank's token sequences. Returns (all sequences in global-id order, rows per rank)."""
-    ts = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in local_seqs]
-    lens = torch.tensor([t.numel() for t in ts], dtype=torch.int64)
-    flat = torch.cat(ts) if ts else torch.zeros(0, dtype=torch.int64)
+    """All-gather every rank's token sequences. Returns (all sequences in global-id order, on
+    CPU, rows per rank)."""
+    dev = _comm_device(group)
+    ts = [torch.as_tensor(s, dtype=torch.int64).reshape(-1).to(dev) for s in local_seqs]
+    lens = torch.tensor([t.numel() for t in ts], dtype=torch.int64, device=dev)
+    flat = torch.cat(ts) if ts else torch.zeros(0, dtype=torch.int64, device=dev)
     world = dist.get_world_size(group)
-    sizes = torch.tensor([lens.numel(), flat.numel()], dtype=torch.int64)
+    sizes = torch.tensor([lens.numel(), flat.numel()], dtype=torch.int64, device=dev)
     all_sizes = [torch.zeros_like(sizes) for _ in range(world)]
     dist.all_gather(all_sizes, sizes, group=group)
     mr, mt = max(int(s[0]) for s in all_sizes), max(int(s[1]) for s in all_sizes)
-    lp = [torch.zeros(mr, dtype=torch.int64) for _ in range(world)]
-    fp = [torch.zeros(mt, dtype=torch.int64) for _ in range(world)]
+    lp = [torch.zeros(mr, dtype=torch.int64, device=dev) for _ in range(world)]
+    fp = [torch.zeros(mt, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(lp, torch.nn.functional.pad(lens, (0, mr - lens.numel())), group=group)
     dist.all_gather(fp, torch.nn.functional.pad(flat, (0, mt - flat.numel())), group=group)
     out, counts = [], []
     for s, (ln, fl) in enumerate(zip(lp, fp)):
+        ln, fl = ln.cpu(), fl.cpu()
         n = int(all_sizes[s][0])
         counts.append(n)
         out.extend(torch.split(fl[: int(all_sizes[s][1])], ln[:n].tolist()))
@@ -92,7 +100,7 @@ class RowExchange:
         me, base = self.rank, self.offsets[self.rank]
         sends = [[g for g in self.want[d] if self.owner(g) == me] for d in range(self.world)]
         recvs = [[g for g in self.want[me] if self.owner(g) == s] for s in range(self.world)]
-        idx = self._tok([g for s in sends for g in s], base, lengths)
+        idx = self._tok([g for s in sends for g in s], base, lengths).to(x.device)
         got = self._a2a(x.index_select(0, idx), [self._count(s, lengths) for s in sends],
                         [self._count(r, lengths) for r in recvs])
         # received grouped by source rank; reorder into plan order
@@ -100,13 +108,14 @@ class RowExchange:
         pos = {g: k for k, g in enumerate(self.want[me])}
         order = sorted(range(len(recv_rows)), key=lambda k: pos[recv_rows[k]])
         if lengths is None:
-            return got.index_select(0, torch.tensor(order, dtype=torch.int64))
+            return got.index_select(0, torch.tensor(order, dtype=torch.int64, device=got.device))
         lens = [int(lengths[g]) for g in recv_rows]
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
         parts = [torch.arange(starts[k], starts[k + 1]) for k in order]
-        return got.index_select(0, torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64))
+        sel = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        return got.index_select(0, sel.to(got.device))
 
     def from_plan(self, y: torch.Tensor, *, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Results for this rank's planned rows (plan order) → this rank's own rows, original order."""
@@ -124,15 +133,15 @@ class RowExchange:
                 starts.append(starts[-1] + int(lengths[g]))
             parts = [torch.arange(starts[pos_plan[g]], starts[pos_plan[g] + 1]) for s in sends for g in s]
             idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        got = self._a2a(y.index_select(0, idx), [self._count(s, lengths) for s in sends],
+        got = self._a2a(y.index_select(0, idx.to(y.device)), [self._count(s, lengths) for s in sends],
                         [self._count(r, lengths) for r in recvs])
         recv_rows = [g for r in recvs for g in r]
         n_local = self.offsets[me + 1] - base
         if lengths is None:
             out = got.new_empty((n_local,) + tuple(got.shape[1:]))
-            out[torch.tensor([g - base for g in recv_rows], dtype=torch.int64)] = got
+            out[torch.tensor([g - base for g in recv_rows], dtype=torch.int64, device=got.device)] = got
             return out
-        dst = self._tok(recv_rows, base, lengths)
+        dst = self._tok(recv_rows, base, lengths).to(got.device)
         out = got.new_empty((int(dst.numel()),) + tuple(got.shape[1:]))
         out[dst] = got
         return out

@@ -33,7 +33,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from harts.attention import Backend, build_block_mask, tree_attention
 from harts.config import HeadConfig
-from harts.forest import Forest
+from harts.forest import Forest, TokenOutOfRangeError
 from harts.lm_head import TreeHeadOutput, tree_lm_head
 
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
@@ -234,6 +234,9 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     gpts = _gpt_models(model)
     if not gpts:
         raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")
+    vocab = getattr(gpts[0], "vocab_size", None)
+    if vocab is not None and forest.num_nodes and int(forest.tokens.max()) >= vocab:
+        raise TokenOutOfRangeError(f"forest holds token id {int(forest.tokens.max())} >= model vocab_size {vocab}")
     params = params or make_tree_params(forest, backend=backend)
     depth = forest.depth[None]
     pos = depth.expand(3, 1, -1) if gpts[0].position_embedding_type == "mrope" else depth

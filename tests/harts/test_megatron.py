@@ -119,6 +119,10 @@ def test_flex_forward_matches_dense_in_megatron(cpu_megatron):
         dense = tree_forward(model, forest, backend="dense")
         flex = tree_forward(model, forest, backend="flex")
     assert_close("flex logp", dense.logp, flex.logp, atol=1e-10, rtol=1e-10)
+    from harts.forest import TokenOutOfRangeError
+
+    with pytest.raises(TokenOutOfRangeError, match=f"token id {VOCAB} >= model vocab_size {VOCAB}"):
+        tree_forward(model, build_forest([[1, VOCAB]]), backend="dense")
     assert_close("flex entropy", dense.entropy, flex.entropy, atol=1e-10, rtol=1e-10)
 
 
@@ -130,3 +134,30 @@ def test_incompatible_configs_raise():
     moe = type("C", (), {"num_moe_experts": 4, "moe_expert_capacity_factor": 1.0})()
     with pytest.raises(TreeIncompatibleError, match="moe_expert_capacity_factor=1.0"):
         check_tree_compatible(moe)
+
+
+@pytest.mark.timeout(120)
+def test_mrope_depth_positions(cpu_megatron):
+    """mRoPE honours ``position_ids``: tree_forward passes depth on all three sections."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from harts.megatron import apply_harts, tree_forward
+    from mcore_distill.testing import transformer_config
+
+    seed_all(5)
+    tc = transformer_config(TinyGPTConfig(vocab_size=VOCAB, params_dtype=torch.float64, extra={"mrope_section": [2, 3, 3]}))
+    model = GPTModel(config=tc, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+                     vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="mrope").double()
+    apply_harts(model)
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [9, 2, 3]]
+    forest = build_forest(seqs)
+    with torch.no_grad():
+        out = tree_forward(model, forest, backend="dense")
+        lps = []
+        for s in seqs:
+            t = torch.tensor(s)
+            causal = torch.triu(torch.ones(len(s), len(s), dtype=torch.bool), diagonal=1)[None, None]
+            logits = model(t[None], torch.arange(len(s)).expand(3, 1, -1), causal)[0]
+            lps.append(torch.log_softmax(logits, -1)[:-1].gather(-1, t[1:, None]).squeeze(-1))
+    assert_close("mrope logp", torch.cat(lps), sequence_logprobs(out.logp, forest), atol=1e-10, rtol=1e-10)
