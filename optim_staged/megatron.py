@@ -25,8 +25,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from optim_staged.adamw import StagedAdamW
 from optim_staged.config import StagedOptimizerConfig, UnsupportedMegatronConfigError
+from optim_staged.muon import StagedMuon
 
-__all__ = ["get_staged_optimizer", "StagedDistributedOptimizer", "megatron_optimizer_config", "staged_leaves"]
+__all__ = ["get_staged_optimizer", "StagedDistributedOptimizer", "megatron_optimizer_config",
+           "megatron_muon_config", "staged_leaves"]
 
 
 def megatron_optimizer_config(cfg: StagedOptimizerConfig, model_chunks: list[Any], **overrides: Any) -> OptimizerConfig:
@@ -165,12 +167,10 @@ def get_staged_optimizer(config: StagedOptimizerConfig, model_chunks: list[Any],
     Returns the Megatron optimizer (``ChainedOptimizer`` of :class:`StagedDistributedOptimizer`
     leaves). ``residency='gpu'`` returns the stock Megatron optimizer unchanged.
     """
-    if config.algorithm != "adamw":
-        from optim_staged.config import StagedConfigError
-
-        raise StagedConfigError(
-            f"algorithm={config.algorithm!r}: get_staged_optimizer builds AdamW; for Muon use "
-            "optim_staged.muon.StagedMuon.from_tensor_parallel_muon on Megatron's Muon leaves")
+    if config.algorithm == "muon":
+        return _get_staged_muon(config, model_chunks, megatron_config=megatron_config,
+                                config_overrides=config_overrides, pg_collection=pg_collection,
+                                use_gloo_process_groups=use_gloo_process_groups)
     mcfg = megatron_config or megatron_optimizer_config(config, model_chunks)
     _check_supported(mcfg, model_chunks)
     opt = get_megatron_optimizer(mcfg, model_chunks, config_overrides=config_overrides,
@@ -182,3 +182,65 @@ def get_staged_optimizer(config: StagedOptimizerConfig, model_chunks: list[Any],
                                   for x in opt.chained_optimizers]
         return opt
     return _restage(opt, config)
+
+
+# ---------------------------------------------------------------------------------------- Muon
+def megatron_muon_config(cfg: StagedOptimizerConfig, model_chunks: list[Any], **overrides: Any) -> OptimizerConfig:
+    """Megatron ``OptimizerConfig`` for Muon (matrices) + Adam (everything else) from ``cfg``."""
+    mc = model_chunks[0].config
+    m, a = cfg.muon, cfg.adamw
+    kwargs = dict(
+        optimizer="muon", lr=m.lr, min_lr=0.0, weight_decay=m.weight_decay, adam_beta1=a.betas[0],
+        adam_beta2=a.betas[1], adam_eps=a.eps, use_distributed_optimizer=False, clip_grad=cfg.clip_grad,
+        bf16=bool(getattr(mc, "bf16", False)), fp16=False, params_dtype=getattr(mc, "params_dtype", torch.float32),
+        muon_momentum=m.momentum, muon_nesterov=m.nesterov, muon_split_qkv=m.split_qkv,
+        muon_num_ns_steps=m.num_ns_steps, muon_scale_mode=m.scale_mode,
+        muon_extra_scale_factor=m.extra_scale_factor, muon_fp32_matmul_prec=m.fp32_matmul_prec,
+        muon_tp_mode=m.tp_mode, muon_coefficient_type=m.coefficient_type,
+    )
+    kwargs.update(overrides)
+    return OptimizerConfig(**kwargs)
+
+
+def _get_staged_muon(config: StagedOptimizerConfig, model_chunks: list[Any], *, megatron_config, config_overrides,
+                     pg_collection, use_gloo_process_groups):
+    """Megatron's Muon chain (TensorParallelMuon for matrices, Adam for the rest) with each leaf's
+    inner optimizer replaced by :class:`StagedMuon` / :class:`StagedAdamW` over the same groups.
+
+    Supported leaves: ``FP32Optimizer`` (fp32 models: master, momentum and moments all staged) and
+    ``Float16OptimizerWithFloat16Params`` (bf16: Megatron keeps its fp32 main params on the device,
+    only momentum/moments are staged). The layer-wise distributed optimizer is refused.
+    """
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    mcfg = megatron_config or megatron_muon_config(config, model_chunks)
+    if getattr(mcfg, "use_layer_wise_distributed_optimizer", False):
+        raise UnsupportedMegatronConfigError(
+            "OptimizerConfig.use_layer_wise_distributed_optimizer=True is not supported by staged Muon yet; "
+            "use use_distributed_optimizer=False (each DP rank steps every matrix)")
+    if mcfg.fp16:
+        raise UnsupportedMegatronConfigError("OptimizerConfig.fp16=True is not supported by staged optimizers")
+    opt = get_megatron_optimizer(mcfg, model_chunks, config_overrides=config_overrides,
+                                 use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection)
+    if config.residency == "gpu":
+        return opt
+    leaves = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
+    for leaf in leaves:
+        inner = getattr(leaf, "optimizer", None)
+        if isinstance(leaf, DistributedOptimizer):
+            raise UnsupportedMegatronConfigError(
+                "OptimizerConfig.use_distributed_optimizer=True with Muon: scalar Adam leaves under a "
+                "DistributedOptimizer are not staged by the Muon path; set it to False")
+        if isinstance(inner, TensorParallelMuon):
+            leaf.optimizer = StagedMuon.from_tensor_parallel_muon(inner, slots=config.slots)
+        elif isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
+            g0 = inner.param_groups[0]
+            leaf.optimizer = StagedAdamW([dict(g) for g in inner.param_groups], lr=g0["lr"], betas=g0["betas"],
+                                         eps=g0["eps"], weight_decay=g0["weight_decay"], slots=config.slots,
+                                         impl=config.adamw.impl)
+        elif inner is not None:
+            raise UnsupportedMegatronConfigError(
+                f"Muon chain leaf optimizer {type(inner).__name__} cannot be staged (expected TensorParallelMuon or AdamW)")
+        if inner is not None:
+            leaf.optimizer.initialize_state()
+    return opt
