@@ -114,12 +114,22 @@ def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, 
     """Collective: every rank of the TP/EP groups calls this; the rank holding the receiver
     passes ``publish`` (e.g. ``Publisher.publish`` or ``ColocatedCycle.publish``), the others
     pass None and only take part in the gathers. Tensors are cast to ``dtype`` one at a time
-    (None keeps the training dtype). Returns the publish report (None on non-publishing ranks).
+    (None keeps the training dtype; ``e_score_correction_bias`` stays fp32). The name/shape/dtype
+    check runs before any gather. Returns the publish report (None on non-publishing ranks).
 
-    With a single pipeline stage the name/shape/dtype check runs before any gather; with several
-    stages each stage publishes its own part (``require_all`` relaxed by the caller's publisher).
+    Pipeline parallelism is refused (``ValueError``): one engine needs every stage's layers in
+    one versioned update, which needs a cross-stage gather this function does not do.
     """
     chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        pp_size = dist.get_world_size(pg_collection.pp)
+    else:
+        from megatron.core import parallel_state as ps
+
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+    if pp_size != 1:
+        raise ValueError(f"publish_megatron: pipeline_model_parallel_size={pp_size} is not supported "
+                         "(gather the stages' iter_hf_weights to one publishing rank instead)")
     first = next(unwrap_model(chunks[0]).parameters())
     out_dtype = dtype or first.dtype
     stream = ((n, t if t.dtype == out_dtype or n.endswith("e_score_correction_bias") else t.to(out_dtype))
@@ -128,22 +138,13 @@ def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, 
         for _ in stream:
             pass
         return None
-    pp = pg_collection.pp if pg_collection is not None else None
-    if pp is None:
-        from megatron.core import parallel_state as ps
+    from colocate.convert import hf_param_specs
 
-        pp_size = ps.get_pipeline_model_parallel_world_size()
-    else:
-        pp_size = dist.get_world_size(pp)
-    meta = None
-    if pp_size == 1:
-        from colocate.convert import hf_param_specs
-
-        meta = hf_param_specs(spec, dtype=out_dtype)
-        if spec.router_dtype is None and spec.num_experts:
-            for n in meta:
-                if n.endswith("mlp.gate.weight"):
-                    meta[n] = (meta[n][0], out_dtype)
+    meta = hf_param_specs(spec, dtype=out_dtype)
+    if spec.router_dtype is None and spec.num_experts:
+        for n in meta:
+            if n.endswith("mlp.gate.weight"):
+                meta[n] = (meta[n][0], out_dtype)
     return publish(stream, version=version, meta=meta)
 
 
