@@ -103,6 +103,8 @@ class _Student:
     leases: dict[int, _Lease] = field(default_factory=dict)
     owned_pids: set[int] = field(default_factory=set)
     advanced: int = 0
+    epoch: int = 0  # dispatch epoch (the durable cursor's epoch lags it until older windows are acked)
+    drops: list[int] = field(default_factory=list)  # epochs whose tails were dropped, not yet durable
     reason: str = ""
 
 
@@ -215,6 +217,7 @@ class SharedTeacherSource:
         for n in self.nodes:
             self._admit_pos[n] = self._start_epoch * self.sizes[n]
         for st in self._students.values():
+            st.epoch = st.cursor.epoch
             st.node_pos = {n: st.cursor.epoch * self.sizes[n] for n in self.nodes}
         self._pump()
         self._cv.notify_all()
@@ -367,9 +370,15 @@ class SharedTeacherSource:
             settled.add(e.sid)
             self._unpin(e, st.spec.name)
         st.cursor = StudentCursor(epoch=st.cursor.epoch, settled=sorted(settled), step=st.cursor.step + 1)
+        self._advance_durable(st)
         self._persist(st)
         self._pump()
         self._cv.notify_all()
+
+    def _advance_durable(self, st: _Student) -> None:
+        """Move the durable cursor past dropped epoch tails once no older window is outstanding."""
+        while st.drops and not any(w.epoch <= st.drops[0] for w in st.windows.values()):
+            st.cursor = StudentCursor(epoch=st.drops.pop(0) + 1, settled=[], step=st.cursor.step)
 
     def _persist(self, st: _Student) -> None:
         if self.cfg.state_dir:
@@ -394,7 +403,7 @@ class SharedTeacherSource:
             return False
         if st.advanced - min(s.advanced for s in live) > self.cfg.lag_cap_samples:
             return False
-        epoch = st.cursor.epoch
+        epoch = st.epoch
         if epoch >= self.cfg.num_epochs:
             if not st.windows:
                 st.status = "done"
@@ -485,8 +494,9 @@ class SharedTeacherSource:
                 self.counters["dropped"] += 1
             st.advanced += end - st.node_pos[n]
             st.node_pos[n] = end
-        st.cursor = StudentCursor(epoch=epoch + 1, settled=[], step=st.cursor.step)
-        st.skip = set()
+        st.epoch = epoch + 1
+        st.drops.append(epoch)
+        self._advance_durable(st)
         self._progress()
 
     # ---------------------------------------------------------------- freeing
@@ -648,7 +658,7 @@ class SharedTeacherSource:
                     "pinned_bytes": sum(e.ref.nbytes for e in ents if e.ref is not None and e.pins),
                     "store_bytes": self.store.pool_bytes(n),
                 }
-            students = {name: {"status": s.status, "reason": s.reason, "epoch": s.cursor.epoch, "step": s.cursor.step,
+            students = {name: {"status": s.status, "reason": s.reason, "epoch": s.epoch, "step": s.cursor.step,
                                "lag": s.advanced - slow, "outstanding": sorted(s.windows),
                                "pins": sum(1 for e in self._entries.values() if name in e.pins)}
                         for name, s in self._students.items()}
