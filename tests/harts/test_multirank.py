@@ -1,5 +1,7 @@
 """Two gloo ranks, one spawn (spawning costs ~10 s): vocab-parallel chunked LM head, the real
-tiny GPT at TP=2 tree vs per-sequence in fp64 with recomputation, and the DP row exchange."""
+tiny GPT at TP=2 tree vs per-sequence in fp64 with recomputation, the DP row exchange, and a
+full DP=2 step (Megatron DDP + get_forward_backward_func over planned, exchanged microbatches)
+whose reduced gradients equal the per-sequence gradient of the global objective."""
 
 from __future__ import annotations
 
@@ -26,7 +28,11 @@ def _body(rank, world):
     seqs = CASES[0].values[0] + CASES[3].values[0] + [[40, 50, 60, 41], [40, 50, 59]]  # both vocab shards
     n = run_exactness(seqs, dtype=torch.float64, recompute=True, tol=1e-10)
     destroy_megatron()
-    return n, rows
+    from tests.harts.dp_step import dp_step_body
+
+    checked, num_mb = dp_step_body(rank, world)
+    assert num_mb >= 2, "the DP step must accumulate over several microbatches"
+    return n, rows, checked
 
 
 @pytest.mark.multirank
@@ -35,3 +41,4 @@ def test_tp2_and_dp_exchange_gloo():
     res = run_ranks(_body, 2, timeout=230)
     assert res[0][0] == res[1][0] > 0
     assert res[0][1] + res[1][1] == 12
+    assert res[0][2] == res[1][2] > 0
