@@ -155,7 +155,7 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
         ver = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=bucket, verify="checksum"))
         ver.last_good = pub.last_good
         tv = time_cpu(lambda: ver.publish(weights, version=next(version)), warmup=0, iters=1)
-        rows.append({"case": "ipc", "provider": f"publisher_{pub.transport}+checksum", "ms": tv["p50"],
+        rows.append({"case": "ipc", "provider": f"publisher_{pub.transport}+sender_checksums", "ms": tv["p50"],
                      "GBps": nbytes / tv["p50"] / 1e6})
         got = recv.checksums(list(weights)[:3])
         from colocate.buckets import tensor_checksum

@@ -125,8 +125,8 @@ class HFEngine:
 
     Residency tags ``kv_cache``, ``weights``, ``cuda_graph``. The engine keeps no KV pool or CUDA
     graphs between calls, so those two release 0 bytes; ``weights`` frees parameter storage and
-    its contents (as SGLang does without a CPU backup): generation is refused until a publish
-    after resume.
+    its contents (as SGLang does without a CPU backup) and the staging shadow: generation is
+    refused until a publish after resume.
     """
 
     def __init__(self, spec: HFModelSpec, config: EngineConfig | None = None):
@@ -150,7 +150,9 @@ class HFEngine:
 
         def release_weights() -> int:
             self._valid = False
-            return weights.release()
+            shadow = sum(t.untyped_storage().nbytes() for t in self._shadow or [])
+            self._shadow = self._shadow_views = None  # the staging copy goes too (no rollback after)
+            return weights.release() + shadow
 
         self.residency = Residency({"kv_cache": (lambda: 0, lambda: 0), "weights": (release_weights, weights.resume),
                                     "cuda_graph": (lambda: 0, lambda: 0)}, owner="hf_engine")

@@ -125,7 +125,8 @@ class SGLangEngine:
             ok, msg = _ok(self.engine.end_weight_update())
             if not ok:
                 raise UpdateError(f"sglang end_weight_update failed: {msg}")
-        self.engine.flush_cache()
+        if self.residency.is_resident("kv_cache"):  # a released pool comes back empty anyway
+            self.engine.flush_cache()
         self.last_checksum = sglang_checksum(self.engine)  # also: scheduler-side device sync
         self._version = version
         self._open = None

@@ -150,7 +150,7 @@ def megatron_hf_weights(rank: int, world_size: int, case: dict) -> dict:
     init_megatron(tp=world_size, seed=case.get("seed", 9))
     cfg = TinyGPTConfig(tensor_model_parallel_size=world_size, num_moe_experts=case.get("experts"),
                         tie_embeddings=case.get("tied", False), num_layers=2, hidden_size=128,
-                        num_attention_heads=4, num_query_groups=2, kv_channels=32, ffn_hidden_size=256,
+                        num_attention_heads=4, num_query_groups=2, kv_channels=64, ffn_hidden_size=256,
                         vocab_size=512, max_sequence_length=256, rotary_base=10000)
     model = build_tiny_gpt(cfg)
     if torch.cuda.is_available():

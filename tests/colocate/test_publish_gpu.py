@@ -31,8 +31,9 @@ def test_cuda_ipc_publish_to_engine_process():
     try:
         pub = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=1 << 20, max_in_flight=2))
         assert pub.transport == "cuda_ipc"
-        torch.cuda.reset_peak_memory_stats()
         w1 = _weights(1)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         rep = pub.publish(w1, version=1)
         assert rep.handles == 2 and rep.num_buckets > 4, rep
