@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SimResult", "simulate_node", "teacher_features_reference"]
+__all__ = ["SimResult", "simulate_node", "teacher_features_reference", "topk_distill_loss_reference"]
 
 
 @dataclass(kw_only=True)
@@ -125,3 +125,17 @@ def teacher_features_reference(logits: torch.Tensor, tokens: torch.Tensor, *, to
         out["topk_logprobs"] = torch.stack(vals)
         out["topk_ids"] = torch.stack(ids)
     return out
+
+
+def topk_distill_loss_reference(student_logits: torch.Tensor, topk_ids: torch.Tensor,
+                                topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """fp64 loop: ``Σ_t −Σ_k p̂_{t,k} log q_t(id_{t,k})`` for one sequence (``[L, V]``, ``[L, k]``, ``[L, k]``)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for t in range(student_logits.shape[0]):
+        row = student_logits[t].to(torch.float64)
+        logq = row - torch.logsumexp(row, dim=0)
+        w = torch.exp(topk_logprobs[t].to(torch.float64))
+        w = w / w.sum()
+        for j in range(topk_ids.shape[1]):
+            total = total - w[j] * logq[topk_ids[t, j]]
+    return total
