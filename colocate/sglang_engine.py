@@ -58,8 +58,10 @@ class SGLangEngine:
     unsynced_acks = True
     verifies_checksums = False
 
-    def __init__(self, engine: Any, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, engine: Any, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16,
+                 checksum_fn: Any = None):
         self.engine = engine
+        self._checksum = checksum_fn or sglang_checksum
         self.spec = spec
         self.dtype = dtype
         self._specs = hf_param_specs(spec, dtype=dtype)
@@ -68,14 +70,18 @@ class SGLangEngine:
         self.has_bracket = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
         self.last_checksum: str | None = None
 
+        def free_bytes() -> int:
+            return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
         def hook(op: str, tag: str):
             def run() -> int:
-                torch.cuda.synchronize()
-                free0 = torch.cuda.mem_get_info()[0]
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                free0 = free_bytes()
                 ok, msg = _ok(getattr(engine, f"{op}_memory_occupation")(tags=[tag]))
                 if not ok:
                     raise UpdateError(f"sglang {op}_memory_occupation({tag}) failed: {msg}")
-                return abs(torch.cuda.mem_get_info()[0] - free0)
+                return abs(free_bytes() - free0)
             return run
 
         self.residency = Residency({t: (hook("release", t), hook("resume", t)) for t in ENGINE_TAGS},
@@ -127,7 +133,7 @@ class SGLangEngine:
                 raise UpdateError(f"sglang end_weight_update failed: {msg}")
         if self.residency.is_resident("kv_cache"):  # a released pool comes back empty anyway
             self.engine.flush_cache()
-        self.last_checksum = sglang_checksum(self.engine)  # also: scheduler-side device sync
+        self.last_checksum = self._checksum(self.engine)  # also: scheduler-side device sync
         self._version = version
         self._open = None
 

@@ -1,0 +1,119 @@
+"""The SGLang adapter's logic on CPU against a stand-in engine that enforces the documented
+SGLang rules (idle-only release, ``KeyError`` when resuming an unreleased tag, the 0.5.21
+begin/end bracket, CUDA-only tensors). The real engine runs the same adapter on the GPU lane:
+``tests/colocate/test_sglang_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colocate import HFModelSpec, NotResidentError, PublishConfig
+from colocate.buckets import plan_buckets
+from colocate.engines import UpdateError
+from colocate.publish import Publisher
+from colocate.sglang_engine import SGLangEngine
+from colocate.transports import TransportError
+
+SPEC = HFModelSpec(arch="qwen3", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
+                   head_dim=4, ffn_hidden_size=16, vocab_size=32)
+
+
+class RuleEngine:
+    """Follows SGLang's documented behaviour for the calls the adapter makes."""
+
+    def __init__(self, *, bracket: bool):
+        self.released: set[str] = set()
+        self.busy = False
+        self.calls: list[str] = []
+        self.in_bracket = False
+        if bracket:
+            self.begin_weight_update = self._begin
+            self.end_weight_update = self._end
+        self.bracket = bracket
+
+    def release_memory_occupation(self, tags=None):
+        assert not self.busy, "release while busy"  # SGLang asserts idleness
+        for t in tags:
+            self.released.add(t)
+        self.calls.append(f"release:{','.join(tags)}")
+
+    def resume_memory_occupation(self, tags=None):
+        for t in tags:
+            if t not in self.released:
+                raise KeyError(t)  # SGLang raises for a tag that was not released
+            self.released.discard(t)
+        self.calls.append(f"resume:{','.join(tags)}")
+
+    def _begin(self, selector="all"):
+        self.in_bracket = True
+        self.calls.append("begin")
+        return True, "ok"
+
+    def _end(self):
+        self.in_bracket = False
+        self.calls.append("end")
+        return True, "ok"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        if self.bracket and not self.in_bracket:
+            return False, "tensor updates need begin_weight_update"
+        if "weights" in self.released:
+            return False, "weights released"
+        self.calls.append(f"update:{len(named_tensors)}")
+        return True, "Success"
+
+    def flush_cache(self):
+        self.calls.append("flush")
+
+    def update_weights_from_disk(self, model_path, load_format=None):
+        self.calls.append(f"disk:{model_path}")
+        return (True, "ok") if model_path.startswith("/ok") else (False, "no such checkpoint")
+
+
+@pytest.mark.parametrize("bracket", [False, True], ids=["0.5.17-no-bracket", "0.5.21-bracket"])
+def test_bracket_detection_versions_and_residency(bracket):
+    eng = RuleEngine(bracket=bracket)
+    sums = iter(range(100))
+    ad = SGLangEngine(eng, spec=SPEC, checksum_fn=lambda e: f"sum{next(sums)}")
+    assert ad.has_bracket is bracket and ad.capabilities() == {"cuda_ipc"}
+    if not torch.cuda.is_available():  # the probe refuses: SGLang takes CUDA tensors only
+        with pytest.raises(TransportError, match="no common transport"):
+            Publisher(ad, PublishConfig())
+
+    ad.begin_update(1)
+    entries = plan_buckets([("model.norm.weight", (8,), torch.bfloat16)], bucket_bytes=1 << 20)[0]
+    with pytest.raises(UpdateError, match="CUDA tensors only"):
+        ad.load_bucket(entries, torch.zeros(512, dtype=torch.uint8))
+    ad.end_update(1)
+    assert ad.weight_version() == 1 and ad.last_checksum == "sum0"
+    assert eng.calls == (["begin", "end", "flush"] if bracket else ["flush"])
+    with pytest.raises(UpdateError, match=r"end_update\(2\) without a matching"):
+        ad.end_update(2)
+
+    # residency: idempotent on our side, so SGLang never sees a double release/resume
+    ad.release_memory(["kv_cache", "weights", "cuda_graph"])
+    assert ad.release_memory(["weights"]) == {} and ad.resume_memory(["cuda_graph"]) != {}
+    assert ad.resume_memory(["cuda_graph"]) == {}
+    with pytest.raises(NotResidentError):
+        ad.begin_update(2)
+    ad.resume_memory(["weights"])
+    ad.begin_update(2)
+    ad.end_update(2)  # KV pool released: no flush
+    assert eng.calls[-1] != "flush"
+    ad.resume_memory()
+    assert not eng.released and [c for c in eng.calls if c.startswith("release")] == \
+        ["release:kv_cache", "release:weights", "release:cuda_graph"]
+
+    eng.busy = True  # generating: the adapter refuses before SGLang would assert
+    with ad.residency.busy(), pytest.raises(Exception, match="refused while busy"):
+        ad.release_memory(["kv_cache"])
+    eng.busy = False
+
+    ad.begin_update(3)
+    ad.abort_update(3)
+    assert ad.weight_version() is None  # in-place loads may be half-applied: no valid version
+    with pytest.raises(UpdateError, match="no such checkpoint"):
+        ad.restore_from_disk("/missing")
+    ad.restore_from_disk("/ok/ckpt", version=2)
+    assert ad.weight_version() == 2
