@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from mopd.errors import FingerprintMismatchError, TeacherServerError, TeacherTimeoutError
+from mopd.errors import ConfigError, FingerprintMismatchError, TeacherServerError, TeacherTimeoutError
 
 __all__ = ["HTTPTeacher", "TeacherBackend", "TokenBatch", "TransformersTeacher", "atomic_torch_save", "read_teacher_shard",
            "write_teacher_shard"]
@@ -101,9 +101,14 @@ class HTTPTeacher:
     ``score`` POSTs ``{url}/generate`` with ``input_ids``, ``sampling_params={max_new_tokens,
     temperature}``, ``return_logprob=true`` and per-row ``logprob_start_len``, and reads
     ``meta_info.input_token_logprobs`` (entries ``[logprob, token_id, ...]`` for token
-    positions ``start, start+1, ...``, ``start = score_from + 1``). Every returned token id is
-    checked against the request. The server must return log-probs of softmax(logits / τ) for
-    the ``temperature`` sent; pass the rollout temperature.
+    positions ``start .. len−1`` with ``start = score_from``; SGLang pads entry 0 with None).
+    Every returned token id is checked against the request.
+
+    Temperature: the teacher must score at the rollout temperature τ. SGLang returns
+    *unscaled* input-token log-probs by default, so τ ≠ 1 is refused unless
+    ``server_scales_temperature=True`` declares that the server returns log softmax(z / τ) for
+    the ``temperature`` sent (e.g. an SGLang build honouring ``SGLANG_TEMP_SCALED_LOGPROBS=1``,
+    or :mod:`mopd.hf_server`).
 
     Failures (connection refused, timeout, HTTP 5xx) are retried ``max_retries`` times with
     exponential backoff, then raise :class:`TeacherServerError` / :class:`TeacherTimeoutError`
@@ -113,9 +118,14 @@ class HTTPTeacher:
 
     def __init__(self, teacher_id: str, url: str, *, temperature: float = 1.0, timeout_s: float = 60.0,
                  max_retries: int = 2, retry_backoff_s: float = 0.5, max_batch: int = 64,
-                 max_new_tokens: int = 1) -> None:
+                 max_new_tokens: int = 1, server_scales_temperature: bool = False) -> None:
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+        if temperature != 1.0 and not server_scales_temperature:
+            raise ConfigError(
+                f"teacher {teacher_id!r}: temperature={temperature!r} needs a server that scales input-token "
+                "log-probs by the request temperature (SGLang does not by default); pass "
+                "server_scales_temperature=True for such a server")
         if max_new_tokens not in (0, 1):
             raise ValueError(f"max_new_tokens must be 0 or 1, got {max_new_tokens!r}")
         self.teacher_id, self.url = teacher_id, url.rstrip("/")
@@ -129,7 +139,8 @@ class HTTPTeacher:
     def from_spec(cls, teacher_id: str, spec: Any, *, temperature: float) -> HTTPTeacher:
         """Build from a :class:`mopd.config.TeacherSpec` (``backend='http'``)."""
         return cls(teacher_id, spec.url, temperature=temperature, timeout_s=spec.timeout_s,
-                   max_retries=spec.max_retries, retry_backoff_s=spec.retry_backoff_s, max_batch=spec.max_batch)
+                   max_retries=spec.max_retries, retry_backoff_s=spec.retry_backoff_s, max_batch=spec.max_batch,
+                   server_scales_temperature=spec.server_scales_temperature)
 
     def _request(self, path: str, payload: dict | None) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
@@ -183,9 +194,9 @@ class HTTPTeacher:
         b, L = batch.input_ids.shape
         out = torch.zeros(b, L, dtype=torch.float32)
         ids_cpu, lens = batch.input_ids.cpu(), batch.lengths.cpu().tolist()
-        # label t needs token position t + 1: ask for positions score_from + 1 .. length − 1
-        starts = [s + 1 for s in batch.starts.cpu().tolist()]
-        todo = [r for r in range(b) if starts[r] < lens[r]]
+        # label t is the log-prob of token t + 1; entry 0 (token ``start``) comes back as None
+        starts = batch.starts.cpu().tolist()
+        todo = [r for r in range(b) if starts[r] < lens[r] - 1]
         for lo in range(0, len(todo), self.max_batch):
             rows = todo[lo: lo + self.max_batch]
             payload = {
@@ -217,6 +228,8 @@ class HTTPTeacher:
             if int(e[1]) != int(ids[pos]):
                 raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} position {pos}: server token id "
                                          f"{e[1]} != request id {int(ids[pos])} (misaligned log-probs)")
+            if i == 0:
+                continue  # SGLang always pads the first entry with None
             if e[0] is None:
                 raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} position {pos} has no log-prob")
             out[r, pos - 1] = float(e[0])

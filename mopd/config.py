@@ -209,6 +209,9 @@ class TeacherSpec:
     """Sleep before retry ``i`` is ``retry_backoff_s · 2**i`` seconds."""
     max_batch: int = 64
     """Samples per http request."""
+    server_scales_temperature: bool = False
+    """http backend: the server returns input-token log-probs of softmax(logits / τ) for the
+    request temperature (required when ``rollout_temperature != 1``; SGLang does not by default)."""
 
     def __post_init__(self) -> None:
         _choice("teacher.backend", self.backend, BACKENDS)
@@ -266,6 +269,11 @@ class MOPDConfig:
             check_teacher_id(tid, where="mopd.teachers key")
         self.routing.check_teachers(list(self.teachers))
         _finite("mopd.rollout_temperature", self.rollout_temperature, positive=True)
+        for tid, spec in self.teachers.items():
+            if spec.backend == "http" and self.rollout_temperature != 1.0 and not spec.server_scales_temperature:
+                raise ConfigError(
+                    f"teachers[{tid!r}]: rollout_temperature={self.rollout_temperature!r} needs "
+                    "server_scales_temperature=True (a server that scales input-token log-probs)")
         if self.divergence.temperature != self.rollout_temperature:
             raise ConfigError(
                 f"divergence.temperature={self.divergence.temperature!r} differs from "

@@ -6,7 +6,8 @@ Contract implemented (subset of SGLang's native API): POST ``/generate`` with ``
 1, greedy), ``return_logprob`` and ``logprob_start_len`` (int or per row). Each result has
 ``meta_info.input_token_logprobs = [[logprob | None, token_id, None], ...]`` for token
 positions ``logprob_start_len .. len−1``: the log-prob of that token given its prefix under
-softmax(logits / temperature); position 0 has ``None``. Run: ``python -m mopd.hf_server
+softmax(logits / temperature); the first entry is always ``None`` (as SGLang pads it). Unlike
+SGLang's default, log-probs are scaled by the request temperature. Run: ``python -m mopd.hf_server
 --model-dir DIR --port P``.
 """
 
@@ -131,7 +132,7 @@ class HFTeacherServer:
             logp = torch.log_softmax(logits / scale, -1)
             entries = []
             for pos in range(int(start), len(row)):
-                value = None if pos == 0 else float(logp[pos - 1, row[pos]])
+                value = None if pos == int(start) else float(logp[pos - 1, row[pos]])
                 if self.faults.nan_at == (r, pos):
                     value = math.nan
                 entries.append([value, row[pos], None])

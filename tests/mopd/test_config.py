@@ -23,7 +23,7 @@ def _compose(extra=()):
 
 def test_structured_config_round_trip():
     cfg = _compose(["loss.is_cap=3.0", "loss.aggregation=arithmetic", "rollout_temperature=0.7",
-                    "divergence.temperature=0.7"])
+                    "divergence.temperature=0.7", "teachers.code.server_scales_temperature=true"])
     assert isinstance(cfg, MOPDConfig) and isinstance(cfg.teachers["code"], TeacherSpec)
     assert cfg.loss.is_cap == 3.0 and cfg.loss.aggregation == "arithmetic"
     assert cfg.routing.routes["mix"] == {"math": 0.5, "code": 0.5}
@@ -51,6 +51,7 @@ def test_hydra_config_store_compose(tmp_path):
     (["teachers.actor.checkpoint=/x"], "reserved"),
     (["divergence.temperature=0.5"], "teachers must score at the rollout temperature"),
     (["teachers.code.url=null"], "teacher.url is required"),
+    (["rollout_temperature=0.7", "divergence.temperature=0.7"], "needs server_scales_temperature=True"),
     (["teachers.math.max_retries=-1"], "teacher.max_retries"),
     (["pool.wait_timeout_s=0"], "pool.wait_timeout_s"),
     (["loss.rl_coef=0", "loss.distill_coef=0"], "both 0"),

@@ -8,7 +8,13 @@ import torch
 from mcore_distill.testing import assert_close, free_port
 from mopd.backends import HTTPTeacher
 from mopd.config import RoutingSpec, TeacherPoolConfig
-from mopd.errors import NonFiniteInputError, TeacherBrokenError, TeacherServerError, TeacherTimeoutError
+from mopd.errors import (
+    ConfigError,
+    NonFiniteInputError,
+    TeacherBrokenError,
+    TeacherServerError,
+    TeacherTimeoutError,
+)
 from mopd.hf_server import HFTeacherServer, ServerFaults
 from mopd.routing import score_routed
 from mopd.teachers import TeacherPool, TeacherState
@@ -26,7 +32,7 @@ def test_scores_match_local_model(model, temperature, max_new_tokens, max_batch,
     batch = token_batch(5, 11, seed=3, score_from=score_from)
     with HFTeacherServer(model) as server:
         teacher = HTTPTeacher("t", server.url, temperature=temperature, max_batch=max_batch,
-                              max_new_tokens=max_new_tokens)
+                              max_new_tokens=max_new_tokens, server_scales_temperature=True)
         teacher.load()
         got = teacher.score(batch)
     expect = reference_logp(model, batch, temperature)
@@ -39,8 +45,10 @@ def test_temperature_reaches_the_server(model):
     batch = token_batch(2, 6, seed=1)
     with HFTeacherServer(model) as server:
         a = HTTPTeacher("t", server.url, temperature=1.0).score(batch)
-        b = HTTPTeacher("t", server.url, temperature=0.5).score(batch)
+        b = HTTPTeacher("t", server.url, temperature=0.5, server_scales_temperature=True).score(batch)
     assert (a - b).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="needs a server that scales input-token log-probs"):
+        HTTPTeacher("t", "http://unused:1", temperature=0.5)
 
 
 def test_transient_5xx_is_retried(model):

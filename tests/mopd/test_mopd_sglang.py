@@ -66,7 +66,8 @@ def sglang_url(megatron_state, tmp_path_factory):
     hf.to(torch.bfloat16).save_pretrained(d)
     port = free_port()
     log = open(d / "server.log", "w")  # noqa: SIM115 - closed below
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    # asks for temperature-scaled input log-probs; builds that ignore it fail the T=0.7 test
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_TEMP_SCALED_LOGPROBS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", str(d), "--host", "127.0.0.1", "--port",
          str(port), "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
@@ -104,7 +105,8 @@ def _both(megatron_state, url, tmp_path, temperature: float) -> tuple[torch.Tens
     seed_all(22)
     host = MegatronTeacherHost(build_tiny_gpt(CFG).cuda(), micro_batch_size=4)
     backends = {"meg": MegatronTeacher("meg", host, str(tmp_path / "meg"), temperature=temperature),
-                "sgl": HTTPTeacher("sgl", url, temperature=temperature, timeout_s=60.0, max_batch=8)}
+                "sgl": HTTPTeacher("sgl", url, temperature=temperature, timeout_s=60.0, max_batch=8,
+                                   server_scales_temperature=temperature != 1.0)}
     spec = RoutingSpec(routes={"m": {"meg": 1.0}, "s": {"sgl": 1.0}})
     batch = token_batch(8, 200, vocab=CFG.vocab_size, seed=5, score_from=True)
     pool = TeacherPool(backends, config=TeacherPoolConfig(wait_timeout_s=300.0))
@@ -128,9 +130,9 @@ def test_sglang_teacher_equals_megatron_teacher(megatron_state, sglang_url, tmp_
 
 @pytest.mark.timeout(900)
 def test_sglang_scores_at_rollout_temperature(megatron_state, sglang_url, tmp_path):
-    """The HTTP teacher sends the rollout temperature; this checks the server's input-token
-    log-probs follow it (if the server returns unscaled log-probs this fails, and the server
-    must be configured to scale them)."""
+    """With ``SGLANG_TEMP_SCALED_LOGPROBS=1`` set for the server, its input-token log-probs must
+    follow the request temperature. A failure here means this SGLang build returns unscaled
+    log-probs: HTTP teachers then only support rollout_temperature = 1."""
     meg, sgl, batch = _both(megatron_state, sglang_url, tmp_path, temperature=0.7)
     mask = batch.label_mask()
     diff = (meg - sgl).abs()[mask]
