@@ -7,7 +7,6 @@ validates and raises :class:`StagedConfigError` naming the field and the value.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 __all__ = [
     "StagedConfigError",
@@ -81,7 +80,7 @@ class AdamWConfig:
     """Added to sqrt(v_hat)."""
     weight_decay: float = 0.01
     """Decoupled weight decay: p <- p * (1 - lr * wd)."""
-    impl: Literal["auto", "fused", "foreach"] = "auto"
+    impl: str = "auto"
     """Update kernel: PyTorch's fused AdamW, its foreach ops, or ``auto`` (fused where the device
     supports it for the dtype, else foreach)."""
 
@@ -118,7 +117,7 @@ class MuonConfig:
     """``torch`` float32 matmul precision inside Newton-Schulz."""
     split_qkv: bool = True
     """Orthogonalize Q, K, V parts of a fused QKV weight separately."""
-    tp_mode: Literal["duplicated", "distributed", "blockwise"] = "duplicated"
+    tp_mode: str = "duplicated"
     """How a TP-sharded matrix is orthogonalized (see docs/optim_staged.md)."""
     scalar_lr: float | None = None
     """AdamW learning rate for non-matrix parameters (None: ``lr``)."""
@@ -136,10 +135,10 @@ class MuonConfig:
 class StagedOptimizerConfig:
     """Top-level config: which algorithm, where its state lives, and how it streams."""
 
-    algorithm: Literal["adamw", "muon"] = "adamw"
-    """Optimizer algorithm (Muon uses AdamW for embeddings, norms and other non-matrix params)."""
-    residency: Literal["gpu", "staged"] = "staged"
-    """``gpu``: state lives on the accelerator (plain Megatron optimizer). ``staged``: state lives in
+    algorithm: str = "adamw"
+    """``adamw`` | ``muon`` (Muon uses AdamW for embeddings, norms and other non-matrix params)."""
+    residency: str = "staged"
+    """``gpu`` | ``staged``. ``gpu``: state lives on the accelerator (plain Megatron optimizer). ``staged``: state lives in
     host slabs and streams through slots."""
     staged_fraction: float = 1.0
     """Fraction of state elements, counted in parameter order, kept in host slabs; the trailing

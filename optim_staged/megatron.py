@@ -27,7 +27,7 @@ from optim_staged.adamw import StagedAdamW
 from optim_staged.config import StagedOptimizerConfig, UnsupportedMegatronConfigError
 from optim_staged.muon import StagedMuon
 
-__all__ = ["get_staged_optimizer", "StagedDistributedOptimizer", "megatron_optimizer_config",
+__all__ = ["get_staged_optimizer", "save_checkpoint", "load_checkpoint", "StagedDistributedOptimizer", "megatron_optimizer_config",
            "megatron_muon_config", "staged_leaves"]
 
 
@@ -244,3 +244,58 @@ def _get_staged_muon(config: StagedOptimizerConfig, model_chunks: list[Any], *, 
         if inner is not None:
             leaf.optimizer.initialize_state()
     return opt
+
+
+# -------------------------------------------------------------------------------- checkpoints
+CHECKPOINT_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""Model-space, per-parameter optimizer state: loads at a different DP size."""
+
+
+def save_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: Any = None) -> None:
+    """Synchronous, atomic ``dist_checkpointing`` save of ``{'model', 'optimizer'}``.
+
+    Every rank writes into ``<directory>.tmp``; after a barrier rank 0 fsyncs it and renames it to
+    ``directory`` (an older checkpoint there is replaced only once the new one is complete).
+    """
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from optim_staged.checkpoint import publish_directory
+
+    tmp = f"{directory}.tmp"
+    rank = torch.distributed.get_rank(group)
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    torch.distributed.barrier(group)
+    sd = {"model": model_chunk.sharded_state_dict(),
+          "optimizer": optimizer.sharded_state_dict(model_chunk.sharded_state_dict(), metadata=CHECKPOINT_SHARDING)}
+    dist_checkpointing.save(sd, tmp)
+    torch.distributed.barrier(group)
+    if rank == 0:
+        publish_directory(tmp, directory)
+    torch.distributed.barrier(group)
+
+
+def load_checkpoint(model_chunk: Any, optimizer: Any, directory: str) -> None:
+    """Load a :func:`save_checkpoint` directory into ``model_chunk`` and ``optimizer`` (any DP size).
+
+    The optimizer template is built with ``is_loading=True`` after its state exists, so every
+    state key (master, exp_avg, exp_avg_sq) is requested from the checkpoint: a checkpoint without
+    moments fails to load instead of silently resetting them.
+    """
+    from megatron.core import dist_checkpointing
+
+    template = {"model": model_chunk.sharded_state_dict(),
+                "optimizer": optimizer.sharded_state_dict(model_chunk.sharded_state_dict(), is_loading=True,
+                                                          metadata=CHECKPOINT_SHARDING)}
+    loaded = dist_checkpointing.load(template, directory)
+    # Megatron's wrappers prefix sharded keys with "module." but load through to the inner module.
+    model_sd, want = loaded["model"], set(model_chunk.state_dict())
+    while model_sd and not (set(model_sd) & want) and all(k.startswith("module.") for k in model_sd):
+        model_sd = {k.removeprefix("module."): v for k, v in model_sd.items()}
+    model_chunk.load_state_dict(model_sd)
+    optimizer.load_state_dict(loaded["optimizer"])

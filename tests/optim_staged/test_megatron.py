@@ -15,7 +15,6 @@ import torch
 from mcore_distill.testing import run_ranks
 
 S, B, STEPS, SAVE_AT = 16, 2, 6, 3
-SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _tokens(step: int, micro: int) -> torch.Tensor:
@@ -88,10 +87,8 @@ def _params(model):
 
 
 def dp2_body(rank: int, world_size: int, ckpt_dir: str):
-    from megatron.core import dist_checkpointing
-
     from mcore_distill.testing import init_megatron
-    from optim_staged.megatron import staged_leaves
+    from optim_staged.megatron import save_checkpoint, staged_leaves
 
     init_megatron(tp=1, pp=1, seed=7)
     native_model, native = _build(staged=False)
@@ -107,10 +104,9 @@ def dp2_body(rank: int, world_size: int, ckpt_dir: str):
             staged.restore_from_cpu()
     result = {"norms": norms, "native_states": _leaf_states(native), "staged_states": _leaf_states(staged),
               "native_params": _params(native_model), "staged_params": _params(staged_model)}
-    # Model-space checkpoint of the staged run at step 3, then continue uninterrupted.
-    sd = {"model": staged_model.sharded_state_dict(),
-          "optimizer": staged.sharded_state_dict(staged_model.sharded_state_dict(), metadata=SHARDING)}
-    dist_checkpointing.save(sd, ckpt_dir)
+    # Model-space checkpoint of the staged run at step 3 (atomic: tmp dir + fsync + rename), then
+    # continue uninterrupted.
+    save_checkpoint(staged_model, staged, ckpt_dir)
     result["cont_norms"] = [_train_step(staged_model, staged, step, [rank]) for step in range(SAVE_AT, STEPS)]
     result["final_params"] = _params(staged_model)
     result["final_states"] = _leaf_states(staged)
@@ -118,18 +114,15 @@ def dp2_body(rank: int, world_size: int, ckpt_dir: str):
 
 
 def dp1_body(rank: int, world_size: int, ckpt_dir: str):
-    from megatron.core import dist_checkpointing
+    import os
 
     from mcore_distill.testing import init_megatron
+    from optim_staged.megatron import load_checkpoint
 
+    assert not os.path.exists(f"{ckpt_dir}.tmp")  # published by rename
     init_megatron(tp=1, pp=1, seed=7)
     model, optim = _build(staged=True, seed=99)  # different init: everything must come from the ckpt
-    model_sd = model.sharded_state_dict()
-    template = {"model": model_sd,
-                "optimizer": optim.sharded_state_dict(model.sharded_state_dict(), is_loading=True, metadata=SHARDING)}
-    loaded = dist_checkpointing.load(template, ckpt_dir)
-    model.load_state_dict({k.removeprefix("module."): v for k, v in loaded["model"].items()})
-    optim.load_state_dict(loaded["optimizer"])
+    load_checkpoint(model, optim, ckpt_dir)
     steps = {g["step"] for g in optim.chained_optimizers[0].optimizer.param_groups}
     # both DP=2 micro-batches, same global batch
     norms = [_train_step(model, optim, step, [0, 1]) for step in range(SAVE_AT, STEPS)]
@@ -140,9 +133,6 @@ def dp1_body(rank: int, world_size: int, ckpt_dir: str):
 @pytest.mark.timeout(240)
 def test_staged_adamw_in_megatron_dp2_and_reshard_to_dp1(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    import os
-
-    os.makedirs(ckpt)
     r0, r1 = run_ranks(dp2_body, 2, ckpt, timeout=200)
     # staged vs native Megatron Adam: grad norms, states, params
     for (n_nat, n_stg) in r0["norms"]:

@@ -1,0 +1,81 @@
+"""Atomic checkpoint files and directories (temp + fsync + rename), and a model-space state view.
+
+Megatron checkpoints go through ``DistributedOptimizer.sharded_state_dict`` with the
+``fully_reshardable`` sharding type: each parameter's ``fp32_param`` / ``exp_avg`` /
+``exp_avg_sq`` is a canonical model-space tensor, so a checkpoint saved at one DP size loads at
+another (see :func:`optim_staged.megatron.save_checkpoint`). This module holds the torch-only
+pieces: atomic writes and the per-parameter state of a standalone staged optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["atomic_torch_save", "fsync_tree", "publish_directory", "model_space_state"]
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under ``root`` (and ``root`` itself)."""
+    root = Path(root)
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            _fsync_path(Path(dirpath) / f)
+        _fsync_path(Path(dirpath))
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to ``path.tmp-<pid>``, fsync, then rename over ``path`` and fsync the folder:
+    readers see the old file or the complete new one, never a partial write."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_path(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def publish_directory(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> None:
+    """fsync ``tmp_dir`` and rename it to ``final_dir``; an existing ``final_dir`` is moved aside
+    first and deleted only after the new one is in place."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    fsync_tree(tmp_dir)
+    old = final_dir.with_name(f"{final_dir.name}.old-{os.getpid()}")
+    if final_dir.exists():
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    _fsync_path(final_dir.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def model_space_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, Any]]:
+    """``{param name: {state key: fp32 CPU tensor (param shape), 'step': int}}`` of a staged
+    optimizer; ``names`` maps ``id(param)`` to its name. Drains first."""
+    optimizer.drain(release=False)
+    out: dict[str, dict[str, Any]] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in names:
+                raise KeyError(f"parameter of shape {tuple(p.shape)} has no name in `names`")
+            out[names[id(p)]] = {**{k: v.detach().clone() for k, v in optimizer.state[p].items()},
+                                 "step": int(g["step"])}
+    return out
