@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["TeacherFeatureFn", "features_from_logits", "fingerprint_state_dict", "storage_dtype"]
+__all__ = ["TeacherFeatureFn", "features_from_logits", "fingerprint_state_dict", "max_object_bytes", "storage_dtype"]
 
 TeacherFeatureFn = Callable[[list[torch.Tensor]], list[dict[str, torch.Tensor]]]
 """``fn(sequences)`` with ``sequences[i]`` an int64 ``[L_i]`` tensor → per-sequence feature dicts."""
@@ -77,3 +77,21 @@ def fingerprint_state_dict(state_dict: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def max_object_bytes(key, *, hidden_size: int, header: int = 4096) -> int:
+    """Upper bound of one stored sample object for ``key`` (use as ``SourceConfig.max_sample_bytes``).
+
+    Per token: int64 token, ``logprobs`` (storage dtype), ``top_k`` × (value + int64 id), one
+    ``hidden_size`` vector per tap; plus 64-byte alignment per tensor and a JSON header.
+    """
+    item = storage_dtype(key.dtype).itemsize
+    per_token = 8
+    if "logprobs" in key.signals:
+        per_token += item
+    if "topk" in key.signals:
+        per_token += key.top_k * (item + 8)
+    if "hidden" in key.signals:
+        per_token += len(key.hidden_taps) * hidden_size * item
+    tensors = 1 + ("logprobs" in key.signals) + 2 * ("topk" in key.signals) + len(key.hidden_taps)
+    return key.max_length * per_token + 64 * tensors + header
