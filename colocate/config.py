@@ -43,7 +43,10 @@ class HFModelSpec:
     ffn_hidden_size: int
     """Dense MLP intermediate size (per gate/up half)."""
     vocab_size: int
-    """Rows of the embedding / LM head as trained (padded vocab)."""
+    """Rows of the embedding / LM head as trained (Megatron pads the vocab, e.g. to 128·TP)."""
+    serve_vocab_size: int | None = None
+    """Rows the receiver holds, when its checkpoint has the unpadded vocab (e.g. 151936 for
+    Qwen3 trained with a padded 152064); the extra trained rows are not sent. None: same."""
     tie_embeddings: bool = False
     """LM head shares the embedding; no ``lm_head.weight`` is sent."""
     num_experts: int | None = None
@@ -76,6 +79,9 @@ class HFModelSpec:
                               "(qwen3_moe needs experts, qwen3 none)")
         if self.num_experts is not None:
             _positive(self, "num_experts")
+        if self.serve_vocab_size is not None and not 0 < self.serve_vocab_size <= self.vocab_size:
+            raise ConfigError(f"HFModelSpec.serve_vocab_size={self.serve_vocab_size!r} must be in "
+                              f"(0, vocab_size={self.vocab_size}]")
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
         if self.router_dtype not in (None, "fp32", "bf16", "fp16"):
@@ -149,8 +155,11 @@ class WorkerSpec:
     """argv of the worker process."""
     env: dict[str, str] = field(default_factory=dict)
     """Per-role overrides merged over the owner's environment (a value of ``""`` removes the key)."""
-    scheduler: Literal["local", "slurm", "ray"] = "local"
-    """Where to start it: a local subprocess, a Slurm step in the owner's job, or a Ray actor."""
+    scheduler: Literal["local", "slurm"] = "local"
+    """Where to start it: a local subprocess or a Slurm step in the owner's job."""
+    devices: list[int] | None = None
+    """The owner's logical GPU indices this worker gets (mapped to physical ids through the
+    owner's ``CUDA_VISIBLE_DEVICES``); None gives it all of the owner's devices."""
     health_timeout_s: float = 60.0
     """How long ``start`` waits for the worker's ready line."""
     kill_grace_s: float = 5.0
@@ -161,8 +170,10 @@ class WorkerSpec:
             raise ConfigError(f"WorkerSpec.role must be a non-empty identifier, got {self.role!r}")
         if not self.command or not all(isinstance(a, str) for a in self.command):
             raise ConfigError(f"WorkerSpec.command must be a non-empty list of str, got {self.command!r}")
-        if self.scheduler not in ("local", "slurm", "ray"):
-            raise ConfigError(f"WorkerSpec.scheduler must be 'local', 'slurm' or 'ray', got {self.scheduler!r}")
+        if self.scheduler not in ("local", "slurm"):
+            raise ConfigError(f"WorkerSpec.scheduler must be 'local' or 'slurm', got {self.scheduler!r}")
+        if self.devices is not None and (not self.devices or any(not isinstance(d, int) or d < 0 for d in self.devices)):
+            raise ConfigError(f"WorkerSpec.devices must be None or non-negative ints, got {self.devices!r}")
         bad = {k: v for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)}
         if bad:
             raise ConfigError(f"WorkerSpec.env must map str to str, bad entries: {bad!r}")

@@ -17,6 +17,7 @@ Layouts:
 * Local (``pre_mlp_layernorm``) and TE-fused (``linear_qkv.layer_norm_weight``,
   ``linear_fc1.layer_norm_weight``) norm names both map to the HF norms.
 * Tied embeddings: ``output_layer.weight`` is dropped; the receiver ties ``lm_head``.
+* Padded vocab: with ``serve_vocab_size`` only the first rows of embedding / LM head are sent.
 """
 
 from __future__ import annotations
@@ -142,12 +143,13 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> lis
     (``output_layer.weight`` under tied embeddings). Raises :class:`ConversionError` on an
     unknown name.
     """
+    rows = spec.serve_vocab_size or spec.vocab_size
     if name == "embedding.word_embeddings.weight":
-        return [("model.embed_tokens.weight", tensor)]
+        return [("model.embed_tokens.weight", tensor[:rows])]
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", tensor)]
     if name == "output_layer.weight":
-        return [] if spec.tie_embeddings else [("lm_head.weight", tensor)]
+        return [] if spec.tie_embeddings else [("lm_head.weight", tensor[:rows])]
     m = _LAYER.match(name)
     if m is None:
         raise ConversionError(f"no HF mapping for Megatron parameter {name!r}")
@@ -187,10 +189,11 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> lis
 def hf_param_specs(spec: HFModelSpec, *, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every HF name the receiver expects with its (shape, dtype), for a model trained in ``dtype``."""
     H, D, Q, G = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_query_groups
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((spec.vocab_size, H), dtype),
+    V = spec.serve_vocab_size or spec.vocab_size
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((V, H), dtype),
                                                            "model.norm.weight": ((H,), dtype)}
     if not spec.tie_embeddings:
-        out["lm_head.weight"] = ((spec.vocab_size, H), dtype)
+        out["lm_head.weight"] = ((V, H), dtype)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         out.update({

@@ -60,7 +60,7 @@ class WeightReceiver(Protocol):
 
 def hf_config(spec: HFModelSpec, *, dtype: torch.dtype = torch.float32):
     """A ``transformers`` Qwen3Config / Qwen3MoeConfig with ``spec``'s shapes."""
-    common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+    common = dict(vocab_size=spec.serve_vocab_size or spec.vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
                   num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_query_groups,
                   head_dim=spec.head_dim, intermediate_size=spec.ffn_hidden_size, rms_norm_eps=spec.rms_norm_eps,
                   max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_embeddings,

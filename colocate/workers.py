@@ -203,6 +203,12 @@ class LocalScheduler:
         """Start ``spec`` with the owner env + role overrides; wait for ready unless ``wait=False``."""
         tmp = Path(tempfile.mkdtemp(prefix=f"colocate-{spec.role}-"))
         env = merge_env(self.owner_env, spec.env)
+        if spec.devices is not None:
+            phys = physical_gpu_ids(self.owner_env)
+            if phys is not None and max(spec.devices) >= len(phys):
+                raise WorkerError(f"WorkerSpec.devices={spec.devices} outside the owner's "
+                                  f"CUDA_VISIBLE_DEVICES={','.join(phys)!r}")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(phys[d] if phys is not None else str(d) for d in spec.devices)
         env[READY_ENV] = str(tmp / "ready.json")
         env["COLOCATE_ROLE"] = spec.role
         env["COLOCATE_OWNER_PID"] = str(os.getpid())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from colocate import (
+    ConfigError,
     ConversionError,
     HFModelSpec,
     ParamMismatchError,
@@ -92,6 +93,17 @@ def test_megatron_to_hf_rules_router_bias_te_norms_tied():
     assert torch.equal(g[0][1], fc1[:6]) and torch.equal(g[1][1], fc1[6:])
     specs = hf_param_specs(spec, dtype=torch.float32)
     assert "lm_head.weight" not in specs and specs["model.layers.0.mlp.gate.weight"][1] == torch.bfloat16
+
+
+def test_padded_vocab_rows_are_trimmed_for_the_receiver():
+    spec = _moe_spec(vocab_size=24, serve_vocab_size=16)
+    emb = torch.randn(24, 8)
+    (n, t), = megatron_to_hf("embedding.word_embeddings.weight", emb, spec=spec)
+    assert n == "model.embed_tokens.weight" and torch.equal(t, emb[:16])
+    assert megatron_to_hf("output_layer.weight", emb, spec=spec)[0][1].shape == (16, 8)
+    assert hf_param_specs(spec, dtype=torch.float32)["lm_head.weight"][0] == (16, 8)
+    with pytest.raises(ConfigError, match="serve_vocab_size=30"):
+        _moe_spec(vocab_size=24, serve_vocab_size=30)
 
 
 def test_megatron_to_hf_bad_names_raise_with_the_name():

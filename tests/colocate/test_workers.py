@@ -60,6 +60,8 @@ def test_env_merge_gpu_ids_and_ipc_keys():
         WorkerSpec(role="rollout", command=[])
     with pytest.raises(ConfigError, match="WorkerSpec.scheduler"):
         WorkerSpec(role="rollout", command=["x"], scheduler="k8s")
+    with pytest.raises(ConfigError, match="WorkerSpec.devices"):
+        WorkerSpec(role="rollout", command=["x"], devices=[-1])
 
 
 @pytest.mark.timeout(90)
@@ -73,6 +75,11 @@ def test_local_fork_env_health_kill_and_timeouts():
     assert info["cuda_visible_devices"] == "5,2"  # same physical devices as the owner
     assert w.healthy()
     grandchild = info["child"]
+    one = sched.fork(WorkerSpec(role="teacher", command=WORKER, devices=[1], health_timeout_s=60, kill_grace_s=2))
+    assert one.info["cuda_visible_devices"] == "2"  # owner's logical 1 is physical 2
+    one.kill()
+    with pytest.raises(WorkerError, match=r"devices=\[2\] outside"):
+        sched.fork(WorkerSpec(role="teacher", command=WORKER, devices=[2]))
     w.kill()
     assert not w.alive() and _gone(w.pid) and _gone(info["pid"]) and _gone(grandchild)
     w.kill()  # idempotent
