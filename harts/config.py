@@ -73,7 +73,7 @@ class HeadConfig:
     """Tree attention backend: ``flex`` (FlexAttention, BlockMask once per microbatch) or
     ``dense`` (tests only)."""
     chunk_size: int = 1024
-    """Rows per LM-head chunk; extra memory ≈ 3 · chunk_size · V_local fp32 values."""
+    """Rows per LM-head chunk; extra memory ≈ 2 · chunk_size · V_local fp32 values."""
     temperature: float = 1.0
     """Sampling temperature τ; logits are divided by it."""
     entropy_requires_grad: bool = False

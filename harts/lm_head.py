@@ -54,14 +54,6 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
     return a.to(cdtype) @ b.to(cdtype)
 
 
-def _chunk_stats(h, w, inv_temp, cdtype, group):
-    """Logits of one chunk and its max, reduced over the vocab shards."""
-    z = _mm(h, w.T, cdtype) * inv_temp
-    m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
-    e = torch.exp(z - m[:, None])
-    return z, m, e
-
-
 class _TreeHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, e_child, e_parent, e_tok, e_off, chunk, inv_temp, group, vocab_start,
@@ -75,17 +67,25 @@ class _TreeHead(torch.autograd.Function):
         off = e_off.tolist()
         for r0 in range(0, t, chunk):
             r1 = min(r0 + chunk, t)
-            z, m, e = _chunk_stats(hidden[r0:r1], weight, inv_temp, cdtype, group)
+            z = _mm(hidden[r0:r1], weight.T, cdtype)  # [n, V_local]: chunk buffer 1
+            if inv_temp != 1.0:
+                z.mul_(inv_temp)
             a0, a1 = off[r0], off[r1]
             rows = e_parent[a0:a1] - r0
             tl = e_tok[a0:a1] - vocab_start
             own = (tl >= 0) & (tl < vl)
             tgt = torch.where(own, z[rows, tl.clamp(0, vl - 1)], torch.zeros((), dtype=cdtype, device=z.device))
-            red = _all_reduce(torch.cat([e.sum(-1), (e * z).sum(-1), tgt]), dist.ReduceOp.SUM, group)
+            m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
+            z.sub_(m[:, None])  # s = z − m
+            e = torch.exp(z)  # chunk buffer 2
+            se = e.sum(-1)
+            es = e.mul_(z).sum(-1)  # Σ e·s
+            del e, z
             n = r1 - r0
-            se, sez, tgt = red[:n], red[n:2 * n], red[2 * n:]
+            red = _all_reduce(torch.cat([se, es, tgt]), dist.ReduceOp.SUM, group)
+            se, es, tgt = red[:n], red[n:2 * n], red[2 * n:]
             lse[r0:r1] = m + torch.log(se)
-            ent[r0:r1] = lse[r0:r1] - sez / se
+            ent[r0:r1] = torch.log(se) - es / se  # H = lse − Σ p z
             logp[e_child[a0:a1]] = tgt - lse[e_parent[a0:a1]]
         ctx.save_for_backward(hidden, weight, e_child, e_parent, e_tok, e_off, lse, ent)
         ctx.cfg = (chunk, inv_temp, group, vocab_start, reduce_grad_input)
@@ -105,22 +105,30 @@ class _TreeHead(torch.autograd.Function):
         for r0 in range(0, t, chunk):
             r1 = min(r0 + chunk, t)
             h = hidden[r0:r1]
-            z = _mm(h, weight.T, cdtype) * inv_temp
-            logp = z - lse[r0:r1, None]
-            p = torch.exp(logp)
-            dz = torch.zeros_like(z)
+            n = r1 - r0
+            z = _mm(h, weight.T, cdtype)  # chunk buffer 1
+            if inv_temp != 1.0:
+                z.mul_(inv_temp)
+            z.sub_(lse[r0:r1, None])  # log p
+            p = torch.exp(z)  # chunk buffer 2
+            gsum = torch.zeros(n, dtype=cdtype, device=z.device)
             if g_edge is not None:
                 a0, a1 = off[r0], off[r1]
                 rows = e_parent[a0:a1] - r0
                 g = g_edge[a0:a1]
-                gsum = torch.zeros(r1 - r0, dtype=cdtype, device=z.device).index_add_(0, rows, g)
-                dz -= gsum[:, None] * p
+                gsum.index_add_(0, rows, g)
+            if g_ent is not None:  # dz = −p ⊙ (G + g^H (log p + H)), built in place
+                z.add_(ent[r0:r1, None]).mul_(g_ent[r0:r1, None].to(cdtype)).add_(gsum[:, None])
+                dz = p.mul_(z).neg_()
+            else:
+                dz = p.mul_(-gsum[:, None])
+            del z
+            if g_edge is not None:
                 tl = e_tok[a0:a1] - vocab_start
                 own = (tl >= 0) & (tl < vl)
                 dz.index_put_((rows[own], tl[own]), g[own], accumulate=True)
-            if g_ent is not None:
-                dz -= g_ent[r0:r1, None].to(cdtype) * p * (logp + ent[r0:r1, None])
-            dz *= inv_temp
+            if inv_temp != 1.0:
+                dz.mul_(inv_temp)
             if _low_precision_cuda(h, weight):
                 dz = dz.to(h.dtype)  # logit gradients in the model dtype, as Megatron's own head
             dh[r0:r1] = _mm(dz, weight, cdtype)
@@ -140,7 +148,8 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
         weight: ``[V_local, H]`` output-layer shard (vocab-parallel under TP).
         tokens, parent: ``[T]`` token id and parent row of each compact node (``parent < 0``:
             no incoming edge, log-prob 0).
-        chunk_size: rows per chunk; peak extra memory ≈ 3 · chunk_size · V_local floats.
+        chunk_size: rows per chunk; peak extra memory ≈ 2 · chunk_size · V_local fp32 values
+            (two chunk buffers, in forward and in backward).
         temperature: τ, logits are divided by it.
         tp_group: tensor-parallel group holding the vocab shards (None: unsharded).
         vocab_start: first vocab id of this shard (default ``rank · V_local``).
