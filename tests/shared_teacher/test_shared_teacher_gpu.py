@@ -47,16 +47,20 @@ def test_bf16_teacher_features_match_fp64_reference_of_its_own_logits(cpu_megatr
     seqs = [torch.randint(0, 4096, (n,), generator=g) for n in (200, 33)]
     teacher = MegatronTeacher(model, key=_key("float32"))
     feats = teacher(seqs)
+    # the same padded batch the teacher runs, so both sides reduce identical bf16-model logits
+    tokens = torch.zeros(2, 200, dtype=torch.int64)
+    for i, seq in enumerate(seqs):
+        tokens[i, : seq.numel()] = seq
+    with torch.no_grad():
+        logits = model(tokens.cuda(), torch.arange(200, device="cuda").expand(2, 200), None)
     store = ShmStore()
     try:
         for i, seq in enumerate(seqs):
-            with torch.no_grad():
-                logits = model(seq[None].cuda(), torch.arange(seq.numel(), device="cuda")[None], None)[0]
-            ref = teacher_features_reference(logits.double().cpu(), seq, top_k=16)
-            # same logits, different reduction order: fp32 vs fp64 log-softmax
-            assert_close(f"logprobs[{i}]", ref["logprobs"], feats[i]["logprobs"], atol=5e-2, rtol=1e-2)
-            assert_close(f"topk[{i}]", ref["topk_logprobs"], feats[i]["topk_logprobs"], atol=5e-2, rtol=1e-2)
-            ref_obj = store.put(feats[i], sample_id=f"e0-i{i}", generation=1, node="n0", num_tokens=seq.numel(),
+            n = seq.numel()
+            ref = teacher_features_reference(logits[i, :n].double().cpu(), seq, top_k=16)
+            assert_close(f"logprobs[{i}]", ref["logprobs"], feats[i]["logprobs"], atol=2e-5, rtol=1e-6)
+            assert_close(f"topk[{i}]", ref["topk_logprobs"], feats[i]["topk_logprobs"], atol=2e-5, rtol=1e-6)
+            ref_obj = store.put(feats[i], sample_id=f"e0-i{i}", generation=1, node="n0", num_tokens=n,
                                 schema_key="gpu", epoch=0, position=i)
             back = store.get(ref_obj)
             for name, t in feats[i].items():
