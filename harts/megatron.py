@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from harts.attention import Backend, build_block_mask, tree_attention
 from harts.config import HeadConfig
@@ -76,6 +77,9 @@ def check_tree_compatible(config) -> None:
             "tokens differently from per-sequence execution; use dropless MoE (capacity factor None)")
     if getattr(config, "multi_latent_attention", False):
         raise TreeIncompatibleError("multi_latent_attention=True is not supported by harts tree attention")
+    mtp = getattr(config, "mtp_num_layers", None)
+    if mtp:
+        raise TreeIncompatibleError(f"mtp_num_layers={mtp}: multi-token-prediction labels cross forks in a tree")
     st = getattr(config, "softmax_type", "vanilla")
     if st != "vanilla":
         raise TreeIncompatibleError(f"softmax_type={st!r}: tree attention implements only 'vanilla' softmax")
@@ -88,8 +92,8 @@ def _tree_forward(self, query, key, value, psp: TreePackedSeqParams):
     scale = getattr(self, "softmax_scale", None)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    if getattr(self.config, "apply_query_key_layer_scaling", False) and hasattr(self, "layer_number"):
-        scale = scale * self.layer_number  # local DotProductAttention divides its scale by the layer number
+    if isinstance(self, DotProductAttention) and getattr(self.config, "apply_query_key_layer_scaling", False):
+        scale = scale * self.layer_number  # the local class divides its scale by the layer number
     out = tree_attention(query[:, 0], key[:, 0], value[:, 0], last=psp.tree_last, scale=scale,
                          backend=psp.tree_backend, block_mask=psp.block_mask)
     return out.reshape(out.shape[0], 1, -1)

@@ -112,7 +112,12 @@ def test_flex_forward_matches_dense_in_megatron(cpu_megatron):
 
     seed_all(3)
     model = build_tiny_gpt(TinyGPTConfig(vocab_size=VOCAB, params_dtype=torch.float64)).double()
-    apply_harts(model)
+    core = model.decoder.layers[0].self_attention.core_attention
+    base = type(core)
+    handle = apply_harts(model)
+    assert type(core).__name__ == f"Tree{base.__name__}" and isinstance(core, base)
+    apply_harts(model).remove()  # idempotent: a second call swaps and hooks nothing
+    assert type(core).__name__ == f"Tree{base.__name__}" and len(model.decoder._forward_pre_hooks) == 1
     seqs = [list(range(1, 40)), list(range(1, 30)) + [50, 51, 52], [1, 2, 3, 9, 9, 9], [5] * 20]
     forest = build_forest(seqs).padded(16)
     with torch.no_grad():
@@ -123,6 +128,8 @@ def test_flex_forward_matches_dense_in_megatron(cpu_megatron):
 
     with pytest.raises(TokenOutOfRangeError, match=f"token id {VOCAB} >= model vocab_size {VOCAB}"):
         tree_forward(model, build_forest([[1, VOCAB]]), backend="dense")
+    handle.remove()
+    assert type(core) is base and len(model.decoder._forward_pre_hooks) == 0
     assert_close("flex entropy", dense.entropy, flex.entropy, atol=1e-10, rtol=1e-10)
 
 
@@ -131,6 +138,8 @@ def test_incompatible_configs_raise():
 
     with pytest.raises(TreeIncompatibleError, match="context_parallel_size=2"):
         check_tree_compatible(type("C", (), {"context_parallel_size": 2})())
+    with pytest.raises(TreeIncompatibleError, match="mtp_num_layers=1"):
+        check_tree_compatible(type("C", (), {"mtp_num_layers": 1})())
     moe = type("C", (), {"num_moe_experts": 4, "moe_expert_capacity_factor": 1.0})()
     with pytest.raises(TreeIncompatibleError, match="moe_expert_capacity_factor=1.0"):
         check_tree_compatible(moe)
