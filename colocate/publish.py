@@ -11,8 +11,9 @@ Per publish (one ``weight_version``):
    checksums, ``verify="checksum"``) and commits atomically;
 4. the version is read back; ``verify="sampled"`` compares sampled elements after commit.
 
-Any failure aborts the update on the receiver (previous weights stay), marks the version
-poisoned (it can never be published again) and raises :class:`PublishError` with the cause.
+Any failure aborts the update on the receiver (previous weights stay; a failure after the
+commit rolls back receivers that have ``rollback``), marks the version poisoned (it can never
+be published again) and raises :class:`PublishError` with the cause.
 Timings per phase: convert (pulling tensors from the iterator), bucket (packing copies),
 transfer (hand-over until ack), load (verify + commit), verify (read-back).
 """
@@ -98,7 +99,7 @@ class Publisher:
 
             raise ConfigError(f"PublishConfig.verify='sampled': receiver {type(receiver).__name__} cannot sample")
         self._staging: list[torch.Tensor | None] = [None] * self.config.max_in_flight
-        self._disk = Path(self.config.disk_dir or tempfile.mkdtemp(prefix="colocate-publish-"))
+        self._disk: Path | None = Path(self.config.disk_dir) if self.config.disk_dir else None
 
     # ----- staging buffers --------------------------------------------------------------------
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -149,6 +150,7 @@ class Publisher:
             phase = "begin"
             self.receiver.begin_update(version)
             began = True
+            phase = "transfer"
             report = self._send(iter(items), plan, version, timings)
             phase = "load"
             t0 = time.perf_counter()
@@ -171,9 +173,12 @@ class Publisher:
             self.poisoned.add(version)
             if began:
                 try:
-                    self.receiver.abort_update(version)
+                    if phase == "verify" and hasattr(self.receiver, "rollback"):
+                        self.receiver.rollback()  # committed but unverified: back to the previous weights
+                    else:
+                        self.receiver.abort_update(version)
                 except Exception as abort_err:  # noqa: BLE001 - the receiver may be gone
-                    log.warning("abort_update(%s) failed: %s", version, abort_err)
+                    log.warning("abort/rollback of %s failed: %s", version, abort_err)
             log.error("publish %s poisoned in %s: %s", version, phase, e)
             raise PublishError(version, phase, e) from e
         self.last_good = version
@@ -245,6 +250,8 @@ class Publisher:
             elif self.transport == "disk":
                 while remote and self.receiver.in_flight:
                     self.receiver.wait_one(cfg.timeout_s)
+                if self._disk is None:
+                    self._disk = Path(tempfile.mkdtemp(prefix="colocate-publish-"))
                 path = self._disk / f"v{version}-b{b}.bin"
                 write_bucket_file(buf, size, path)
                 handles += 1

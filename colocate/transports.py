@@ -254,6 +254,9 @@ class RemoteReceiver:
     def weight_version(self) -> int | None:
         return self._call("weight_version")
 
+    def rollback(self) -> None:
+        self._call("rollback", timeout=min(self.timeout_s, 60.0))
+
     def checksums(self, names=None) -> dict[str, int]:
         return self._call("checksums", None if names is None else list(names))
 

@@ -82,6 +82,19 @@ def test_mismatch_and_corruption_poison_and_keep_previous_weights():
     engine2.begin_update(5)  # the failed update was aborted: a new one can open
     engine2.abort_update(5)
 
+    class WrongVersion(HFEngine):  # commits, then reports another version: must be rolled back
+        def weight_version(self):
+            v = super().weight_version()
+            return None if v is None else v + 100
+
+    engine3 = WrongVersion(DENSE)
+    pub3 = Publisher(engine3, PublishConfig(bucket_bytes=16 << 10))
+    prev = engine3.checksums()
+    with pytest.raises(PublishError) as ei:
+        pub3.publish(_weights(DENSE, 3), version=1)
+    assert ei.value.phase == "verify" and "weight_version 101" in str(ei.value)
+    assert engine3.checksums() == prev
+
 
 @pytest.mark.timeout(120)
 def test_shared_memory_zero_copy_across_processes():
@@ -131,7 +144,7 @@ def test_remote_engine_shm_disk_sampled_and_death():
 
         with pytest.raises(PublishError) as ei:
             pub.publish(dying(), version=4, meta={n: (tuple(t.shape), t.dtype) for n, t in w3.items()})
-        assert isinstance(ei.value.cause, ReceiverDied) and 4 in pub.poisoned
+        assert isinstance(ei.value.cause, ReceiverDied) and 4 in pub.poisoned and ei.value.phase == "transfer"
         with pytest.raises(TransportError):
             recv.weight_version()
     finally:
