@@ -69,8 +69,8 @@ def _workloads(quick: bool, vocab: int):
             w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=1, n=16, seq_len=48, vocab_size=vocab)))
         return w
     for rho in (0.0, 0.25, 0.5, 0.75, 0.9):
-        w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=4, n=16, seq_len=1024, vocab_size=vocab, seed=1)))
-    for p, r, n, groups in ((200, 300, 8, 12), (4000, 500, 8, 2), (4800, 1000, 16, 1), (300, 8000, 16, 1)):
+        w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=3, n=16, seq_len=1024, vocab_size=vocab, seed=1)))
+    for p, r, n, groups in ((200, 300, 8, 12), (4000, 500, 8, 2), (4800, 1000, 16, 1), (300, 4000, 16, 1)):
         w.append((f"P{p}-R{r}-n{n}", grpo_groups(groups, prompt_len=p, response_len=r, n=n, vocab_size=vocab, seed=2)))
     w.append(("caterpillar", caterpillar(2, turns=8, turn_len=512, branches=2, branch_len=256, vocab_size=vocab)))
     return w

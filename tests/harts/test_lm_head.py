@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from harts.forest import build_chain_forest, build_forest
 from harts.lm_head import tree_lm_head
@@ -55,3 +57,25 @@ def test_head_entropy_detached_by_default():
     assert lp.requires_grad and not en.requires_grad
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         tree_lm_head(hid, torch.randn(9, 4), f.tokens, f.parent, chunk_size=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=6),
+       st.integers(1, 9))
+def test_random_forest_fork_labels(seqs, chunk):
+    """Per-sequence log-probs/entropies from the tree head equal a per-sequence head applied to
+    the same rows (hidden states that depend only on the prefix, as in the model)."""
+    from harts.loss import sequence_entropy, sequence_logprobs
+    from harts.reference import per_sequence_head_reference
+
+    f = build_forest(seqs)
+    g = torch.Generator().manual_seed(len(seqs) * 31 + chunk)
+    hid = torch.randn(f.num_nodes, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    lp, ent = tree_lm_head(hid, w, f.tokens, f.parent, chunk_size=chunk, temperature=1.3)
+    rows = [f.index[f.seq_offsets[i]:f.seq_offsets[i + 1]] for i in range(f.num_seqs)]
+    it = iter(rows)
+    lr, er = per_sequence_head_reference([f.sequence(i) for i in range(f.num_seqs)], lambda s: hid[next(it)] @ w.T,
+                                         temperature=1.3)
+    assert_close("logp", lr, sequence_logprobs(lp, f), atol=1e-12, rtol=1e-12)
+    assert_close("entropy", er, sequence_entropy(ent, f), atol=1e-12, rtol=1e-12)
