@@ -52,8 +52,6 @@ class CopyReceiver:
 
     def __init__(self, specs: dict, device: str):
         self.device = torch.device(device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         self.specs = specs
         self.params = {n: torch.empty(s, dtype=d, device=self.device) for n, (s, d) in specs.items()}
         self.version = None

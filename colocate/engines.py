@@ -64,7 +64,7 @@ def hf_config(spec: HFModelSpec, *, dtype: torch.dtype = torch.float32):
                   num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_query_groups,
                   head_dim=spec.head_dim, intermediate_size=spec.ffn_hidden_size, rms_norm_eps=spec.rms_norm_eps,
                   max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_embeddings,
-                  rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+                  rope_theta=spec.rope_theta,  # the legacy keyword: transformers 5.x maps it to rope_parameters
                   attention_bias=False, hidden_act="silu", dtype=dtype)
     if spec.arch == "qwen3":
         from transformers import Qwen3Config
