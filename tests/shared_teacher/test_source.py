@@ -260,8 +260,14 @@ def test_lease_expiry_fails_the_student_and_watchdog_raises(tmp_path):
     import time
 
     time.sleep(0.25)
-    h.src.tick()
-    assert h.src.stats()["students"]["a"]["status"] == "failed"
+    h.src.tick()  # expires the lease and starts fencing on a thread; the reader pid is gone → fenced
+    deadline = time.monotonic() + 5
+    while h.src.stats()["students"]["a"]["status"] != "fenced":
+        assert time.monotonic() < deadline, h.src.stats()["students"]
+        time.sleep(0.01)
+    assert "missed heartbeats" in h.src.stats()["students"]["a"]["reason"]
+    with pytest.raises(LeaseExpiredError):
+        h.src.heartbeat(lease=h.leases[("a", 0)])
     h2 = Harness(_config(STUDENTS[:1], epochs=1, state_dir=str(tmp_path)))
     h2.src.cfg.watchdog_s = 0.2
     time.sleep(0.3)
