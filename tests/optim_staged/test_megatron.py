@@ -19,7 +19,7 @@ S, B, STEPS, SAVE_AT = 16, 2, 6, 3
 
 def _tokens(step: int, micro: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randint(0, 128, (B, S), generator=g)
+    return torch.randint(0, 128, (B, S), generator=g).to("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _build(staged: bool, seed: int = 7):
@@ -33,6 +33,8 @@ def _build(staged: bool, seed: int = 7):
 
     seed_all(seed)
     model = build_tiny_gpt(TinyGPTConfig(num_layers=2, params_dtype=torch.bfloat16))
+    if torch.cuda.is_available():
+        model = model.cuda()
     model = Float16Module(model.config, model)
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     model = DDP(model.config, ddp_cfg, model)
@@ -52,7 +54,7 @@ def _train_step(model, optim, step: int, micro_ids: list[int]) -> float:
 
     def fwd(it, m):
         tokens = next(it)
-        out = m(tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+        out = m(tokens, torch.arange(S, device=tokens.device).expand(B, S), None, labels=tokens)
 
         def loss_fn(o):
             loss = o.float().mean()
@@ -133,7 +135,21 @@ def dp1_body(rank: int, world_size: int, ckpt_dir: str):
 @pytest.mark.timeout(240)
 def test_staged_adamw_in_megatron_dp2_and_reshard_to_dp1(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    r0, r1 = run_ranks(dp2_body, 2, ckpt, timeout=200)
+    _check_dp2_and_reshard(ckpt, backend="gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_staged_adamw_in_megatron_dp2_nccl(tmp_path):
+    """The same checks on two GPUs (NCCL, CUDA streams and pinned slabs); skipped below 2 GPUs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _check_dp2_and_reshard(str(tmp_path / "ckpt"), backend="nccl")
+
+
+def _check_dp2_and_reshard(ckpt: str, *, backend: str) -> None:
+    r0, r1 = run_ranks(dp2_body, 2, ckpt, timeout=200, backend=backend)
     # staged vs native Megatron Adam: grad norms, states, params
     for (n_nat, n_stg) in r0["norms"]:
         assert abs(n_nat - n_stg) <= 1e-6 * abs(n_nat), (n_nat, n_stg)
@@ -150,7 +166,7 @@ def test_staged_adamw_in_megatron_dp2_and_reshard_to_dp1(tmp_path):
     for name in r0["final_params"]:
         np.testing.assert_array_equal(r0["final_params"][name], r1["final_params"][name], err_msg=name)
     # DP=2 -> DP=1 resume == uninterrupted DP=2 run.
-    (d1,) = run_ranks(dp1_body, 1, ckpt, timeout=120)
+    (d1,) = run_ranks(dp1_body, 1, ckpt, timeout=120, backend=backend)
     assert d1["steps_after_load"] == [SAVE_AT]
     # First step after loading: same params + data => same grad norm (restored exactly).
     assert abs(d1["cont_norms"][0] - r0["cont_norms"][0]) <= 1e-12 * r0["cont_norms"][0]

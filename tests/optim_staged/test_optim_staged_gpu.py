@@ -104,3 +104,28 @@ def test_gpu_state_memory_bounded_by_slots(numel):
     opt.drain()
     assert opt.gpu_state_bytes == 0
     assert_close("param", torch.full((8,), -1e-3 * 2, dtype=torch.float32), p[:8].detach().cpu(), atol=1e-6, rtol=1e-3)
+
+
+def test_staged_muon_bf16_newton_schulz_vs_native():
+    """bf16-precision NS (fp32_matmul_prec='medium') on GPU: <= 2e-3 vs native Muon after 3 steps."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from optim_staged.muon import StagedMuon
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(256, 512), (384, 128), (96, 96)]
+    init = [torch.randn(s, generator=g, device="cuda") * 0.02 for s in shapes]
+    ref = [w.clone().requires_grad_() for w in init]
+    out = [w.clone().requires_grad_() for w in init]
+    o_ref = TensorParallelMuon(ref, lr=0.02, weight_decay=0.1, fp32_matmul_prec="medium")
+    o_out = StagedMuon.from_tensor_parallel_muon(
+        TensorParallelMuon(out, lr=0.02, weight_decay=0.1, fp32_matmul_prec="medium"),
+        slots=SlotConfig(slot_numel=256 * 512, num_slots=2))
+    for _ in range(3):
+        for a, b in zip(ref, out):
+            gr = torch.randn(a.shape, generator=g, device="cuda")
+            a.grad, b.grad = gr.clone(), gr.clone()
+        o_ref.step()
+        o_out.step()
+    for i, (a, b) in enumerate(zip(ref, out)):
+        assert_close(f"param{i}", a, b, atol=2e-3)
