@@ -27,6 +27,7 @@ from colocate.engines import (
     hf_config,
 )
 from colocate.megatron import (
+    awex_megatron_engine,
     iter_hf_weights,
     megatron_residency_hooks,
     model_spec_from_megatron,
@@ -73,7 +74,7 @@ __all__ = [
     "ParamMismatchError", "PoisonedVersionError", "PublishConfig", "PublishError", "PublishReport", "Publisher",
     "ReceiverDied", "ReceiverTimeout", "RemoteError", "RemoteReceiver", "Residency", "ResidencyError",
     "ResidencyEvent", "SGLangEngine", "SlurmScheduler", "TensorOffload", "TransportError", "UpdateError",
-    "WeightReceiver", "WorkerError", "WorkerSpec", "WorkerStartTimeout", "build_hf_model", "check_params",
+    "WeightReceiver", "WorkerError", "WorkerSpec", "WorkerStartTimeout", "awex_megatron_engine", "build_hf_model", "check_params",
     "choose_transport", "globalize_name", "hf_checkpoint_views", "hf_config", "hf_param_specs", "ipc_key",
     "iter_hf_weights", "mark_ready", "megatron_residency_hooks", "megatron_to_hf", "merge_env", "merge_qkv",
     "merge_tp_shards", "model_spec_from_megatron", "pack_bucket", "physical_gpu_ids", "plan_buckets",

@@ -17,7 +17,7 @@ from colocate.config import HFModelSpec
 from colocate.convert import globalize_name, megatron_to_hf, merge_tp_shards
 
 __all__ = ["unwrap_model", "model_spec_from_megatron", "iter_hf_weights", "publish_megatron",
-           "megatron_residency_hooks"]
+           "megatron_residency_hooks", "awex_megatron_engine"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -205,3 +205,37 @@ def megatron_residency_hooks(ddp_models: list[torch.nn.Module], optimizer=None) 
 
     return {"optimizer": (release_optimizer, resume_optimizer), "grads": (grads.release, grads.resume),
             "weights": (weights.release, weights.resume)}
+
+
+def awex_megatron_engine(config: dict, hf_config, model, *, residency):
+    """An AWEX 0.9.0 ``MegatronEngine`` whose memory hooks work (AWEX leaves them unimplemented
+    or as no-ops): ``release/resume_memory_occupation(tags)`` (tags ``optimizer``/``weights``,
+    None = both, a bare string accepted as AWEX's writers pass one) and ``release_grad_memory``
+    drive ``residency`` (a :class:`colocate.residency.Residency` from
+    :func:`megatron_residency_hooks`). AWEX's writers, converters and transfer plan are used
+    unchanged; ``awex`` is imported here, lazily.
+    """
+    from awex.engine.mcore import MegatronEngine
+
+    def _tags(tags) -> list[str]:
+        tags = ["optimizer", "weights"] if tags is None else [tags] if isinstance(tags, str) else list(tags)
+        bad = [t for t in tags if t not in ("optimizer", "weights")]
+        if bad:
+            raise ValueError(f"AWEX memory tags must be 'optimizer' or 'weights', got {bad}")
+        return tags
+
+    class ResidentMegatronEngine(MegatronEngine):
+        def release_memory_occupation(self, tags=None) -> None:
+            residency.release(_tags(tags))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+        def resume_memory_occupation(self, tags=None) -> None:
+            residency.resume(_tags(tags))
+
+        def release_grad_memory(self, empty_cache: bool = True) -> None:
+            residency.release(["grads"])
+            if empty_cache and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    return ResidentMegatronEngine(config, hf_config, model)

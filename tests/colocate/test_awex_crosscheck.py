@@ -93,3 +93,36 @@ def test_mlp_experts_router_norms_match_awex(cpu_megatron, ep_rank):
         assert theirs.keys() == ours.keys(), (name, sorted(theirs), sorted(ours))
         for n in ours:
             assert ours[n].dtype == theirs[n].dtype and torch.equal(ours[n], theirs[n]), n
+
+
+@pytest.mark.timeout(120)
+def test_awex_megatron_engine_memory_hooks_drive_residency(cpu_megatron):
+    """AWEX's writers call release_grad_memory / release|resume_memory_occupation (sometimes with
+    a bare string); the wrapped engine maps them onto the trainer residency, idempotently."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from transformers import Qwen3Config
+
+    from colocate import Residency
+    from colocate.megatron import awex_megatron_engine, megatron_residency_hooks
+    from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, seed_all
+
+    seed_all(1)
+    m = build_tiny_gpt(TinyGPTConfig(num_layers=1))
+    ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(use_distributed_optimizer=True), m)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                                 bf16=False, fp16=False), [ddp])
+    res = Residency(megatron_residency_hooks([ddp], opt), owner="trainer")
+    eng = awex_megatron_engine({"comm_backend": "file"}, Qwen3Config(), ddp, residency=res)
+    before = {n: p.detach().clone() for n, p in ddp.named_parameters()}
+    eng.release_grad_memory()
+    eng.release_memory_occupation(tags=["optimizer"])
+    eng.release_memory_occupation("weights")  # AWEX's nccl writer passes a string
+    assert res.released == {"grads", "optimizer", "weights"}
+    eng.release_memory_occupation()  # both again: no-op
+    eng.resume_memory_occupation(tags=["weights"])
+    assert res.released == {"grads", "optimizer"}
+    assert all(torch.equal(p, before[n]) for n, p in ddp.named_parameters())
+    eng.resume_memory_occupation()
+    with pytest.raises(ValueError, match="'optimizer' or 'weights'"):
+        eng.release_memory_occupation(["kv_cache"])
