@@ -2,7 +2,7 @@
 
 Every benchmark writes one JSON file of rows ``{bench, case, provider, metric, value, ...}`` plus a
 machine header, prints a short table with ratios against the baseline provider of the same run,
-and draws a PNG. Output folder: ``$OUT`` when set (GPU lane), else ``./outputs/bench``.
+and draws a PNG. Output folder: ``$BENCH_OUT``, else ``$OUT`` (GPU lane), else ``./outputs/bench``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", 
 
 
 def out_dir() -> Path:
-    path = Path(os.environ.get("OUT") or "outputs/bench")
+    path = Path(os.environ.get("BENCH_OUT") or os.environ.get("OUT") or "outputs/bench")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -28,7 +28,9 @@ Mechanism, smallest that works:
 * a :class:`torch.overrides.TorchFunctionMode` maps every ``device=`` that names CUDA (``"cuda"``,
   ``"cuda:N"``, ``torch.device("cuda")`` or a bare int, which PyTorch reads as a CUDA ordinal) to
   ``"cpu"``, drops ``pin_memory=True``, turns ``.to(cuda)`` into ``.to(cpu)`` and ``.cuda()`` into
-  a no-op. Modes are thread-local: the mode is pushed on the thread that calls :func:`enable`.
+  a no-op. Modes are thread-local: the mode is pushed on the thread that calls :func:`enable`, and
+  re-entered around every custom ``autograd.Function.backward`` (autograd runs those with an empty
+  mode stack; Megatron's activation recomputation builds tensors there).
 * ``Tensor.type()`` without arguments reports ``torch.cuda.*`` names for CPU tensors, for
   Megatron's asserts; with arguments it behaves as usual.
 * ``torch.cuda`` functions listed above are replaced by CPU equivalents or no-ops.
@@ -213,6 +215,18 @@ class CpuCompat:
             return f"torch.cuda.{_TYPE_NAMES[tensor.dtype]}"
 
         self._patch(torch.Tensor, "type", cuda_named_type)
+
+        # Autograd runs custom Function.backward (Megatron's recompute among them) with an empty
+        # torch-function mode stack: re-enter the redirect there.
+        from torch.autograd.function import BackwardCFunction
+
+        original_apply = BackwardCFunction.apply
+
+        def apply_redirected(ctx: Any, *args: Any) -> Any:
+            with _RedirectCudaToCpu():
+                return original_apply(ctx, *args)
+
+        self._patch(BackwardCFunction, "apply", apply_redirected)
 
         self._mode = _RedirectCudaToCpu()
         self._mode.__enter__()

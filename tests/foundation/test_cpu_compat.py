@@ -61,12 +61,16 @@ def test_streams_and_events_are_inert(compat):
 
 def test_disable_restores_everything(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    before = (torch.cuda.current_device, torch.cuda.get_rng_state, torch.Tensor.type, torch.cuda.Stream)
+    from torch.autograd.function import BackwardCFunction
+
+    before = (torch.cuda.current_device, torch.cuda.get_rng_state, torch.Tensor.type, torch.cuda.Stream,
+              BackwardCFunction.apply)
     first = cpu_compat.enable()
     assert cpu_compat.enable() is first  # idempotent
     cpu_compat.disable()
     cpu_compat.disable()  # a no-op when not enabled
-    after = (torch.cuda.current_device, torch.cuda.get_rng_state, torch.Tensor.type, torch.cuda.Stream)
+    after = (torch.cuda.current_device, torch.cuda.get_rng_state, torch.Tensor.type, torch.cuda.Stream,
+             BackwardCFunction.apply)
     assert before == after
     assert torch.zeros(1).type() == "torch.FloatTensor"
     assert not cpu_compat.is_enabled()
@@ -76,3 +80,21 @@ def test_noop_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.enable() is None
     assert not cpu_compat.is_enabled()
+
+
+class _DoubleWithCudaScratch(torch.autograd.Function):
+    """Allocates on "cuda" in backward, as Megatron's recomputation does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.full_like(grad, 2.0, device="cuda")
+
+
+def test_redirect_is_active_inside_custom_backward(compat):
+    x = torch.ones(3, requires_grad=True)
+    _DoubleWithCudaScratch.apply(x).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
