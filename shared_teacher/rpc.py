@@ -20,7 +20,7 @@ from shared_teacher import errors as _errors
 __all__ = ["SourceServer", "SourceClient", "METHODS"]
 
 METHODS = frozenset({"subscribe", "plan", "admit", "publish", "heartbeat", "next_window", "ack_read", "ack_step",
-                     "fail_student", "leave", "stats", "register_owned_pids"})
+                     "fail_student", "leave", "stats", "register_owned_pids", "requeue_unpublished"})
 _ERRORS = {name: getattr(_errors, name) for name in _errors.__all__}
 _ERRORS.update(TimeoutError=TimeoutError, ValueError=ValueError, KeyError=KeyError, TypeError=TypeError)
 

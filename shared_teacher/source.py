@@ -215,6 +215,28 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
                 self._progress()
             return out
 
+    def requeue_unpublished(self, *, node: str | None = None) -> int:
+        """A producer died: forget its admitted-but-unpublished samples so a new producer redoes them.
+
+        Their reservations are returned, any partial objects aborted, and admission rewinds to the
+        first of them; the next admission of a position gets ``generation + 1``, so a late
+        ``publish`` from the dead producer is released as stale. Returns how many were requeued.
+        """
+        with self._cv:
+            count = 0
+            for n in [node] if node else self.nodes:
+                lost = sorted(s for (m, s), e in self._entries.items() if m == n and e.ref is None)
+                for s in lost:
+                    e = self._entries.pop((n, s))
+                    self._gates[n].free(e.tokens, self.cfg.max_sample_bytes)
+                    self.store.abort(sample_id=e.sid, generation=e.generation, node=n)
+                if lost:
+                    self._admit_pos[n] = lost[0]
+                    count += len(lost)
+            self._progress()
+            self._cv.notify_all()
+            return count
+
     def publish(self, *, refs: list[dict]) -> None:
         """Record committed objects (``SampleRef`` fields as dicts); frees any that lost all pins meanwhile."""
         with self._cv:

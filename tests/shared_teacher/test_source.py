@@ -302,3 +302,24 @@ def test_resume_from_different_checkpoints_exactly_once():
     assert h2.src.counters["skipped"] > 0
     cur = StudentCursor.from_dict(ck["a"]["cursor"])
     assert cur.epoch == 1 and set(cur.settled) <= _ids(1)
+
+
+def test_dead_producer_requeue_bumps_generation_and_drops_stale_publish():
+    from shared_teacher import SampleRef, StaleRefError
+
+    h = Harness(_config(STUDENTS[:1], epochs=1))
+    src, store = h.src, h.store
+    first = src.admit(node="n0", lengths=[LENS[src.locate("n0", s)[1]] for s in range(3)], timeout=0)
+    assert [d["generation"] for d in first] == [1, 1, 1]
+    old = [store.put({"x": torch.ones(2)}, sample_id=d["sample_id"], generation=1, node="n0", num_tokens=2,
+                     schema_key="k", epoch=0, position=2 * d["s"]) for d in first]
+    src.publish(refs=[asdict(old[0])])  # the producer published one object, then died
+    assert src.stats()["nodes"]["n0"]["in_flight_samples"] == 3
+    assert src.requeue_unpublished(node="n0") == 2
+    assert src.stats()["nodes"]["n0"]["in_flight_samples"] == 1 and src._admit_pos["n0"] == 1
+    again = src.admit(node="n0", lengths=[LENS[src.locate("n0", s)[1]] for s in (1, 2)], timeout=0)
+    assert [(d["s"], d["generation"]) for d in again] == [(1, 2), (2, 2)]
+    src.publish(refs=[asdict(old[1])])  # late publish of the dead attempt: released as stale
+    with pytest.raises(StaleRefError):
+        store.get(SampleRef(**asdict(old[1])))
+    assert src.stats()["nodes"]["n0"]["ready"] == 1
