@@ -66,6 +66,9 @@ class StagedOptimizerBase(torch.optim.Optimizer):
     def compute_device(self) -> torch.device:
         if self._device_override is not None:
             return self._device_override
+        dev = getattr(self, "_dev", None)  # cached by _ensure_layout (hot path: once per unit)
+        if dev is not None:
+            return dev
         for _, p in self._params():
             return p.device
         return torch.device("cpu")
@@ -84,7 +87,8 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         for i, n in enumerate(numels):
             (staged if acc < cut else resident).append(i)
             acc += n
-        dev = self.compute_device
+        self._dev = None
+        dev = self._dev = self.compute_device
         cfg = self.slot_config
         self._plist = plist
         self._staged_idx, self._resident_idx = staged, resident
@@ -106,8 +110,9 @@ class StagedOptimizerBase(torch.optim.Optimizer):
                                            whole=True)
         # state[p] = views into the slabs; master initialised from the (possibly bf16) parameter.
         self.state.clear()
+        staged_set = set(staged)
         for i, (_, p) in enumerate(plist):
-            store = self.slabs if i in self._offsets and i in set(staged) else self.resident
+            store = self.slabs if i in staged_set else self.resident
             o = self._offsets[i]
             views = {k: store[k][o:o + p.numel()].view(p.shape) for k in self.state_keys}
             views["master_param"].copy_(p.detach().reshape(p.shape).to(torch.float32))
@@ -242,9 +247,10 @@ class StagedOptimizerBase(torch.optim.Optimizer):
                      if self.resident is not None else None)
         steps: list[int | None] = [None] * len(self.param_groups)
         staged = set(self._staged_idx)
+        index = {id(q): k for k, (_, q) in enumerate(self._plist)}
         for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
             for sid, p in zip(sg["params"], g["params"]):
-                i = next(k for k, (_, q) in enumerate(self._plist) if q is p)
+                i = index[id(p)]
                 entry = saved_state.get(sid)
                 if entry is None:
                     raise CheckpointLayoutError(f"param_groups[{gi}]: no saved state for param id {sid}")
