@@ -227,7 +227,11 @@ def bench_sglang() -> tuple[list[dict], dict]:
 
 
 def _plot(rows: list[dict], name: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the SGLang carry (go.sh) may not include matplotlib: JSON + table still written
+        print(f"note: matplotlib missing, {name}.png not drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
