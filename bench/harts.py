@@ -4,11 +4,13 @@ tree-aware chunked LM head vs full logits.
 Sections:
 
 * ``model``: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9}, GRPO shapes (P, R, n)
-  and a multi-turn caterpillar tree. Providers: ``thd`` (every microbatch plain packing: chain
-  forest, block-diagonal causal FlexAttention: the same kernels without sharing), ``tree`` (every
-  microbatch a prefix forest, no fallback) and ``harts`` (planner with THD fallback below
-  ``--fallback``). Per step (all microbatches, fwd+bwd, BlockMask build included): wall time,
-  original tokens/s, peak memory, planner time; speedup vs ``thd`` against compression C.
+  and a multi-turn caterpillar tree. Providers (attention backend in brackets):
+  ``thd`` [flex] and ``thd_varlen`` [varlen]: every microbatch plain packing (a chain forest:
+  block-diagonal causal FlexAttention, or FlashAttention-2 varlen with one sequence per packed
+  sequence, i.e. standard THD); ``tree`` [flex] and ``tree_varlen`` [varlen]: every microbatch a
+  prefix forest, no fallback; ``harts`` [``--backend``]: planner with THD fallback below
+  ``--fallback``. Per step (all microbatches, fwd+bwd, BlockMask / gather plan included): wall
+  time, original tokens/s, peak memory, planner time; speedups against compression C.
 * ``head``: fwd+bwd of per-row log-probs + entropy at vocabulary V: full fp32 logits vs
   :func:`harts.tree_lm_head` with chunks of 1024 and 4096 rows; time and peak extra memory.
 
@@ -66,7 +68,7 @@ def _workloads(quick: bool, vocab: int):
     w = []
     if quick:
         for rho in (0.0, 0.75):
-            w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=1, n=16, seq_len=48, vocab_size=vocab)))
+            w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=1, n=8, seq_len=32, vocab_size=vocab)))
         return w
     for rho in (0.0, 0.25, 0.5, 0.75, 0.9):
         w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=3, n=16, seq_len=1024, vocab_size=vocab, seed=1)))
@@ -74,6 +76,12 @@ def _workloads(quick: bool, vocab: int):
         w.append((f"P{p}-R{r}-n{n}", grpo_groups(groups, prompt_len=p, response_len=r, n=n, vocab_size=vocab, seed=2)))
     w.append(("caterpillar", caterpillar(2, turns=8, turn_len=512, branches=2, branch_len=256, vocab_size=vocab)))
     return w
+
+
+PROVIDERS = {  # name: (fallback threshold, backend or None for --backend)
+    "thd": (math.inf, "flex"), "thd_varlen": (math.inf, "varlen"), "tree": (0.0, "flex"),
+    "tree_varlen": (0.0, "varlen"), "harts": (None, None),
+}
 
 
 def _step_fn(model, seqs, plan, backend, dev):
@@ -99,14 +107,17 @@ def bench_model(args, dev, rows, plots):
     from harts.planner import plan_step, sharing_stats
 
     model, cfg = _model(args.quick, dev)
-    backend = "dense" if dev == "cpu" else "flex"
     align = 16 if args.quick else 128
     cap = args.cap
     table = []
     for case, seqs in _workloads(args.quick, cfg.vocab_size):
         st = sharing_stats(seqs)
         res = {}
-        for provider, thr in (("thd", math.inf), ("tree", 0.0), ("harts", args.fallback)):
+        for provider, (thr, backend) in PROVIDERS.items():
+            thr = args.fallback if thr is None else thr
+            backend = backend or args.backend
+            if dev == "cpu" and backend == "flex":
+                backend = "dense"  # no FlexAttention backward on CPU
             pc = PlannerConfig(token_cap=cap, align=align, fallback_compression=thr)
             plan_t = time_cpu(lambda pc=pc, seqs=seqs: plan_step(seqs, pc), warmup=0, iters=1)["p50"]
             plan = plan_step(seqs, pc)
@@ -115,19 +126,24 @@ def bench_model(args, dev, rows, plots):
             mem = peak_memory(step)
             s = plan.summary()
             res[provider] = t["p50"]
-            rows.append({"bench": "harts", "section": "model", "case": case, "provider": provider, "ms_p20": t["p20"],
+            rows.append({"bench": "harts", "section": "model", "case": case, "provider": provider, "backend": backend,
+                         "ms_p20": t["p20"],
                          "ms_p50": t["p50"], "ms_p80": t["p80"], "tokens_per_s": st.total_tokens / (t["p50"] / 1e3),
                          "peak_bytes": mem, "planner_ms": plan_t, "compression": st.compression,
                          "packed_compression": s["packed_compression"], "attention_ratio": st.attention_ratio,
                          "num_microbatches": s["num_microbatches"], "pad_fraction": s["pad_fraction"],
                          "fallback_rate": s["fallback_rate"], "total_tokens": st.total_tokens})
-        for provider in ("tree", "harts"):
-            rows_p = [r for r in rows if r["case"] == case and r["provider"] == provider][-1]
-            rows_p["speedup_vs_thd"] = res["thd"] / res[provider]
-        plots.append((st.compression, res["thd"] / res["tree"], res["thd"] / res["harts"], case))
+        base = min(res["thd"], res["thd_varlen"])  # the faster THD baseline
+        for r in rows:
+            if r["case"] == case and r["section"] == "model":
+                r["speedup_vs_best_thd"] = base / res[r["provider"]]
+        plots.append((st.compression, res["thd"] / res["tree"], res["thd_varlen"] / res["tree_varlen"],
+                      base / res["harts"], case))
         table.append({"case": case, "C": st.compression, "S_attn": st.attention_ratio, "thd_ms": res["thd"],
-                      "tree_ms": res["tree"], "harts_ms": res["harts"], "tree_x": res["thd"] / res["tree"],
-                      "harts_x": res["thd"] / res["harts"], "harts_x/C": res["thd"] / res["harts"] / st.compression})
+                      "thdv_ms": res["thd_varlen"], "tree_ms": res["tree"], "treev_ms": res["tree_varlen"],
+                      "harts_ms": res["harts"], "tree_x": res["thd"] / res["tree"],
+                      "treev_x": res["thd_varlen"] / res["tree_varlen"], "harts_x": base / res["harts"],
+                      "harts_x/C": base / res["harts"] / st.compression})
     return table
 
 
@@ -180,16 +196,17 @@ def _plot(plots, path):
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     cs = [p[0] for p in plots]
-    ax.scatter(cs, [p[1] for p in plots], label="tree (no fallback)", marker="o")
-    ax.scatter(cs, [p[2] for p in plots], label="harts (planner + fallback)", marker="x")
-    for c, _, s, name in plots:
+    ax.scatter(cs, [p[1] for p in plots], label="tree vs thd (flex)", marker="o")
+    ax.scatter(cs, [p[2] for p in plots], label="tree vs thd (varlen)", marker="s")
+    ax.scatter(cs, [p[3] for p in plots], label="harts vs best thd", marker="x")
+    for c, _, _, s, name in plots:
         ax.annotate(name, (c, s), fontsize=7)
     lim = max(cs + [2.0]) * 1.05
     ax.plot([1, lim], [1, lim], "k--", lw=0.8, label="speedup = C")
     ax.plot([1, lim], [0.9, 0.9 * lim], "k:", lw=0.8, label="0.9 C")
     ax.axhline(1.0, color="grey", lw=0.6)
     ax.set_xlabel("compression C = ΣL / T")
-    ax.set_ylabel("fwd+bwd speedup vs THD packing")
+    ax.set_ylabel("fwd+bwd step speedup")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -200,11 +217,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     ap.add_argument("--cap", type=int, default=None, help="token cap per microbatch (default 16384; quick 512)")
     ap.add_argument("--fallback", type=float, default=1.15, help="planner THD fallback threshold on C")
+    ap.add_argument("--backend", default="varlen", choices=["varlen", "flex"], help="attention backend of 'harts'")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--sections", default="model,head")
     args = ap.parse_args()
     args.cap = args.cap or (512 if args.quick else 16384)
-    args.iters = args.iters or (1 if args.quick else 3)
+    args.iters = args.iters or (1 if args.quick else 2)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -213,7 +231,7 @@ def main():
     model_table = bench_model(args, dev, rows, plots) if "model" in args.sections else []
     head_table = bench_head(args, dev, rows) if "head" in args.sections else []
     # calibrated fallback: smallest measured C at which the forced tree beats THD
-    wins = sorted(c for c, s_tree, _, _ in plots if s_tree >= 1.0)
+    wins = sorted(c for c, s_flex, s_varlen, _, _ in plots if max(s_flex, s_varlen) >= 1.0)
     extra = {"cap": args.cap, "fallback": args.fallback, "quick": args.quick,
              "suggested_fallback_compression": wins[0] if wins else None}
     path = write_results("harts", rows, extra)
@@ -222,8 +240,8 @@ def main():
     print(f"wrote {path}; suggested fallback_compression (smallest C with tree >= THD): "
           f"{extra['suggested_fallback_compression']}")
     if model_table:
-        print_table(model_table, ["case", "C", "S_attn", "thd_ms", "tree_ms", "harts_ms", "tree_x", "harts_x",
-                                  "harts_x/C"])
+        print_table(model_table, ["case", "C", "S_attn", "thd_ms", "thdv_ms", "tree_ms", "treev_ms", "harts_ms",
+                                  "tree_x", "treev_x", "harts_x", "harts_x/C"])
     if head_table:
         print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "peak/chunk_logits"])
 

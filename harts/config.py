@@ -70,8 +70,8 @@ class HeadConfig:
     """Tree-aware chunked LM head and attention options for :func:`harts.megatron.tree_forward`."""
 
     backend: str = "flex"
-    """Tree attention backend: ``flex`` (FlexAttention, BlockMask once per microbatch) or
-    ``dense`` (tests only)."""
+    """Tree attention backend: ``flex`` (FlexAttention, BlockMask once per microbatch), ``varlen``
+    (FlashAttention-2 varlen per trie segment, bf16/fp16 on CUDA) or ``dense`` (tests only)."""
     chunk_size: int = 1024
     """Rows per LM-head chunk; extra memory ≈ 2 · chunk_size · V_local fp32 values."""
     temperature: float = 1.0
@@ -80,8 +80,8 @@ class HeadConfig:
     """Make the returned entropy differentiable (entropy bonus)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("flex", "dense"):
-            raise HartsConfigError(f"HeadConfig.backend must be 'flex' or 'dense', got {self.backend!r}")
+        if self.backend not in ("flex", "varlen", "dense"):
+            raise HartsConfigError(f"HeadConfig.backend must be 'flex', 'varlen' or 'dense', got {self.backend!r}")
         if self.chunk_size < 1:
             raise HartsConfigError(f"HeadConfig.chunk_size must be >= 1, got {self.chunk_size}")
         if not self.temperature > 0:

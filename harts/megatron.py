@@ -32,7 +32,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from harts.attention import Backend, build_block_mask, tree_attention
+from harts.attention import Backend, build_block_mask, build_varlen_plan, tree_attention
 from harts.config import HeadConfig
 from harts.forest import Forest, TokenOutOfRangeError
 from harts.lm_head import TreeHeadOutput, tree_lm_head
@@ -54,9 +54,11 @@ class TreePackedSeqParams(PackedSeqParams):
     tree_depth: torch.Tensor | None = None
     """[T] trie depth = RoPE position."""
     tree_backend: str = "flex"
-    """'flex' or 'dense' (tests)."""
+    """'flex', 'varlen' or 'dense' (tests)."""
     block_mask: object = None
     """FlexAttention BlockMask, built once per microbatch."""
+    varlen_plan: object = None
+    """:class:`harts.attention.VarlenPlan` (varlen backend), built once per microbatch."""
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -95,7 +97,7 @@ def _tree_forward(self, query, key, value, psp: TreePackedSeqParams):
     if isinstance(self, DotProductAttention) and getattr(self.config, "apply_query_key_layer_scaling", False):
         scale = scale * self.layer_number  # the local class divides its scale by the layer number
     out = tree_attention(query[:, 0], key[:, 0], value[:, 0], last=psp.tree_last, scale=scale,
-                         backend=psp.tree_backend, block_mask=psp.block_mask)
+                         backend=psp.tree_backend, block_mask=psp.block_mask, varlen_plan=psp.varlen_plan)
     return out.reshape(out.shape[0], 1, -1)
 
 
@@ -194,11 +196,14 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
 
 
 def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128) -> TreePackedSeqParams:
-    """Per-microbatch tree metadata; the flex BlockMask is built here, once."""
+    """Per-microbatch tree metadata; the flex BlockMask or varlen gather plan is built here, once."""
+    if backend not in ("flex", "varlen", "dense"):
+        raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
+    vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent) if backend == "varlen" else None
     rope_len = int(forest.depth.max()) + 1  # the RoPE table only needs positions 0..max depth
     return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
-                               max_seqlen_q=rope_len, max_seqlen_kv=rope_len)
+                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len)
 
 
 def _head_processor(forest: Forest, chunk_size: int, temperature: float, entropy_requires_grad: bool):

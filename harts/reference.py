@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["tree_mask", "tree_attention_reference", "tree_head_reference", "per_sequence_head_reference"]
+__all__ = ["tree_mask", "tree_attention_reference", "segment_attention_reference", "tree_head_reference",
+           "per_sequence_head_reference"]
 
 
 def tree_mask(last: torch.Tensor) -> torch.Tensor:
@@ -34,6 +35,27 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     s = torch.matmul(q.transpose(0, 1), kk.transpose(1, 2)) * scale  # [H, T, T]
     s = s.masked_fill(~tree_mask(last)[None], float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1), vv).transpose(0, 1)
+
+
+def segment_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_q: torch.Tensor,
+                                cu_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """Varlen attention with bottom-right causal alignment, one segment at a time.
+
+    ``q [Tq, Hq, D]`` split by ``cu_q``; ``k, v [Tk, Hkv, D]`` split by ``cu_k``. Query ``i`` of a
+    segment with ``nq`` queries and ``nk`` keys sees keys ``j <= nk − nq + i``.
+    """
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for s in range(cu_q.numel() - 1):
+        a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        nq, nk = b - a, d - c
+        allowed = torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
+        qs = q[a:b].transpose(0, 1)
+        ks = k[c:d].repeat_interleave(rep, 1).transpose(0, 1)
+        vs = v[c:d].repeat_interleave(rep, 1).transpose(0, 1)
+        sc = (qs @ ks.transpose(1, 2)) * scale
+        out[a:b] = (torch.softmax(sc.masked_fill(~allowed, float("-inf")), -1) @ vs).transpose(0, 1)
+    return out
 
 
 def tree_head_reference(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor,

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts.attention import build_block_mask, tree_attention
+from harts.attention import build_block_mask, build_varlen_plan, tree_attention
 from harts.forest import build_forest
 from harts.reference import tree_mask
 from mcore_distill.testing import assert_close
@@ -103,9 +103,30 @@ def test_flex_forward_matches_dense_cpu():
     assert_close("flex vs dense", ref, out, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("seqs", CASES)
+def test_varlen_plan_equals_dense(seqs):
+    """The varlen gather plan (keys = ancestor path, bottom-right causal) is the tree mask, with
+    gradients summed into shared key/value rows by the gather's backward."""
+    f = build_forest(seqs).padded(4)
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
+    assert plan.kv_index.numel() == int((f.depth[f.seg_offsets[1:] - 1] + 1).sum())
+    q, k, v = (x.requires_grad_(True) for x in _qkv(f.num_nodes, seed=5))
+    out = tree_attention(q, k, v, last=f.last, backend="varlen", varlen_plan=plan, scale=0.4)
+    do = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, [q, k, v], do)
+    q2, k2, v2 = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    ref = tree_attention(q2, k2, v2, last=f.last, backend="dense", scale=0.4)
+    grads_r = torch.autograd.grad(ref, [q2, k2, v2], do)
+    assert_close("varlen out", ref, out, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip("qkv", grads_r, grads):
+        assert_close(f"varlen d{name}", a, b, atol=1e-12, rtol=1e-12)
+
+
 def test_bad_attention_input():
     q, k, v = _qkv(5)
     with pytest.raises(ValueError, match="backend must be"):
+        tree_attention(q, k, v, last=torch.arange(5), backend="flash")
+    with pytest.raises(ValueError, match="needs varlen_plan"):
         tree_attention(q, k, v, last=torch.arange(5), backend="varlen")
     with pytest.raises(ValueError, match="len\\(last\\) 4"):
         tree_attention(q, k, v, last=torch.arange(4), backend="dense")

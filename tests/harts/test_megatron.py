@@ -86,6 +86,13 @@ def test_tree_equals_per_sequence_fp64(cpu_megatron, seqs, recompute):
 
 
 @pytest.mark.timeout(120)
+def test_tree_equals_per_sequence_varlen_backend(cpu_megatron):
+    """The varlen (per-segment gather) backend inside the model, fwd+bwd, fp64 (CPU reference kernel)."""
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 4, 5, 6], [1, 2], [9, 9, 9]]
+    run_exactness(seqs, dtype=torch.float64, recompute=True, tol=1e-10, backend="varlen")
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum"])
 def test_tree_equals_per_sequence_fp32_tied(cpu_megatron, mode):
     seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 4, 5, 6], [1, 2]]
