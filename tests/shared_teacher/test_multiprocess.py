@@ -88,6 +88,21 @@ def _steps(out: Path, name: str, rank: int = 0) -> list[dict]:
     return [r for r in rows if "step" in r]
 
 
+def _check_hf_exports(out: Path, plans: dict) -> None:
+    """Each student's exported weights load into transformers' Qwen3 with strict=True."""
+    import torch
+    import transformers
+
+    for name, plan in plans.items():
+        h = plan["hidden"]
+        cfg = transformers.Qwen3Config(vocab_size=workers.VOCAB, hidden_size=h, intermediate_size=2 * h,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=h // 4, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        result = transformers.Qwen3ForCausalLM(cfg).load_state_dict(
+            torch.load(out / f"{name}.hf.pt", weights_only=True), strict=True)
+        assert not result.missing_keys and not result.unexpected_keys, name
+
+
 def _all_ids(n: int, epoch: int) -> set[str]:
     return {sample_id(epoch, i) for i in epoch_order(n, seed=KEY.seed, epoch=epoch)}
 
@@ -146,6 +161,7 @@ def test_three_students_share_one_teacher_stream(tmp_path):
         assert len(set(checks.values())) == 3, checks  # three different models
         st = src.stats()
         assert all(s["status"] == "done" for s in st["students"].values()), st["students"]
+        _check_hf_exports(tmp_path, plans)
         assert st["counters"]["freed"] == n and store.objects() == [], (st, store.objects())
         assert all(v["in_flight_samples"] == 0 and v["in_flight_bytes"] == 0 for v in st["nodes"].values())
     finally:

@@ -115,6 +115,10 @@ def student_main(rank: int, world: int, port: int, connect: dict, store_spec: di
                 reader.leave(f"step limit {step_limit}")
                 break
             time.sleep(step_delay)
+        if rank == 0:  # every student exports its own weights in Hugging Face (Qwen3) names
+            from shared_teacher import export_hf_state_dict
+
+            _save_ckpt(os.path.join(out_dir, f"{name}.hf.pt"), export_hf_state_dict(model))
         params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
         log.write(json.dumps({"done": True, "checksum": float(params.double().sum()),
                               "abs": float(params.double().abs().sum())}) + "\n")
