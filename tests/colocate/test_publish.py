@@ -153,9 +153,10 @@ def test_remote_engine_shm_disk_sampled_and_death():
 
 @pytest.mark.timeout(120)
 def test_receiver_timeout_is_typed_and_poisons():
-    recv = spawn_receiver(slow_engine, DENSE, 3.0, timeout_s=0.5)
+    recv = spawn_receiver(slow_engine, DENSE, 3.0, timeout_s=30)
     try:
         pub = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=1 << 20, timeout_s=0.5))
+        recv.timeout_s = 0.5  # every wait of this publish: far below the 3 s bucket load
         with pytest.raises(PublishError) as ei:
             pub.publish(_weights(DENSE, 1), version=1)
         assert isinstance(ei.value.cause, ReceiverTimeout) and 1 in pub.poisoned
