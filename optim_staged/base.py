@@ -271,11 +271,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
                     steps[gi] = s
         # Success: swap in, re-pin, keep the hyper-parameters of the checkpoint.
         if self.slabs.pinned:
-            from optim_staged.slabs import _register
-
-            for t in fresh.tensors.values():
-                _register(t)
-            fresh.pinned = True
+            fresh.pin()
         self.slabs = fresh
         self.resident = fresh_res
         known = [s for s in steps if s is not None]

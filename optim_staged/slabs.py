@@ -48,22 +48,23 @@ def available_host_bytes() -> int:
         raise
 
 
-def _register(t: torch.Tensor) -> None:
-    """Pin ``t``'s host memory in place (exact size, no power-of-two rounding)."""
+def _register(t: torch.Tensor) -> int | None:
+    """Pin ``t``'s host memory in place (exact size, no power-of-two rounding); returns the pointer
+    to unregister later, or None for an empty tensor."""
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
-        return
+        return None
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
-    ptr = t.data_ptr()
-    weakref.finalize(t.untyped_storage(), _unregister, ptr)
+    if err != cudart.cudaError.success:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+    return t.data_ptr()
 
 
-def _unregister(ptr: int) -> None:
-    with contextlib.suppress(Exception):
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+def _unregister(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        with contextlib.suppress(Exception):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class StateSlabs:
@@ -87,9 +88,16 @@ class StateSlabs:
         self.tensors = {k: torch.zeros(self.numel, dtype=dtype, device=self.device) for k in self.keys}
         self.pinned = False
         if pin and self.device.type == "cpu" and torch.cuda.is_available():
-            for t in self.tensors.values():
-                _register(t)
-            self.pinned = True
+            self.pin()
+
+    def pin(self) -> None:
+        """Register the slabs with the CUDA driver; unregistered when this object is collected
+        (before its tensors are freed)."""
+        if self.pinned:
+            return
+        ptrs = [p for p in (_register(t) for t in self.tensors.values()) if p is not None]
+        weakref.finalize(self, _unregister, ptrs)
+        self.pinned = True
 
     @staticmethod
     def nbytes_for(num_keys: int, numel: int, dtype: torch.dtype = torch.float32) -> int:
