@@ -114,6 +114,8 @@ def bench_model(args, dev, rows, plots):
         st = sharing_stats(seqs)
         res = {}
         for provider, (thr, backend) in PROVIDERS.items():
+            if provider not in args.providers:
+                continue
             thr = args.fallback if thr is None else thr
             backend = backend or args.backend
             if dev == "cpu" and backend == "flex":
@@ -133,7 +135,12 @@ def bench_model(args, dev, rows, plots):
                          "packed_compression": s["packed_compression"], "attention_ratio": st.attention_ratio,
                          "num_microbatches": s["num_microbatches"], "pad_fraction": s["pad_fraction"],
                          "fallback_rate": s["fallback_rate"], "total_tokens": st.total_tokens})
-        base = min(res["thd"], res["thd_varlen"])  # the faster THD baseline
+        nan = float("nan")
+        for p in PROVIDERS:
+            res.setdefault(p, nan)
+        base = min(res["thd"], res["thd_varlen"])  # the faster THD baseline (nan-aware below)
+        if math.isnan(base):
+            base = res["thd"] if not math.isnan(res["thd"]) else res["thd_varlen"]
         for r in rows:
             if r["case"] == case and r["section"] == "model":
                 r["speedup_vs_best_thd"] = base / res[r["provider"]]
@@ -220,8 +227,13 @@ def main():
     ap.add_argument("--backend", default="varlen", choices=["varlen", "flex"], help="attention backend of 'harts'")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--sections", default="model,head")
+    ap.add_argument("--providers", default=",".join(PROVIDERS), help=f"subset of {','.join(PROVIDERS)}")
     args = ap.parse_args()
     args.cap = args.cap or (512 if args.quick else 16384)
+    args.providers = args.providers.split(",")
+    unknown = set(args.providers) - set(PROVIDERS)
+    if unknown:
+        ap.error(f"unknown providers {sorted(unknown)}; choose from {list(PROVIDERS)}")
     args.iters = args.iters or (1 if args.quick else 2)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
@@ -231,7 +243,7 @@ def main():
     model_table = bench_model(args, dev, rows, plots) if "model" in args.sections else []
     head_table = bench_head(args, dev, rows) if "head" in args.sections else []
     # calibrated fallback: smallest measured C at which the forced tree beats THD
-    wins = sorted(c for c, s_flex, s_varlen, _, _ in plots if max(s_flex, s_varlen) >= 1.0)
+    wins = sorted(c for c, s_flex, s_varlen, _, _ in plots if max(s_flex, s_varlen) >= 1.0)  # nan compares False
     extra = {"cap": args.cap, "fallback": args.fallback, "quick": args.quick,
              "suggested_fallback_compression": wins[0] if wins else None}
     path = write_results("harts", rows, extra)
