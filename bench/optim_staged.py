@@ -189,7 +189,7 @@ def _megatron_step_fn(model, opt, tokens):
     return step
 
 
-def megatron_rows(quick: bool) -> list[dict]:
+def megatron_rows(quick: bool, snapshot: bool = False) -> list[dict]:
     """One train step of a Megatron GPT on 1 GPU: native distributed Adam vs staged."""
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -223,8 +223,13 @@ def megatron_rows(quick: bool) -> list[dict]:
         step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        if snapshot:  # CUDA caching-allocator history of the timed steps (view at pytorch.org/memory_viz)
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         ms = time_cuda(step, warmup=1, iters=3)["p50"]
         nparams = sum(p.numel() for p in model.parameters())
+        if snapshot:
+            torch.cuda.memory._dump_snapshot(str(out_dir() / f"optim_staged_snapshot_{residency}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
         t_opt = time_cuda(opt.step, warmup=1, iters=3)["p50"]
         rows.append({"case": f"megatron/{nparams / 1e6:.0f}M", "provider": f"mcore_{residency}", "ms": ms,
                      "opt_step_ms": t_opt, "peak_hbm_GiB": torch.cuda.max_memory_allocated() / 2**30,
@@ -239,6 +244,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--no-megatron", action="store_true", help="skip the Megatron model step")
+    ap.add_argument("--snapshot", action="store_true", help="dump CUDA allocator snapshots of the Megatron steps")
     args = ap.parse_args()
     rows: list[dict] = []
     extra: dict = {}
@@ -256,7 +262,7 @@ def main() -> None:
         rows += muon_rows(shape, count=2 if args.quick else 4, iters=3)
     if CUDA and not args.no_megatron:
         try:
-            rows += megatron_rows(args.quick)
+            rows += megatron_rows(args.quick, args.snapshot)
         except Exception as e:  # noqa: BLE001
             rows.append({"case": "megatron", "provider": "error", "error": f"{type(e).__name__}: {e}"[:300]})
             traceback.print_exc()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from optim_staged.config import CheckpointLayoutError, SlotConfig
-from optim_staged.slabs import SlotRing, StateSlabs, Unit
+from optim_staged.slabs import SlotRing, StateSlabs
 
 __all__ = ["StagedOptimizerBase", "grad_of"]
 
@@ -32,7 +32,8 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
 
 
 class StagedOptimizerBase(torch.optim.Optimizer):
-    """Base class; subclasses set ``state_keys`` and implement ``_units`` and ``_compute``.
+    """Base class; subclasses set ``state_keys`` and define ``_units(entries, whole=)`` (slab ranges
+    to stream) and ``_compute(unit, views, params)`` (the update of one unit on its slot views).
 
     NOTE: deviates from ``torch.optim.Optimizer`` in three places: state tensors live in host slabs
     (never moved to the parameter's device by ``load_state_dict``), step counters are per group,
@@ -118,12 +119,6 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             views["master_param"].copy_(p.detach().reshape(p.shape).to(torch.float32))
             self.state[p] = views
         self._layout_key = key
-
-    def _units(self, entries: list[tuple[int, int, torch.Tensor, int]], *, whole: bool = False) -> list[Unit]:
-        raise NotImplementedError  # pragma: no cover - abstract
-
-    def _compute(self, unit: Unit, views: dict[str, torch.Tensor], params: list[torch.Tensor]) -> None:
-        raise NotImplementedError  # pragma: no cover - abstract
 
     # -------------------------------------------------------------- public API
     def initialize_state(self, p: torch.Tensor | None = None) -> None:

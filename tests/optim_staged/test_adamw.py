@@ -116,15 +116,19 @@ def test_none_grad_skipped_and_staged_fraction():
             a.grad, b.grad = gr.clone(), gr.clone()
         o_ref.step()
         o_out.step()
-    # a parameter with no grad is untouched (its state too)
+    # A parameter with no grad is skipped by both (params, moments untouched); the rest step on.
     ref[1].grad = out[1].grad = None
-    before = out[1].detach().clone()
-    o_out.step()
-    assert torch.equal(out[1].detach(), before)
+    before = [out[1].detach().clone(), o_out.state[out[1]]["exp_avg"].clone()]
     for i, (a, b) in enumerate(zip(ref, out)):
         if i != 1:
-            continue
+            gr = torch.randn(a.shape, generator=g)
+            a.grad, b.grad = gr.clone(), gr.clone()
+    o_ref.step()
+    o_out.step()
+    assert torch.equal(out[1].detach(), before[0]) and torch.equal(o_out.state[out[1]]["exp_avg"], before[1])
+    for i, (a, b) in enumerate(zip(ref, out)):
         assert_close(f"param{i}", a, b, atol=0, rtol=1e-6)
+        assert_close(f"exp_avg{i}", o_ref.state[a]["exp_avg"], o_out.state[b]["exp_avg"], atol=0, rtol=1e-6)
 
 
 def test_state_dict_roundtrip_and_continue():
