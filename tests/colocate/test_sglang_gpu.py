@@ -1,5 +1,5 @@
 """GPU lane, real SGLang (0.5.17 via ``.sgl/scripts/go.sh``): publish Megatron weights into an
-in-process ``sglang.Engine`` (TP=1) through the CUDA IPC bucket path, verify with the engine's
+in-process ``sglang.Engine`` (TP=1; TP=2 with Megatron TP=2 on a two-GPU machine) through the CUDA IPC bucket path, verify with the engine's
 checksum against a disk load of the same weights and with logprobs against a reference HF model,
 and run the full residency cycle with CUDA graphs on. Dense and MoE tiny Qwen3.
 
@@ -51,8 +51,16 @@ def _reference_prompt_logprobs(spec, weights, prompt) -> torch.Tensor:
     return lp.gather(-1, torch.tensor(prompt[1:], device="cuda")[:, None])[:, 0].cpu()
 
 
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 GPUs (Megatron TP=2 and SGLang tp_size=2)")
+
+
 @pytest.mark.timeout(560)
-@pytest.mark.parametrize("case", [{"id": "dense"}, {"id": "moe", "experts": 4, "tied": True}], ids=lambda c: c["id"])
+@pytest.mark.parametrize("case", [
+    {"id": "dense"},
+    {"id": "moe", "experts": 4, "tied": True},
+    pytest.param({"id": "dense-tp2", "tp": 2}, marks=TWO_GPUS),
+], ids=lambda c: c["id"])
 def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path):
     os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,7 +69,8 @@ def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path):
 
     from ._ranks import megatron_hf_weights
 
-    got = run_ranks(megatron_hf_weights, 1, case, backend="nccl", timeout=240)[0]
+    tp = case.get("tp", 1)
+    got = run_ranks(megatron_hf_weights, tp, case, backend="nccl", timeout=240)[0]
     spec = got["spec"]
     weights = {n: t.to(torch.bfloat16) for n, t in got["weights"].items()}
     init_dir, same_dir = str(tmp_path / "init"), str(tmp_path / "same")
@@ -72,6 +81,7 @@ def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path):
         spec=spec, model_path=init_dir, skip_tokenizer_init=True, attention_backend="triton",
         sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.3, max_total_tokens=65536,
         dtype="bfloat16", random_seed=0, log_level="error", enable_memory_saver=True, disable_cuda_graph=False,
+        tp_size=tp,
         cuda_graph_bs_decode=[1, 2, 4], disable_prefill_cuda_graph=True)
     try:
         c0 = sglang_checksum(eng.engine)
