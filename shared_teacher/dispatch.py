@@ -15,8 +15,11 @@ from shared_teacher.refs import SampleRef
 
 _MAX_OUTSTANDING = 2
 
+
 @dataclass
 class _Entry:
+    """One admitted sample: node stream position ``s``, the students pinning it, its ref once published."""
+
     node: str
     s: int
     sid: str
@@ -29,6 +32,8 @@ class _Entry:
 
 @dataclass
 class _Window:
+    """One optimizer step of one student: per rank, micro-batches of entry keys; delivery/read/ack sets."""
+
     index: int
     epoch: int
     parts: dict[int, list[list[tuple[str, int]]]]
@@ -40,6 +45,8 @@ class _Window:
 
 @dataclass
 class _Lease:
+    """A reader rank's lease: owner pid and last heartbeat (monotonic seconds)."""
+
     lease_id: str
     rank: int
     pid: int
@@ -48,6 +55,8 @@ class _Lease:
 
 @dataclass
 class _Student:
+    """Per-student state: status, durable cursor, dispatch position per node, outstanding windows."""
+
     spec: StudentSpec
     status: str = "pending"  # pending → live → done | failed → fencing → fenced | blocked
     cursor: StudentCursor = field(default_factory=StudentCursor)
@@ -61,6 +70,7 @@ class _Student:
     epoch: int = 0  # dispatch epoch (the durable cursor's epoch lags it until older windows are acked)
     drops: list[int] = field(default_factory=list)  # epochs whose tails were dropped, not yet durable
     reason: str = ""
+
 
 class _Dispatch:
     """Window formation and freeing; mixed into :class:`~shared_teacher.source.SharedTeacherSource`

@@ -42,6 +42,7 @@ from shared_teacher.store import FeatureStore
 
 __all__ = ["SharedTeacherSource"]
 
+
 class SharedTeacherSource(_Dispatch, _Lifecycle):
     """Control plane of one shared teacher stream (see module docstring).
 
