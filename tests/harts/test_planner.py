@@ -109,3 +109,17 @@ def exchange_body(rank, world):
     back_tok = ex.from_plan(got_tok + 0.5, lengths=lens)
     assert back_adv.tolist() == (adv * 2).tolist() and back_tok.tolist() == (tok + 0.5).tolist()
     return len(rows)
+
+
+def test_configs_are_hydra_structured():
+    from omegaconf import OmegaConf
+
+    from harts.config import HeadConfig
+
+    cfg = OmegaConf.merge(OmegaConf.structured(PlannerConfig), {"token_cap": 4096, "cost": {"c_attn": 1e-6}})
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, PlannerConfig) and obj.token_cap == 4096 and obj.cost.c_attn == 1e-6
+    with pytest.raises(HartsConfigError, match="HeadConfig.backend must be .* got 'flash'"):
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HeadConfig), {"backend": "flash"}))
+    with pytest.raises(HartsConfigError, match="CostModelConfig.c_token must be >= 0, got -1.0"):
+        CostModelConfig(c_token=-1.0)
