@@ -51,7 +51,7 @@ def producer_main(connect: dict, store_spec: dict, key_dict: dict, n_samples: in
         key = CompatKey(**key_dict)
         teacher = MegatronTeacher(teacher_model(), key=key)
         stats = run_producer(connect, store_spec=store_spec, teacher=teacher, dataset=dataset(n_samples), key=key,
-                             batch_size=4, deadline_s=280)
+                             batch_size=4, plan_timeout=300, deadline_s=400)
         stats["teacher_calls"] = teacher.calls
         stats["teacher_sequences"] = teacher.sequences
         payload = {"ok": stats}
@@ -99,7 +99,7 @@ def student_main(rank: int, world: int, port: int, connect: dict, store_spec: di
             opt.load_state_dict(ck["optimizer"])
             cursor = ck["cursor"]
         reader = StudentReader(connect, student=name, rank=rank, key=CompatKey(**key_dict), store_spec=store_spec,
-                               resume=cursor, heartbeat_s=0.2)
+                               resume=cursor, heartbeat_s=0.2, timeout=300)
         for window in reader:
             ids = [[r.sample_id for r in mb] for mb in window.micro_batches]
             nodes = sorted({r.node for mb in window.micro_batches for r in mb})
