@@ -1,12 +1,13 @@
 """Typed, validated configs for colocation (usable as Hydra structured configs).
 
-Every bad value raises :class:`ConfigError` (a ``ValueError``) naming the field and the value.
+Choice fields are plain ``str`` (OmegaConf 2.3 has no ``Literal``); the allowed values are
+listed in each docstring and checked in ``__post_init__``. Every bad value raises
+:class:`ConfigError` (a ``ValueError``) naming the field and the value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 __all__ = ["ConfigError", "HFModelSpec", "PublishConfig", "EngineConfig", "WorkerSpec"]
 
@@ -28,7 +29,7 @@ def _positive(obj: object, *names: str) -> None:
 class HFModelSpec:
     """Shape of a Qwen3 / Qwen3-MoE model as the HF checkpoint (and SGLang) sees it."""
 
-    arch: Literal["qwen3", "qwen3_moe"]
+    arch: str
     """HF architecture family: ``qwen3`` (dense) or ``qwen3_moe``."""
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
@@ -53,8 +54,9 @@ class HFModelSpec:
     """Routed experts per MoE layer; None for a dense model."""
     moe_ffn_hidden_size: int | None = None
     """Expert intermediate size; defaults to ``ffn_hidden_size``."""
-    router_dtype: Literal["fp32", "bf16", "fp16"] | None = None
-    """Dtype the router (``mlp.gate.weight``) is sent in; None keeps the training dtype."""
+    router_dtype: str | None = None
+    """Dtype the router (``mlp.gate.weight``) is sent in: ``fp32``, ``bf16``, ``fp16``; None keeps
+    the training dtype."""
     has_expert_bias: bool = False
     """The router carries an aux-loss-free ``expert_bias`` (sent fp32 as ``e_score_correction_bias``)."""
     num_experts_per_tok: int = 2
@@ -92,15 +94,15 @@ class HFModelSpec:
 class PublishConfig:
     """How the publisher moves converted weights to a receiver."""
 
-    transport: Literal["auto", "inprocess", "shm", "cuda_ipc", "disk"] = "auto"
-    """Transport; ``auto`` takes the first one the receiver's capabilities accept, in the order
+    transport: str = "auto"
+    """``auto``, ``inprocess``, ``shm``, ``cuda_ipc`` or ``disk``; ``auto`` takes the first one the receiver's capabilities accept, in the order
     inprocess, cuda_ipc, shm, disk."""
     bucket_bytes: int = 512 * MiB
     """Target bytes per flattened bucket (512 MiB–1 GiB on GPU; smaller values are for tests)."""
     max_in_flight: int = 2
     """Buckets handed to the receiver and not yet acknowledged (1 or 2)."""
-    verify: Literal["checksum", "sampled", "none"] = "checksum"
-    """After publish: full checksum of every tensor read back, a sampled comparison, or nothing."""
+    verify: str = "checksum"
+    """``checksum``, ``sampled`` or ``none``. After publish: full checksum of every tensor read back, a sampled comparison, or nothing."""
     sample_count: int = 64
     """Elements compared per tensor in ``sampled`` mode."""
     timeout_s: float = 600.0
@@ -126,8 +128,8 @@ class EngineConfig:
 
     device: str = "cpu"
     """Torch device the engine's model lives on (``cpu`` or ``cuda[:i]``)."""
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
-    """Parameter and compute dtype."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: ``float32``, ``float64``, ``bfloat16`` or ``float16``."""
     max_new_tokens: int = 16
     """Default generation length."""
     temperature: float = 1.0
@@ -155,8 +157,8 @@ class WorkerSpec:
     """argv of the worker process."""
     env: dict[str, str] = field(default_factory=dict)
     """Per-role overrides merged over the owner's environment (a value of ``""`` removes the key)."""
-    scheduler: Literal["local", "slurm"] = "local"
-    """Where to start it: a local subprocess or a Slurm step in the owner's job."""
+    scheduler: str = "local"
+    """Where to start it: ``local`` (a subprocess) or ``slurm`` (a step in the owner's job)."""
     devices: list[int] | None = None
     """The owner's logical GPU indices this worker gets (mapped to physical ids through the
     owner's ``CUDA_VISIBLE_DEVICES``); None gives it all of the owner's devices."""

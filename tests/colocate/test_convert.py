@@ -149,3 +149,23 @@ def test_megatron_tp2_ep2_to_hf_logits_and_publish_roundtrip():
     for p in pub:
         assert p["bitwise_equal"] and p["version"] == 1 and p["buckets"] > 1, p
         assert p["max_abs"] <= 1e-5, p
+
+
+def test_configs_are_hydra_structured_configs():
+    from omegaconf import OmegaConf
+
+    from colocate import EngineConfig, PublishConfig, WorkerSpec
+
+    cfg = OmegaConf.merge(OmegaConf.structured(PublishConfig),
+                          OmegaConf.from_dotlist(["transport=shm", "bucket_bytes=1024", "max_in_flight=1"]))
+    pub = OmegaConf.to_object(cfg)
+    assert isinstance(pub, PublishConfig) and pub.transport == "shm" and pub.bucket_bytes == 1024
+    with pytest.raises(ConfigError, match="max_in_flight must be 1 or 2, got 3"):
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PublishConfig), {"max_in_flight": 3}))
+    assert OmegaConf.to_object(OmegaConf.structured(EngineConfig)).dtype == "float32"
+    spec = OmegaConf.to_object(OmegaConf.structured(_moe_spec(router_dtype="bf16")))
+    assert spec.router_dtype == "bf16" and spec.moe_ffn_hidden_size == 6
+    w = OmegaConf.to_object(OmegaConf.structured(WorkerSpec(role="rollout", command=["x"], devices=[0])))
+    assert w.devices == [0]
+    with pytest.raises(ConfigError, match="HFModelSpec.arch"):
+        _moe_spec(arch="llama")
