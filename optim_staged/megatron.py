@@ -243,6 +243,7 @@ def _get_staged_muon(config: StagedOptimizerConfig, model_chunks: list[Any], *, 
                 f"Muon chain leaf optimizer {type(inner).__name__} cannot be staged (expected TensorParallelMuon or AdamW)")
         if inner is not None:
             leaf.optimizer.initialize_state()
+            leaf.init_state_fn = _init_state_fn  # checkpoint templates: state exists, keep it
     return opt
 
 

@@ -91,18 +91,18 @@ def _tp2_train(model, optim, tokens):
     return norm
 
 
-def tp2_body(rank: int, world_size: int):
+def tp2_body(rank: int, world_size: int, ckpt_dir: str):
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
     from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, init_megatron, seed_all
     from optim_staged.config import AdamWConfig, MuonConfig, StagedOptimizerConfig
-    from optim_staged.megatron import get_staged_optimizer
+    from optim_staged.megatron import get_staged_optimizer, load_checkpoint, save_checkpoint
 
     init_megatron(tp=2, pp=1, seed=3)
-    runs = {}
-    for residency in ("gpu", "staged"):
-        seed_all(3)
+
+    def build(residency, seed=3):
+        seed_all(seed)
         model = build_tiny_gpt(TinyGPTConfig(tensor_model_parallel_size=2, num_layers=2))
         model = DDP(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         model.config.finalize_model_grads_func = finalize_model_grads
@@ -110,19 +110,33 @@ def tp2_body(rank: int, world_size: int):
                                     muon=MuonConfig(lr=0.02, nesterov=True, tp_mode="duplicated"),
                                     adamw=AdamWConfig(impl="foreach"),  # torch's CPU AdamW op order
                                     slots=SlotConfig(slot_numel=1 << 14, num_slots=2))
-        optim = get_staged_optimizer(cfg, [model])
+        return model, get_staged_optimizer(cfg, [model])
+
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, 128, (2, 16), generator=g) for _ in range(5)]
+    runs = {}
+    for residency in ("gpu", "staged"):
+        model, optim = build(residency)
         kinds = sorted(type(leaf.optimizer).__name__ for leaf in optim.chained_optimizers)
-        g = torch.Generator().manual_seed(11)
-        norms = [_tp2_train(model, optim, torch.randint(0, 128, (2, 16), generator=g)) for _ in range(3)]
+        norms = [_tp2_train(model, optim, t) for t in batches[:3]]
         runs[residency] = {"kinds": kinds, "norms": norms,
                            "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}}
+    # Staged Muon chain checkpoint (momentum + masters + Adam moments), resumed into a fresh model.
+    save_checkpoint(model, optim, ckpt_dir)
+    cont = [_tp2_train(model, optim, t) for t in batches[3:]]
+    model2, optim2 = build("staged", seed=99)
+    load_checkpoint(model2, optim2, ckpt_dir)
+    resumed = [_tp2_train(model2, optim2, t) for t in batches[3:]]
+    same = all(np.array_equal(a.detach().numpy(), b.detach().numpy())
+               for a, b in zip(model.parameters(), model2.parameters()))
+    runs["resume"] = {"cont": cont, "resumed": resumed, "params_equal": same}
     return runs
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
-def test_staged_muon_in_megatron_tp2():
-    for r in run_ranks(tp2_body, 2, timeout=150):
+def test_staged_muon_in_megatron_tp2(tmp_path):
+    for r in run_ranks(tp2_body, 2, str(tmp_path / "ckpt"), timeout=150):
         assert r["gpu"]["kinds"] == ["AdamW", "TensorParallelMuon"]
         assert r["staged"]["kinds"] == ["StagedAdamW", "StagedMuon"]
         # Same orthogonalize (duplicated TP all-gather + QKV split + NS) on the same fp32 inputs:
@@ -131,3 +145,5 @@ def test_staged_muon_in_megatron_tp2():
         assert r["staged"]["norms"] == r["gpu"]["norms"]
         for name, ref in r["gpu"]["params"].items():
             np.testing.assert_array_equal(r["staged"]["params"][name], ref, err_msg=name)
+        # save -> load into a differently initialised model -> continue == uninterrupted, exactly
+        assert r["resume"]["resumed"] == r["resume"]["cont"] and r["resume"]["params_equal"]
