@@ -158,13 +158,21 @@ class Residency:
         return nbytes
 
 
+def _bytes(st: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over all of ``st`` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(st, 0, (st.nbytes(),), (1,))
+
+
 class TensorOffload:
     """Release/resume of a set of tensors by storage resizing, keeping tensor identity.
 
-    ``release`` optionally copies each tensor into a CPU mirror (pinned when CUDA is present)
-    and resizes its storage to 0 bytes; views into it (e.g. Megatron params into the DDP flat
-    buffer) stay valid objects. ``resume`` re-grows the storage and restores the mirror, or
-    zero-fills when ``keep_contents`` is False (gradients). Both return bytes moved.
+    ``release`` optionally copies each tensor's storage into a CPU mirror (pinned when on CUDA),
+    resizes the storage to 0 bytes and, for CUDA storages, empties the caching allocator so
+    another process can use the memory. Views into it (e.g. Megatron params into the DDP flat
+    buffer) stay valid objects; the storage gets a new address on resume, so anything that
+    captured raw addresses (CUDA graphs, NCCL user-buffer registration) must be rebuilt.
+    ``resume`` re-grows the storage and restores the mirror, or zero-fills when
+    ``keep_contents`` is False (gradients). Both return bytes moved.
     """
 
     def __init__(self, tensors: Callable[[], list[torch.Tensor]], *, keep_contents: bool):
@@ -175,6 +183,7 @@ class TensorOffload:
     def release(self) -> int:
         total = 0
         seen: set[int] = set()
+        cuda = False
         for t in self._tensors():
             st = t.untyped_storage()
             if st.data_ptr() in seen or st.nbytes() == 0:
@@ -184,10 +193,13 @@ class TensorOffload:
             mirror = None
             if self._keep:
                 mirror = torch.empty(nbytes, dtype=torch.uint8, pin_memory=t.is_cuda)
-                mirror.untyped_storage().copy_(st)
+                mirror.copy_(_bytes(st, t.device))
             self._saved.append((t, nbytes, mirror))
             st.resize_(0)
             total += nbytes
+            cuda |= t.is_cuda
+        if cuda:
+            torch.cuda.empty_cache()
         return total
 
     def resume(self) -> int:
@@ -195,10 +207,11 @@ class TensorOffload:
         for t, nbytes, mirror in self._saved:
             st = t.untyped_storage()
             st.resize_(nbytes)
+            view = _bytes(st, t.device)
             if mirror is not None:
-                st.copy_(mirror.untyped_storage())
+                view.copy_(mirror)
             else:
-                st.fill_(0)
+                view.zero_()
             total += nbytes
         self._saved.clear()
         return total
