@@ -71,3 +71,15 @@ def test_megatron_gpu_to_embedded_engine_logits():
         # fp32 on GPU (TF32 off by default for matmuls): Megatron and HF differ by kernel order only
         assert (eng.logits(ids).cpu() - got["logits"]).abs().max().item() <= 1e-4, case
         assert all(torch.equal(eng.read(n).cpu(), t) for n, t in weights.items())
+
+
+@pytest.mark.timeout(300)
+def test_trainer_residency_returns_device_memory():
+    from mcore_distill.testing import run_ranks
+
+    from ._ranks import trainer_residency_gpu
+
+    got = run_ranks(trainer_residency_gpu, 1, backend="nccl", timeout=240)[0]
+    assert got["equal"], "training after release/resume differs from the run that never released"
+    assert got["freed"] > 500 << 20, got  # ~55M params: fp32 weights + grads + Adam state
+    assert got["gain"] >= 0.9 * got["freed"], got  # the memory really went back to the device
