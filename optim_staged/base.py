@@ -236,36 +236,46 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         self._ensure_layout()
         self.drain(release=False)
         saved_state = state_dict.get("state", {})
-        fresh = StateSlabs(self.state_keys, self.slabs.numel, device="cpu", pin=False,
-                           memory_margin=self.slot_config.host_memory_margin)
-        fresh_res = (StateSlabs(self.state_keys, self.resident.numel, device=self.resident.device)
-                     if self.resident is not None else None)
         steps: list[int | None] = [None] * len(self.param_groups)
         staged = set(self._staged_idx)
         index = {id(q): k for k, (_, q) in enumerate(self._plist)}
+        items = []  # (param index, entry), validated before anything is allocated or written
         for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
             for sid, p in zip(sg["params"], g["params"]):
-                i = index[id(p)]
                 entry = saved_state.get(sid)
                 if entry is None:
                     raise CheckpointLayoutError(f"param_groups[{gi}]: no saved state for param id {sid}")
-                store = fresh if i in staged else fresh_res
-                o = self._offsets[i]
                 for k in self.state_keys:
                     if k not in entry:
                         raise CheckpointLayoutError(
                             f"state of param id {sid} (shape {tuple(p.shape)}) lacks '{k}'; "
                             f"found keys {sorted(entry)}")
-                    v = entry[k]
-                    if v.numel() != p.numel():
+                    if entry[k].numel() != p.numel():
                         raise CheckpointLayoutError(
-                            f"state '{k}' of param id {sid}: {v.numel()} elements, expected {p.numel()}")
-                    store[k][o:o + p.numel()].copy_(v.reshape(-1).to(torch.float32))
+                            f"state '{k}' of param id {sid}: {entry[k].numel()} elements, expected {p.numel()}")
                 if "step" in entry:
-                    s = int(entry["step"].item() if isinstance(entry["step"], torch.Tensor) else entry["step"])
-                    steps[gi] = s
+                    s = entry["step"]
+                    steps[gi] = int(s.item() if isinstance(s, torch.Tensor) else s)
+                items.append((index[id(p)], entry))
+        # Loading our own state_dict() (Megatron does this while wiring the DistOpt and building
+        # checkpoint templates): the tensors already are the slabs, so no second copy is made.
+        aliased = all(entry[k].data_ptr() == self.state[self._plist[i][1]][k].data_ptr()
+                      for i, entry in items for k in self.state_keys)
+        if aliased:
+            fresh, fresh_res = self.slabs, self.resident
+        else:
+            fresh = StateSlabs(self.state_keys, self.slabs.numel, device="cpu", pin=False,
+                               memory_margin=self.slot_config.host_memory_margin)
+            fresh_res = (StateSlabs(self.state_keys, self.resident.numel, device=self.resident.device)
+                         if self.resident is not None else None)
+            for i, entry in items:
+                p = self._plist[i][1]
+                store = fresh if i in staged else fresh_res
+                o = self._offsets[i]
+                for k in self.state_keys:
+                    store[k][o:o + p.numel()].copy_(entry[k].reshape(-1).to(torch.float32))
         # Success: swap in, re-pin, keep the hyper-parameters of the checkpoint.
-        if self.slabs.pinned:
+        if self.slabs.pinned and not fresh.pinned:
             fresh.pin()
         self.slabs = fresh
         self.resident = fresh_res
