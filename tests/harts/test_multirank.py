@@ -1,7 +1,8 @@
 """Two gloo ranks, one spawn (spawning costs ~10 s): vocab-parallel chunked LM head, the real
 tiny GPT at TP=2 tree vs per-sequence in fp64 with recomputation, the DP row exchange, and a
 full DP=2 step (Megatron DDP + get_forward_backward_func over planned, exchanged microbatches)
-whose reduced gradients equal the per-sequence gradient of the global objective."""
+whose reduced gradients equal the per-sequence gradient of the global objective, and PP=2 with
+variable-length tree microbatches through Megatron's pipeline schedule."""
 
 from __future__ import annotations
 
@@ -32,13 +33,17 @@ def _body(rank, world):
 
     checked, num_mb = dp_step_body(rank, world)
     assert num_mb >= 2, "the DP step must accumulate over several microbatches"
-    return n, rows, checked
+    from tests.harts.pp_step import pp_step_body
+
+    pp_checked = pp_step_body(rank, world)
+    return n, rows, checked, pp_checked
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(240)
-def test_tp2_and_dp_exchange_gloo():
-    res = run_ranks(_body, 2, timeout=230)
+@pytest.mark.timeout(300)
+def test_tp2_dp2_pp2_gloo():
+    res = run_ranks(_body, 2, timeout=290)
     assert res[0][0] == res[1][0] > 0
     assert res[0][1] + res[1][1] == 12
     assert res[0][2] == res[1][2] > 0
+    assert res[0][3] > 0 and res[1][3] > 0  # each pipeline stage checked its own parameters
