@@ -80,6 +80,8 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             return
         if self._ring is not None:
             self._ring.drain(release=True)
+        # Parameters that stay across a re-layout (e.g. add_param_group) keep their state.
+        old_state = {id(p): v for p, v in self.state.items()} if self._layout_key is not None else {}
         plist = self._params()
         numels = [p.numel() for _, p in plist]
         total = sum(numels)
@@ -116,7 +118,11 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             store = self.slabs if i in staged_set else self.resident
             o = self._offsets[i]
             views = {k: store[k][o:o + p.numel()].view(p.shape) for k in self.state_keys}
-            views["master_param"].copy_(p.detach().reshape(p.shape).to(torch.float32))
+            if id(p) in old_state:
+                for k in self.state_keys:
+                    views[k].copy_(old_state[id(p)][k])
+            else:
+                views["master_param"].copy_(p.detach().reshape(p.shape).to(torch.float32))
             self.state[p] = views
         self._layout_key = key
 

@@ -183,3 +183,26 @@ def test_bad_config_and_host_memory():
         StateSlabs(("a",), need // 4 * 2)
     with pytest.raises(ValueError, match="closure"):
         StagedAdamW([torch.zeros(3, requires_grad=True)]).step(lambda: 0.0)
+
+
+def test_add_param_group_keeps_existing_state():
+    a = torch.randn(40, requires_grad=True)
+    b = torch.randn(7, 3, requires_grad=True)
+    ref_a = a.detach().clone().requires_grad_()
+    ref_b = b.detach().clone().requires_grad_()
+    opt = StagedAdamW([a], lr=1e-2, impl="foreach", slots=SlotConfig(slot_numel=1024))
+    ref = torch.optim.AdamW([ref_a], lr=1e-2, foreach=True)
+    g = torch.Generator().manual_seed(4)
+    for step in range(4):
+        if step == 2:  # a new group mid-training: the first parameter's moments must survive
+            opt.add_param_group({"params": [b]})
+            ref.add_param_group({"params": [ref_b]})
+        for x, y in ((a, ref_a), (b, ref_b)):
+            gr = torch.randn(x.shape, generator=g)
+            x.grad, y.grad = gr.clone(), gr.clone()
+        opt.step()
+        ref.step()
+    assert_close("a", ref_a, a, atol=0, rtol=1e-6)
+    assert_close("exp_avg_a", ref.state[ref_a]["exp_avg"], opt.state[a]["exp_avg"], atol=0, rtol=1e-6)
+    # b joined at step 3: torch counts its steps from 1, the staged group counter too (new group)
+    assert_close("b", ref_b, b, atol=0, rtol=1e-6)
