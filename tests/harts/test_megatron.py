@@ -177,3 +177,29 @@ def test_mrope_depth_positions(cpu_megatron):
             logits = model(t[None], torch.arange(len(s)).expand(3, 1, -1), causal)[0]
             lps.append(torch.log_softmax(logits, -1)[:-1].gather(-1, t[1:, None]).squeeze(-1))
     assert_close("mrope logp", torch.cat(lps), sequence_logprobs(out.logp, forest), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.timeout(120)
+def test_tree_layer_spec(cpu_megatron):
+    """Substitution at build time (layer spec) gives the same model and results as apply_harts."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from harts.megatron import apply_harts, tree_forward, tree_layer_spec
+    from mcore_distill.testing import transformer_config
+
+    cfg = TinyGPTConfig(vocab_size=VOCAB, params_dtype=torch.float64)
+    spec = tree_layer_spec(get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"))
+    seed_all(21)
+    m_spec = GPTModel(config=transformer_config(cfg), transformer_layer_spec=spec, vocab_size=VOCAB,
+                      max_sequence_length=64, position_embedding_type="rope").double()
+    seed_all(21)
+    m_swap = build_tiny_gpt(cfg).double()
+    core = m_spec.decoder.layers[0].self_attention.core_attention
+    assert getattr(type(core), "_harts_tree", False)
+    apply_harts(m_spec)  # installs the RoPE hook; the attention classes are already tree-capable
+    apply_harts(m_swap)
+    f = build_forest(CASES[1].values[0])
+    with torch.no_grad():
+        a, b = tree_forward(m_spec, f, backend="dense"), tree_forward(m_swap, f, backend="dense")
+    assert_close("spec vs swap", b.logp, a.logp, atol=1e-13, rtol=1e-13)
