@@ -41,7 +41,7 @@ from mopd.routing import (
 )
 from mopd.teachers import DrainReceipt, TeacherPool, TeacherState
 
-_MEGATRON = ("MOPDMicroBatch", "MegatronTeacher", "MegatronTeacherHost", "mopd_loss_func", "save_teacher_checkpoint",
+_MEGATRON = ("MOPDMicroBatch", "build_teacher_pool", "MegatronTeacher", "MegatronTeacherHost", "mopd_loss_func", "save_teacher_checkpoint",
              "token_logprobs")
 
 __all__ = [

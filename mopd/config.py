@@ -231,13 +231,12 @@ class TeacherPoolConfig:
 
     prefetch: bool = True
     """Stage the next required teacher's weights in the background while one scores."""
-    load_timeout_s: float = 600.0
-    """Bound on loading / onloading / prefetching one teacher, seconds."""
     wait_timeout_s: float = 600.0
-    """Bound on waiting for a prefetch or another holder, seconds."""
+    """Bound on every wait of the pool: for a prefetch to finish, for another lease to end,
+    seconds. (Loading itself runs on the caller's thread, bounded by the back-end: HTTP
+    timeouts, the process group's collective timeout.)"""
 
     def __post_init__(self) -> None:
-        _finite("pool.load_timeout_s", self.load_timeout_s, positive=True)
         _finite("pool.wait_timeout_s", self.wait_timeout_s, positive=True)
 
 

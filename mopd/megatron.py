@@ -23,13 +23,15 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mopd.backends import TokenBatch, read_teacher_shard, write_teacher_shard
-from mopd.config import MOPDLossConfig
+from mopd.backends import HTTPTeacher, TokenBatch, read_teacher_shard, write_teacher_shard
+from mopd.config import MOPDConfig, MOPDLossConfig
 from mopd.errors import TeacherStateError
 from mopd.objectives import TokenTargets, compose_losses, mopd_pg_loss
+from mopd.teachers import TeacherPool
 
 __all__ = [
     "MOPDMicroBatch",
+    "build_teacher_pool",
     "MegatronTeacher",
     "MegatronTeacherHost",
     "mopd_loss_func",
@@ -236,6 +238,29 @@ class MegatronTeacher:
             return torch.zeros(B, L, dtype=torch.float32, device=ids.device)
         logp = torch.cat([r.float() for r in res])[:B]
         return torch.where(batch.label_mask().to(logp.device), logp, torch.zeros_like(logp))
+
+
+def build_teacher_pool(config: MOPDConfig, *, host: MegatronTeacherHost | None = None,
+                       logprob_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+                       on_event: Callable[[str, str], None] | None = None) -> TeacherPool:
+    """A :class:`TeacherPool` for every teacher of ``config`` (nothing is loaded yet).
+
+    Megatron teachers share ``host`` (required if any is configured); every teacher scores at
+    ``config.rollout_temperature``; HTTP teachers take their timeouts, retries, batch size and
+    temperature capability from their :class:`~mopd.config.TeacherSpec`.
+    """
+    backends = {}
+    for tid, spec in config.teachers.items():
+        if spec.backend == "http":
+            backends[tid] = HTTPTeacher.from_spec(tid, spec, temperature=config.rollout_temperature)
+        else:
+            if host is None:
+                raise ValueError(f"teacher {tid!r} uses backend='megatron' but no MegatronTeacherHost was given")
+            if not spec.checkpoint:
+                raise ValueError(f"teacher {tid!r}: backend='megatron' needs teachers.{tid}.checkpoint")
+            backends[tid] = MegatronTeacher(tid, host, spec.checkpoint, temperature=config.rollout_temperature,
+                                            logprob_fn=logprob_fn)
+    return TeacherPool(backends, config=config.pool, on_event=on_event)
 
 
 @dataclass(kw_only=True)

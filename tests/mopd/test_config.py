@@ -54,6 +54,8 @@ def test_hydra_config_store_compose(tmp_path):
     (["rollout_temperature=0.7", "divergence.temperature=0.7"], "needs server_scales_temperature=True"),
     (["teachers.math.max_retries=-1"], "teacher.max_retries"),
     (["pool.wait_timeout_s=0"], "pool.wait_timeout_s"),
+    (["teachers.code.timeout_s=-1"], "teacher.timeout_s"),
+    (["teachers.code.max_batch=0"], "teacher.max_batch"),
     (["loss.rl_coef=0", "loss.distill_coef=0"], "both 0"),
 ])
 def test_bad_values_raise_typed_errors(extra, match):

@@ -70,8 +70,8 @@ def test_protocol_and_transitions():
     assert isinstance(a, TeacherBackend)
     pool, events = _pool(a, b, prefetch=False)
     assert pool.states() == {"a": S.EMPTY, "b": S.EMPTY}
-    _use(pool, "a")
-    assert pool.states() == {"a": S.RESIDENT, "b": S.EMPTY}
+    _use(pool, "a", prefetch_next="b")  # pool.prefetch=False: no staging
+    assert pool.states() == {"a": S.RESIDENT, "b": S.EMPTY} and b.calls["prefetch"] == 0
     _use(pool, "a")  # reuse: no second load
     _use(pool, "b")
     assert pool.states() == {"a": S.OFFLOADED, "b": S.RESIDENT}
