@@ -1,0 +1,359 @@
+"""Gated DeltaNet over a prefix forest: tree short convolution and recurrent-state handoff.
+
+Two pieces make a linear-attention layer exact on the compact row of a
+:class:`harts.forest.Forest`:
+
+* **Tree convolution.** The causal depthwise conv of width ``W`` reads, for compact node ``v``,
+  its ancestors ``anc_j(v)`` (``anc_0 = v``, ``anc_{j+1} = parent(anc_j)``, zero past the root):
+  ``y_v = act(b + Σ_{j<W} w_{W−1−j} ⊙ x_{anc_j(v)})``. One gather of ``x`` by the ancestor table
+  ``anc [T, W]`` and one weighted sum; autograd turns the gather into a scatter-add.
+* **State handoff.** The recurrence runs on *pieces* (contiguous runs of compact rows, at most a
+  compressed-trie segment) in rounds: every piece of round ``r`` starts from the fp32 final state
+  of its parent piece (round ``r − 1``) and all pieces of a round go into one varlen kernel call
+  (FLA ``chunk_gated_delta_rule(..., initial_state, output_final_state=True, cu_seqlens)`` on
+  CUDA, :func:`harts.gdn_reference.chunk_gated_delta_rule_reference` per piece on CPU).
+  Gradients flow through the handoff (``dh_T → dh_0``). The number of rounds is the depth of
+  the piece tree (level-synchronous schedule).
+
+**Chunk alignment** (``align=True``). Chunked kernels split each varlen sequence at offsets
+``0, C, 2C, ...``; per-sequence execution therefore has chunk boundaries at depths that are
+multiples of ``C``. With alignment every piece starts at such a depth: a child forking at depth
+``d`` with ``d mod C ≠ 0`` starts from the state at ``b = ⌊d/C⌋·C`` (the piece holding depth
+``b − 1`` is cut there so its final state is that state) and replays the ``d − b ≤ C − 1``
+ancestor tokens through the recurrence only (their outputs are discarded; their k, v, g, β
+receive gradient through the child, as in per-sequence execution). Then every chunk the kernel
+computes is a chunk of per-sequence execution with the same start state, so tree and
+per-sequence results agree to the kernel's own noise. Cost: at most ``C − 1`` replayed tokens per
+fork and one more piece per cut, hence possibly more rounds. Without alignment results agree
+only up to float reassociation across different chunk boundaries (exact in exact arithmetic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harts.forest import Forest
+from harts.gdn_reference import _activate, chunk_gated_delta_rule_reference
+
+__all__ = ["GdnConfigError", "GdnShapeError", "GdnTreeConfig", "GdnRound", "GdnPlan", "ancestor_table",
+           "build_gdn_plan", "tree_causal_conv1d", "tree_gated_delta_rule", "chain_rounds"]
+
+
+class GdnConfigError(ValueError):
+    """An invalid Gated DeltaNet tree option (the message names the field and the value)."""
+
+
+class GdnShapeError(ValueError):
+    """Tensors do not match each other or the plan (the message names the shapes)."""
+
+
+_CHUNK_SIZES = (16, 32, 64)
+_BACKENDS = ("auto", "fla", "torch")
+_STATE_DTYPES = ("float32", "float64")
+
+
+@dataclass(kw_only=True, slots=True)
+class GdnTreeConfig:
+    """Options of the tree Gated DeltaNet path (a Hydra structured config)."""
+
+    chunk_size: int = 64
+    """Chunk length ``C`` of the chunked kernel (FLA accepts 16, 32, 64); alignment uses it."""
+    align: bool = True
+    """Replay ``≤ C − 1`` shared tokens per fork so chunk boundaries sit where per-sequence
+    execution puts them (results match to kernel noise). False: no replay, fewer pieces, results
+    differ by float reassociation."""
+    backend: str = "auto"
+    """Recurrence kernel: ``fla`` (Triton ``chunk_gated_delta_rule``, CUDA), ``torch`` (plain
+    chunked reference, any device, fp64-capable) or ``auto`` (``fla`` on CUDA, else ``torch``)."""
+    state_dtype: str = "float32"
+    """Dtype of handed-off states: ``float32`` (what FLA exports), or ``float64`` (torch backend with
+    fp64 inputs only, for exactness tests)."""
+    conv_width: int = 4
+    """Short-convolution width ``W`` (``linear_conv_kernel_dim``; the ancestor table has W columns)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size not in _CHUNK_SIZES:
+            raise GdnConfigError(f"GdnTreeConfig.chunk_size must be one of {_CHUNK_SIZES}, got {self.chunk_size}")
+        if self.backend not in _BACKENDS:
+            raise GdnConfigError(f"GdnTreeConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.state_dtype not in _STATE_DTYPES:
+            raise GdnConfigError(
+                f"GdnTreeConfig.state_dtype must be 'float32' (or 'float64' for fp64 tests), got {self.state_dtype!r}")
+        if self.conv_width < 1:
+            raise GdnConfigError(f"GdnTreeConfig.conv_width must be >= 1, got {self.conv_width}")
+
+
+@dataclass(frozen=True, eq=False)
+class GdnRound:
+    """One varlen kernel call. ``n`` packed rows (replayed rows included), ``N`` pieces."""
+
+    rows: torch.Tensor
+    """[n] compact row gathered into each packed position."""
+    cu_seqlens: torch.Tensor
+    """[N+1] piece boundaries in the packed rows."""
+    keep: torch.Tensor
+    """[n_keep] packed positions whose outputs are kept (not replayed)."""
+    init_sources: tuple
+    """``(src_round, src_idx [m], dst_idx [m])`` triples: piece ``dst_idx`` of this round starts from
+    the final state of piece ``src_idx`` of round ``src_round``; other pieces start from zeros."""
+
+
+@dataclass(frozen=True, eq=False)
+class GdnPlan:
+    """Execution plan of the recurrence over one forest (built once per microbatch)."""
+
+    num_nodes: int
+    """T, compact rows (padding included)."""
+    chunk_size: int
+    align: bool
+    anc: torch.Tensor
+    """[T, W] ancestor table (``-1`` past the root) for the tree convolution."""
+    rounds: tuple
+    """:class:`GdnRound` per sequential kernel call."""
+    inverse: torch.Tensor
+    """[T] position of each compact row in the concatenation of all rounds' kept outputs."""
+    replay_tokens: int
+    """Rows recomputed for chunk alignment (summed over rounds)."""
+    num_pieces: int
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    def to(self, device) -> GdnPlan:
+        def mv(x):
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
+        rounds = tuple(GdnRound(rows=mv(r.rows), cu_seqlens=mv(r.cu_seqlens), keep=mv(r.keep),
+                                init_sources=tuple((a, mv(b), mv(c)) for a, b, c in r.init_sources))
+                       for r in self.rounds)
+        return GdnPlan(num_nodes=self.num_nodes, chunk_size=self.chunk_size, align=self.align, anc=mv(self.anc),
+                       rounds=rounds, inverse=mv(self.inverse), replay_tokens=self.replay_tokens,
+                       num_pieces=self.num_pieces)
+
+
+def ancestor_table(parent: torch.Tensor, width: int) -> torch.Tensor:
+    """[T, width] int64: column ``j`` is the ``j``-th ancestor (column 0 = the node), ``-1`` past a root."""
+    if width < 1:
+        raise GdnConfigError(f"conv width must be >= 1, got {width}")
+    cols = [torch.arange(parent.numel(), device=parent.device)]
+    ext = torch.cat([parent, parent.new_full((1,), -1)])  # ext[-1] = parent of "-1" = -1
+    for _ in range(width - 1):
+        cols.append(ext[cols[-1]])
+    return torch.stack(cols, 1)
+
+
+def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       anc: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+    """Depthwise causal conv along trie paths: ``x [T, D]``, ``weight [D, W]``, ``anc [T, W']`` (W' ≥ W).
+
+    ``y_v = act(b + Σ_{j<W} weight[:, W−1−j] ⊙ x_{anc_j(v)})``; rows past a root read zeros. One
+    gather ``[T, W, D]`` and one reduction; its backward is a scatter-add into ``x``.
+    """
+    d, w = weight.shape
+    if x.dim() != 2 or x.shape[1] != d:
+        raise GdnShapeError(f"x must be [T, D={d}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if anc.dim() != 2 or anc.shape[0] != x.shape[0] or anc.shape[1] < w:
+        raise GdnShapeError(f"ancestor table {tuple(anc.shape)} must be [T={x.shape[0]}, >= W={w}]")
+    xp = torch.cat([x, x.new_zeros(1, d)])  # row T (= index -1) is the zero row
+    xs = xp[anc[:, :w]]  # [T, W, D]
+    y = (xs * weight.flip(1).T.to(x.dtype)).sum(1)
+    if bias is not None:
+        y = y + bias
+    return _activate(y, activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# planning (host side, numpy)
+# ---------------------------------------------------------------------------------------------
+def _ancestor_at_depth(node: int, target: int, parent: np.ndarray, depth: np.ndarray, seg_start: np.ndarray,
+                       node_seg: np.ndarray) -> int:
+    """Ancestor-or-self of ``node`` at depth ``target`` (segments are contiguous chains)."""
+    while True:
+        s = seg_start[node_seg[node]]
+        if depth[s] <= target:
+            return int(s + (target - depth[s]))
+        node = int(parent[s])
+
+
+def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, conv_width: int = 4) -> GdnPlan:
+    """Level-synchronous plan: pieces = trie segments (cut at chunk boundaries when aligning).
+
+    A piece's round is one more than its state source's round; roots run in round 0.
+    """
+    if chunk_size not in _CHUNK_SIZES:
+        raise GdnConfigError(f"chunk_size must be one of {_CHUNK_SIZES}, got {chunk_size}")
+    parent = forest.parent.cpu().numpy()
+    depth = forest.depth.cpu().numpy()
+    seg_off = forest.seg_offsets.cpu().numpy()
+    node_seg = forest.node_seg.cpu().numpy()
+    t = parent.size
+    seg_start, seg_end = seg_off[:-1], seg_off[1:]  # end exclusive
+    starts = set(int(s) for s in seg_start)
+    # fork children needing replay: state source = ancestor at depth b-1; cut right after it
+    replay_from: dict[int, int] = {}  # piece start -> first replayed depth b
+    if align:
+        for s in seg_start:
+            p = parent[s]
+            d = int(depth[s])
+            if p < 0 or d % chunk_size == 0:
+                continue
+            b = d - d % chunk_size
+            replay_from[int(s)] = b
+            if b > 0:
+                a = _ancestor_at_depth(int(p), b - 1, parent, depth, seg_start, node_seg)
+                if a + 1 < seg_end[node_seg[a]]:
+                    starts.add(a + 1)  # a is mid-segment: cut so a piece ends at a
+    pstart = np.array(sorted(starts), dtype=np.int64)
+    # piece ends: the next start or the end of the segment, whichever comes first
+    nxt = np.append(pstart[1:], t)
+    pend = np.minimum(nxt, seg_end[node_seg[pstart]])
+    piece_of = np.repeat(np.arange(pstart.size), pend - pstart)
+    n_p = pstart.size
+    src = np.full(n_p, -1, dtype=np.int64)
+    rows_of: list[np.ndarray] = []
+    nrep = np.zeros(n_p, dtype=np.int64)
+    for i, (s, e) in enumerate(zip(pstart, pend)):
+        own = np.arange(s, e, dtype=np.int64)
+        p = int(parent[s])
+        if p < 0:
+            rows_of.append(own)
+            continue
+        b = replay_from.get(int(s))
+        if b is None:  # starts from the state after its parent node
+            src[i] = piece_of[p]
+            rows_of.append(own)
+            continue
+        rep = np.array([_ancestor_at_depth(p, dd, parent, depth, seg_start, node_seg)
+                        for dd in range(b, int(depth[s]))], dtype=np.int64)
+        nrep[i] = rep.size
+        if b > 0:
+            src[i] = piece_of[_ancestor_at_depth(p, b - 1, parent, depth, seg_start, node_seg)]
+        rows_of.append(np.concatenate([rep, own]))
+    rnd = np.zeros(n_p, dtype=np.int64)
+    for i in range(n_p):  # sources precede their dependants in pre-order
+        if src[i] >= 0:
+            rnd[i] = rnd[src[i]] + 1
+    rounds, kept_rows, pos_in_round = [], [], np.zeros(n_p, dtype=np.int64)
+    for r in range(int(rnd.max()) + 1 if n_p else 0):
+        ids = np.flatnonzero(rnd == r)
+        pos_in_round[ids] = np.arange(ids.size)
+        lens = np.array([rows_of[i].size for i in ids], dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        keep = np.concatenate([np.arange(cu[j] + nrep[i], cu[j + 1]) for j, i in enumerate(ids)])
+        kept_rows.append(np.concatenate([rows_of[i][nrep[i]:] for i in ids]))
+        srcs = []
+        has = src[ids] >= 0
+        for sr in (np.unique(rnd[src[ids[has]]]) if has.any() else []):
+            dst = np.flatnonzero(has & (rnd[np.where(has, src[ids], 0)] == sr))
+            srcs.append((int(sr), torch.as_tensor(pos_in_round[src[ids[dst]]]), torch.as_tensor(dst)))
+        rounds.append(GdnRound(rows=torch.as_tensor(np.concatenate([rows_of[i] for i in ids])),
+                               cu_seqlens=torch.as_tensor(cu), keep=torch.as_tensor(keep),
+                               init_sources=tuple(srcs)))
+    order = np.concatenate(kept_rows) if kept_rows else np.zeros(0, dtype=np.int64)
+    inverse = np.empty(t, dtype=np.int64)
+    inverse[order] = np.arange(t)
+    plan = GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align,
+                   anc=ancestor_table(forest.parent.cpu(), conv_width), rounds=tuple(rounds),
+                   inverse=torch.as_tensor(inverse), replay_tokens=int(nrep.sum()), num_pieces=int(n_p))
+    return plan.to(forest.parent.device)
+
+
+def chain_rounds(forest: Forest) -> int:
+    """Rounds if one child continued each chain (not executed; reported by the benchmark):
+    ``r(leaf segment) = 1``, ``r(u) = max(r_1, r_2 + 1)`` over its two largest child values."""
+    seg_parent = forest.seg_parent.cpu().numpy()
+    n = seg_parent.size
+    best = [[] for _ in range(n)]
+    r = np.ones(n, dtype=np.int64)
+    for s in range(n - 1, -1, -1):  # children follow parents in pre-order
+        c = sorted(best[s], reverse=True)
+        if c:
+            r[s] = max(c[0], c[1] + 1) if len(c) > 1 else c[0]
+        if seg_parent[s] >= 0:
+            best[seg_parent[s]].append(int(r[s]))
+    roots = r[seg_parent < 0]
+    return int(roots.max()) if roots.size else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# execution
+# ---------------------------------------------------------------------------------------------
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS:
+        raise GdnConfigError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "fla" if device.type == "cuda" else "torch"
+    if backend == "fla" and device.type != "cuda":
+        raise GdnConfigError(f"backend='fla' needs CUDA tensors, got device {device}")
+    return backend
+
+
+def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, h0: torch.Tensor, scale: float, chunk_size: int,
+               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One varlen call: packed ``[n, ...]`` inputs, ``h0 [N, HV, K, V]`` → ``o [n, HV, V]``, ``ht [N, ...]``."""
+    if backend == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, ht = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
+                                       initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       chunk_size=chunk_size)
+        return o[0], ht
+    outs, finals = [], []
+    bounds = cu.tolist()
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        # fresh (aligned) buffers per piece, as a lone sequence would have: CPU matmul kernels may
+        # sum in a different order for misaligned views, which would break bitwise alignment checks
+        piece = [x[a:b].clone()[None] for x in (q, k, v, g, beta)]
+        o, ht = chunk_gated_delta_rule_reference(*piece, chunk_size=chunk_size, scale=scale,
+                                                 initial_state=h0[i:i + 1], output_final_state=True)
+        outs.append(o[0])
+        finals.append(ht)
+    return torch.cat(outs).to(v.dtype), torch.cat(finals).to(h0.dtype)
+
+
+def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          *, plan: GdnPlan, scale: float | None = None, backend: str = "auto",
+                          state_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Gated delta rule over the forest of ``plan``: ``q, k [T, H, K]``, ``v [T, HV, V]``,
+    ``g, beta [T, HV]`` (g in log space) → ``o [T, HV, V]``.
+
+    Each round gathers its rows (replayed ancestors included), starts every piece from its
+    source piece's final state (zeros at roots), runs one varlen call and keeps the non-replayed
+    outputs; the kept outputs of all rounds are permuted back to compact order.
+    """
+    t = plan.num_nodes
+    if q.dim() != 3 or k.shape != q.shape:
+        raise GdnShapeError(f"q and k must both be [T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.dim() != 3 or v.shape[0] != q.shape[0] or v.shape[1] % q.shape[1]:
+        raise GdnShapeError(f"v must be [T, HV, V] with HV a multiple of H={q.shape[1]}, got {tuple(v.shape)}")
+    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise GdnShapeError(f"g and beta must be [T, HV]={tuple(v.shape[:2])}, got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if q.shape[0] != t:
+        raise GdnShapeError(f"inputs have T={q.shape[0]} rows but the plan was built for T={t}")
+    if state_dtype not in (torch.float32, torch.float64):
+        raise GdnConfigError(f"state_dtype must be torch.float32 (or float64 for fp64 tests), got {state_dtype}")
+    backend = _resolve_backend(backend, q.device)
+    if state_dtype == torch.float64 and (backend != "torch" or q.dtype != torch.float64):
+        raise GdnConfigError(f"state_dtype=float64 needs backend 'torch' and fp64 inputs, got {backend!r}, {q.dtype}")
+    if backend == "torch" and q.dtype == torch.float64 and state_dtype != torch.float64:
+        raise GdnConfigError("fp64 inputs on the torch backend need state_dtype=float64 (an fp32 handoff would "
+                             "round the fork states)")
+    hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
+    scale = kd ** -0.5 if scale is None else scale
+    states, kept = [], []
+    for rd in plan.rounds:
+        n_pieces = rd.cu_seqlens.numel() - 1
+        h0 = q.new_zeros(n_pieces, hv, kd, vd, dtype=state_dtype)
+        for sr, si, di in rd.init_sources:
+            h0 = h0.index_copy(0, di, states[sr].index_select(0, si))
+        gather = [x.index_select(0, rd.rows) for x in (q, k, v, g, beta)]
+        o, ht = _run_round(*gather, cu=rd.cu_seqlens, h0=h0, scale=scale, chunk_size=plan.chunk_size,
+                           backend=backend)
+        states.append(ht.to(state_dtype))
+        kept.append(o.index_select(0, rd.keep))
+    return torch.cat(kept).index_select(0, plan.inverse)

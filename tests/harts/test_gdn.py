@@ -1,0 +1,349 @@
+"""Gated DeltaNet over trees on CPU: references vs FLA's naive functions, tree convolution and
+tree recurrence vs per-sequence execution (fp64, gradients included), chunk alignment, the plan,
+typed errors, and the real hybrid Megatron GPT (GDN + attention layers) tree vs per-sequence with
+every parameter gradient in fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harts.forest import build_forest
+from harts.gdn import (
+    GdnConfigError,
+    GdnShapeError,
+    GdnTreeConfig,
+    ancestor_table,
+    build_gdn_plan,
+    chain_rounds,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
+from harts.gdn_reference import (
+    causal_conv1d_reference,
+    chunk_gated_delta_rule_reference,
+    recurrent_gated_delta_rule_reference,
+)
+from mcore_distill.testing import assert_close
+
+C = 16  # chunk size used by the tree cases (forks placed relative to it)
+
+
+def _seq(start, n):
+    return [(start + i) % 50 + 1 for i in range(n)]
+
+
+P = _seq(0, 10)  # a 10-token prompt
+GDN_CASES = [
+    pytest.param([P + _seq(20, 7), P + _seq(30, 9), P + _seq(40, 5)], id="grpo-fork"),
+    pytest.param([P[:5] + [51, 52], P[:5] + [51, 53, 54], P[:5] + [55, 56], P[:3] + [57]], id="nested-forks-in-chunk"),
+    pytest.param([_seq(0, C) + _seq(20, 6), _seq(0, C) + _seq(30, 4), _seq(0, 2 * C) + [58, 59], _seq(0, 2 * C) + [60]],
+                 id="fork-at-chunk-boundary"),
+    pytest.param([[3] + _seq(5, 20), [4] + _seq(5, 18), [3, 9, 9]], id="fork-at-0"),
+    pytest.param([_seq(0, 21), _seq(0, 12), _seq(0, 21) + _seq(7, 5), _seq(0, 1)], id="prefix-of-another"),
+]
+
+
+def _inputs(t, *, h=2, hv=4, k=8, v=6, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, k, generator=g, dtype=dtype)
+    kk = F.normalize(torch.randn(t, h, k, generator=g, dtype=dtype), dim=-1)
+    vv = torch.randn(t, hv, v, generator=g, dtype=dtype)
+    gg = F.logsigmoid(torch.randn(t, hv, generator=g, dtype=dtype) + 2)
+    beta = torch.rand(t, hv, generator=g, dtype=dtype)
+    return q, kk, vv, gg, beta
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t,chunk", [(37, 16), (64, 64), (5, 32)], ids=["T37-C16", "T64-C64", "T5-C32"])
+def test_references_match_fla_naive_and_each_other(t, chunk):
+    from fla.ops.gated_delta_rule import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+
+    q, k, v, g, beta = (x[None] for x in _inputs(t, seed=t))
+    h0 = torch.randn(1, 4, 8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    o_rec, s_rec = recurrent_gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_chk, s_chk = chunk_gated_delta_rule_reference(q, k, v, g, beta, chunk_size=chunk, initial_state=h0,
+                                                    output_final_state=True)
+    assert o_rec.dtype == torch.float64 and s_chk.dtype == torch.float64
+    assert_close("chunk vs recurrent o (fp64)", o_rec, o_chk, atol=1e-12, rtol=1e-12)
+    assert_close("chunk vs recurrent state (fp64)", s_rec, s_chk, atol=1e-12, rtol=1e-12)
+    qe, ke = q.repeat_interleave(2, 2), k.repeat_interleave(2, 2)  # FLA naive has no GVA
+    f32 = [x.float() for x in (qe, ke, v, g, beta)]
+    o_nr, s_nr = naive_recurrent_gated_delta_rule(f32[0], f32[1], f32[2], f32[4], f32[3],  # (beta, g) order
+                                                  initial_state=h0.float(), output_final_state=True)
+    o_nc, s_nc = naive_chunk_gated_delta_rule(*f32, chunk_size=chunk, initial_state=h0.float(), output_final_state=True)
+    for name, ref, out in (("naive recurrent o", o_nr, o_rec), ("naive recurrent state", s_nr, s_rec),
+                           ("naive chunk o", o_nc, o_chk), ("naive chunk state", s_nc, s_chk)):
+        assert_close(name, ref, out, atol=2e-5, rtol=2e-5)
+
+
+def test_conv_reference_matches_module_conv():
+    """The sequential reference equals ``nn.Conv1d(padding=W-1)`` truncated to L (Megatron's layout)."""
+    g = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv1d(6, 6, 4, groups=6, padding=3, bias=True).double()
+    x = torch.randn(2, 9, 6, generator=g, dtype=torch.float64)
+    ref = F.silu(conv(x.transpose(1, 2))[..., :9]).transpose(1, 2)
+    out = causal_conv1d_reference(x, conv.weight.squeeze(1), conv.bias)
+    assert_close("conv reference", ref, out, atol=1e-14, rtol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------
+# tree ops vs per-sequence
+# ---------------------------------------------------------------------------------------------
+def _per_sequence(forest, fn):
+    return [(forest.index[forest.seq_offsets[i]:forest.seq_offsets[i + 1]], fn(forest.index[
+        forest.seq_offsets[i]:forest.seq_offsets[i + 1]])) for i in range(forest.num_seqs)]
+
+
+@pytest.mark.parametrize("width", [1, 4, 6])
+@pytest.mark.parametrize("seqs", GDN_CASES)
+def test_tree_conv_matches_sequential(seqs, width):
+    f = build_forest(seqs).padded(8)
+    t, d = f.num_nodes, 5
+    g = torch.Generator().manual_seed(width)
+    x0 = torch.randn(t, d, generator=g, dtype=torch.float64)
+    w0 = torch.randn(d, width, generator=g, dtype=torch.float64)
+    b0 = torch.randn(d, generator=g, dtype=torch.float64)
+    x, w, b = (z.clone().requires_grad_(True) for z in (x0, w0, b0))
+    y = tree_causal_conv1d(x, w, b, anc=ancestor_table(f.parent, width))
+    xr, wr, br = (z.clone().requires_grad_(True) for z in (x0, w0, b0))
+    loss_t, loss_r = 0.0, 0.0
+    for i in range(f.num_seqs):
+        idx = f.index[f.seq_offsets[i]:f.seq_offsets[i + 1]]
+        wt = torch.linspace(0.5, 1.5, idx.numel(), dtype=torch.float64)[:, None]
+        yr = causal_conv1d_reference(xr[idx][None], wr, br)[0]
+        assert_close(f"conv seq {i}", yr, y[idx], atol=1e-13, rtol=1e-13)
+        loss_t = loss_t + (y[idx] * wt).sum()
+        loss_r = loss_r + (yr * wt).sum()
+    loss_t.backward()
+    loss_r.backward()
+    for name, ref, out in (("dx", xr.grad, x.grad), ("dw", wr.grad, w.grad), ("db", br.grad, b.grad)):
+        assert_close(f"conv {name}", ref, out, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("seqs", GDN_CASES)
+def test_tree_rule_matches_per_sequence_fp64(seqs, align):
+    """Outputs and the gradients of q, k, v, g, β (through every handoff) equal per-sequence
+    recurrence in fp64."""
+    f = build_forest(seqs).padded(4)
+    plan = build_gdn_plan(f, chunk_size=C, align=align)
+    base = _inputs(f.num_nodes, seed=len(seqs))
+    leaves = [x.clone().requires_grad_(True) for x in base]
+    o = tree_gated_delta_rule(*leaves, plan=plan, state_dtype=torch.float64)
+    refs = [x.clone().requires_grad_(True) for x in base]
+    g = torch.Generator().manual_seed(3)
+    loss_t, loss_r = 0.0, 0.0
+    for i in range(f.num_seqs):
+        idx = f.index[f.seq_offsets[i]:f.seq_offsets[i + 1]]
+        o_r, _ = recurrent_gated_delta_rule_reference(*(x[idx][None] for x in refs))
+        assert_close(f"o seq {i}", o_r[0], o[idx], atol=1e-12, rtol=1e-12)
+        wt = torch.randn(o_r[0].shape, generator=g, dtype=torch.float64)
+        loss_t = loss_t + (o[idx] * wt).sum()
+        loss_r = loss_r + (o_r[0] * wt).sum()
+    loss_t.backward()
+    loss_r.backward()
+    for name, ref, out in zip(("dq", "dk", "dv", "dg", "dbeta"), refs, leaves):
+        assert ref.grad.abs().max() > 0
+        assert_close(name, ref.grad, out.grad, atol=1e-11, rtol=1e-11)
+
+
+def test_alignment_reproduces_sequence_chunks_bitwise():
+    """fp32, torch backend: with alignment every chunk the tree computes is a chunk of
+    per-sequence chunked execution with the same start state, so outputs are bitwise equal."""
+    seqs = [s for p in GDN_CASES for s in p.values[0]]
+    f = build_forest(seqs)
+    plan = build_gdn_plan(f, chunk_size=C, align=True)
+    q, k, v, g, beta = _inputs(f.num_nodes, dtype=torch.float32, seed=5)
+    o = tree_gated_delta_rule(q, k, v, g, beta, plan=plan, backend="torch")
+    o_un = tree_gated_delta_rule(q, k, v, g, beta, plan=build_gdn_plan(f, chunk_size=C, align=False))
+    unaligned_equal = True
+    for i in range(f.num_seqs):
+        idx = f.index[f.seq_offsets[i]:f.seq_offsets[i + 1]]
+        o_r, _ = chunk_gated_delta_rule_reference(*(x[idx][None] for x in (q, k, v, g, beta)), chunk_size=C,
+                                                  initial_state=torch.zeros(1, 4, 8, 6))
+        assert torch.equal(o_r[0], o[idx]), f"seq {i}: max diff {(o_r[0] - o[idx]).abs().max().item():.3e}"
+        assert_close(f"unaligned seq {i}", o_r[0], o_un[idx], atol=1e-5, rtol=1e-5)
+        unaligned_equal &= torch.equal(o_r[0], o_un[idx])
+    assert not unaligned_equal, "without alignment chunk boundaries differ, so some rows should round differently"
+
+
+def test_plan_shapes_replay_and_rounds():
+    # fork exactly at a chunk boundary: no replay; children start from the parent's final state
+    f = build_forest([_seq(0, C) + [51, 52], _seq(0, C) + [53]])
+    p = build_gdn_plan(f, chunk_size=C, align=True)
+    assert (p.num_rounds, p.num_pieces, p.replay_tokens) == (2, 3, 0)
+    # fork at depth C + 3: the prompt is cut at depth C, each child replays 3 shared tokens
+    f = build_forest([_seq(0, C + 3) + [51, 52], _seq(0, C + 3) + [53]])
+    p = build_gdn_plan(f, chunk_size=C, align=True)
+    assert (p.num_rounds, p.num_pieces, p.replay_tokens) == (2, 4, 6)
+    assert p.rounds[1].rows.tolist()[:3] == [C, C + 1, C + 2]
+    p = build_gdn_plan(f, chunk_size=C, align=False)
+    assert (p.num_rounds, p.num_pieces, p.replay_tokens) == (2, 3, 0)
+    # nested forks inside the first chunk replay from depth 0: everything runs in one round
+    f = build_forest(GDN_CASES[1].values[0])
+    p = build_gdn_plan(f, chunk_size=C, align=True)
+    assert p.num_rounds == 1 and p.replay_tokens == (3 + 3) + (5 + 5) + (6 + 6)  # forks at depths 3, 5, 6
+    assert build_gdn_plan(f, chunk_size=C, align=False).num_rounds == 4
+    # caterpillar with 3 side forks: 4 level rounds, 2 rounds if one child continued each chain
+    spine = _seq(0, 40)
+    cat = [spine[:10] + [51], spine[:20] + [52], spine[:30] + [53], spine]
+    f = build_forest(cat)
+    assert build_gdn_plan(f, chunk_size=C, align=False).num_rounds == 4
+    assert chain_rounds(f) == 2
+    assert torch.equal(ancestor_table(f.parent, 3)[:3], torch.tensor([[0, -1, -1], [1, 0, -1], [2, 1, 0]]))
+
+
+def test_bad_input_raises_typed_errors():
+    with pytest.raises(GdnConfigError, match="chunk_size must be one of .* got 48"):
+        GdnTreeConfig(chunk_size=48)
+    with pytest.raises(GdnConfigError, match="state_dtype .* got 'bfloat16'"):
+        GdnTreeConfig(state_dtype="bfloat16")
+    with pytest.raises(GdnConfigError, match="backend must be one of .* got 'cuda'"):
+        GdnTreeConfig(backend="cuda")
+    with pytest.raises(GdnConfigError, match="chunk_size must be one of .* got 128"):
+        build_gdn_plan(build_forest([[1, 2]]), chunk_size=128)
+    f = build_forest([[1, 2, 3], [1, 2, 4]])
+    plan = build_gdn_plan(f, chunk_size=C)
+    q, k, v, g, beta = _inputs(f.num_nodes)
+    with pytest.raises(GdnShapeError, match=r"q and k must both be \[T, H, K\]"):
+        tree_gated_delta_rule(q, k[..., :4], v, g, beta, plan=plan, state_dtype=torch.float64)
+    with pytest.raises(GdnShapeError, match="HV a multiple of H=2"):
+        tree_gated_delta_rule(q, k, v[:, :3], g[:, :3], beta[:, :3], plan=plan, state_dtype=torch.float64)
+    with pytest.raises(GdnShapeError, match="plan was built for T=4"):
+        tree_gated_delta_rule(*(x[:3] for x in (q, k, v, g, beta)), plan=plan, state_dtype=torch.float64)
+    with pytest.raises(GdnConfigError, match="state_dtype must be torch.float32 .* got torch.bfloat16"):
+        tree_gated_delta_rule(q, k, v, g, beta, plan=plan, state_dtype=torch.bfloat16)
+    with pytest.raises(GdnConfigError, match="fp64 inputs on the torch backend need state_dtype=float64"):
+        tree_gated_delta_rule(q, k, v, g, beta, plan=plan)
+    with pytest.raises(GdnConfigError, match="backend='fla' needs CUDA tensors"):
+        tree_gated_delta_rule(q, k, v, g, beta, plan=plan, backend="fla")
+    with pytest.raises(GdnShapeError, match=r"ancestor table \(4, 2\) must be \[T=4, >= W=4\]"):
+        tree_causal_conv1d(torch.zeros(4, 3), torch.zeros(3, 4), anc=ancestor_table(f.parent, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# the real hybrid Megatron model
+# ---------------------------------------------------------------------------------------------
+VOCAB = 61
+GDN_DIMS = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                linear_num_value_heads=4)
+
+
+def build_hybrid(pattern, *, dtype, recompute=False, tp=1, vocab=VOCAB, device="cpu"):
+    """Tiny hybrid GPT (GatedDeltaNet + attention layers, local modules) with tree execution enabled."""
+    from megatron.core.models.gpt import GPTModel
+
+    from harts.gdn_megatron import hybrid_block_spec
+    from harts.megatron import apply_harts
+    from mcore_distill.testing import TinyGPTConfig, transformer_config
+
+    cfg = TinyGPTConfig(vocab_size=vocab, params_dtype=dtype, num_layers=len(pattern), recompute=recompute,
+                        tensor_model_parallel_size=tp, extra=dict(GDN_DIMS))
+    model = GPTModel(config=transformer_config(cfg), transformer_layer_spec=hybrid_block_spec(pattern),
+                     vocab_size=vocab, max_sequence_length=128, position_embedding_type="rope")
+    model = model.to(device=device, dtype=dtype)
+    apply_harts(model)
+    return model
+
+
+def hybrid_exactness(seqs, *, pattern="GAG", dtype=torch.float64, recompute=False, gdn=None, tol=1e-10,
+                     device="cpu", attn_backend="dense"):
+    """Tree vs per-sequence on the hybrid model: log-probs, entropies, a PPO-style loss and every
+    parameter gradient. Returns the number of gradients compared (shared with the TP=2 body)."""
+    import torch.distributed as dist
+
+    from harts.gdn_megatron import make_gdn_tree_params
+    from harts.loss import aggregate_loss, ppo_clip_token_loss, sequence_entropy, sequence_logprobs
+    from harts.megatron import tree_forward
+    from mcore_distill.testing import seed_all
+
+    tp = dist.get_world_size()
+    seed_all(1234)
+    model = build_hybrid(pattern, dtype=dtype, recompute=recompute, tp=tp, vocab=VOCAB + VOCAB % tp, device=device)
+    gdn = gdn or GdnTreeConfig(chunk_size=C, state_dtype="float64" if dtype == torch.float64 else "float32")
+    forest = build_forest(seqs, vocab_size=VOCAB, device=device).padded(tp)
+    n = len(seqs)
+    g = torch.Generator().manual_seed(7)
+    adv = torch.randn(n, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    seq_ids = forest.pred_seq_ids()
+
+    def objective(lp, ent, old):
+        tok = ppo_clip_token_loss(lp, old, adv[seq_ids], clip_low=0.2, clip_high=0.28) - 0.01 * ent
+        return aggregate_loss(tok, torch.ones_like(tok), seq_ids, num_seqs=n, mode="seq_mean")
+
+    params = make_gdn_tree_params(forest, config=gdn, backend=attn_backend)
+    out = tree_forward(model, forest, params=params, chunk_size=5, entropy_requires_grad=True)
+    lp, ent = sequence_logprobs(out.logp, forest), sequence_entropy(out.entropy, forest)
+    old = (lp.detach() + 0.1 * torch.randn(lp.shape, generator=g, dtype=torch.float64).to(device)).to(lp.dtype)
+    loss = objective(lp, ent, old)
+    loss.backward()
+    g_tree = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    lps, ents = [], []
+    for s in seqs:
+        t = torch.tensor(s, device=device)
+        causal = torch.triu(torch.ones(len(s), len(s), dtype=torch.bool, device=device), diagonal=1)[None, None]
+        logits = model(t[None], torch.arange(len(s), device=device)[None], causal, runtime_gather_output=True)[0]
+        lr = torch.log_softmax(logits[:, :VOCAB].to(lp.dtype) if tp > 1 and VOCAB % tp else logits.to(lp.dtype), -1)
+        lps.append(lr[:-1].gather(-1, t[1:, None]).squeeze(-1))
+        ents.append(-(lr.exp() * lr).sum(-1)[:-1])
+    lp_r, ent_r = torch.cat(lps), torch.cat(ents)
+    loss_r = objective(lp_r, ent_r, old)
+    loss_r.backward()
+    g_ref = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    assert_close("logp", lp_r, lp, atol=tol, rtol=tol)
+    assert_close("entropy", ent_r, ent, atol=tol, rtol=tol)
+    assert_close("loss", loss_r, loss, atol=tol, rtol=tol)
+    assert set(g_ref) == set(g_tree) and any(".conv1d." in k for k in g_ref) and any("A_log" in k for k in g_ref)
+    for name, ref in g_ref.items():
+        assert ref.abs().max() > 0, f"{name}: zero reference gradient makes the check vacuous"
+        assert_close(f"grad {name}", ref, g_tree[name], atol=tol, rtol=tol)
+    return len(g_ref)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seqs", GDN_CASES)
+def test_hybrid_model_tree_equals_per_sequence_fp64(cpu_megatron, seqs):
+    hybrid_exactness(seqs, tol=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_model_unaligned_with_recompute_fp64(cpu_megatron):
+    """Without chunk alignment (no replay) and with full activation recomputation."""
+    seqs = GDN_CASES[0].values[0] + GDN_CASES[2].values[0]
+    hybrid_exactness(seqs, pattern="GGA", recompute=True, gdn=GdnTreeConfig(chunk_size=C, align=False,
+                                                                             state_dtype="float64"), tol=1e-9)
+
+
+def test_spec_swap_and_errors(cpu_megatron):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from harts.gdn_megatron import TreeGatedDeltaNet, apply_tree_gdn, gdn_layer_spec, tree_gdn_spec
+    from harts.megatron import TreeIncompatibleError, make_tree_params, tree_forward
+    from mcore_distill.testing import seed_all
+
+    spec = gdn_layer_spec(tree=False)
+    assert spec.submodules.self_attention.module is GatedDeltaNet
+    assert tree_gdn_spec([spec])[0].submodules.self_attention.module is TreeGatedDeltaNet
+    assert spec.submodules.self_attention.module is GatedDeltaNet  # the input spec is not modified
+    seed_all(2)
+    model = build_hybrid("GA", dtype=torch.float64)
+    mixer = model.decoder.layers[0].self_attention
+    mixer.__class__ = GatedDeltaNet  # as built from Megatron's own spec
+    sd = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert apply_tree_gdn(model) == 1 and type(mixer) is TreeGatedDeltaNet
+    assert all(torch.equal(sd[k], v) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor))
+    forest = build_forest([[1, 2, 3], [1, 2, 4]])
+    with pytest.raises(TreeIncompatibleError, match="without a GDN plan.*make_gdn_tree_params"):
+        tree_forward(model, forest, params=make_tree_params(forest, backend="dense"))
+    from harts.gdn_megatron import make_gdn_tree_params
+
+    with pytest.raises(GdnConfigError, match="conv_width=2 is smaller than the layer's linear_conv_kernel_dim=4"):
+        tree_forward(model, forest, params=make_gdn_tree_params(
+            forest, config=GdnTreeConfig(conv_width=2, state_dtype="float64"), backend="dense"))
