@@ -111,7 +111,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.quick
     dev = "cuda" if cuda else "cpu"
     timer = time_cuda if cuda else time_cpu
-    N, V, K_TOP = (8192, 151936, 64) if cuda else (256, 4096, 16)
+    N, V, K_TOP = (4096, 151936, 64) if cuda else (256, 4096, 16)
     B, L = (256, 4096) if cuda else (16, 256)
     dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
