@@ -9,6 +9,8 @@ result. A rank that raises makes the call raise with that rank's traceback; a ru
 
 from __future__ import annotations
 
+import faulthandler
+import io
 import os
 import random
 import socket
@@ -73,7 +75,9 @@ def destroy_megatron() -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple,
-               queue: Any, env: dict[str, str]) -> None:
+               queue: Any, env: dict[str, str], timeout: float) -> None:
+    # A rank still running shortly before the parent's deadline prints every thread's stack.
+    faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -89,7 +93,11 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, fn: Callable
             cpu_compat.enable()
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Serialize here: torch.multiprocessing would share tensors through file descriptors that
+        # die with this process, so a rank exiting before the parent reads would lose its result.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - the parent re-raises with the text
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -115,7 +123,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, backend, fn, args, queue, dict(env or {})),
+        ctx.Process(target=_rank_main, args=(r, world_size, port, backend, fn, args, queue, dict(env or {}), timeout),
                     daemon=False)  # ranks may start children (async checkpoint writers)
         for r in range(world_size)
     ]
@@ -145,7 +153,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -40,6 +40,7 @@ class TinyGPTConfig:
     params_dtype: torch.dtype = torch.float32
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     recompute: bool = False
     """Full activation recomputation of every layer (``recompute_granularity='full'``)."""
@@ -85,6 +86,7 @@ def transformer_config(cfg: TinyGPTConfig):
         perform_initialization=True,
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
         sequence_parallel=cfg.sequence_parallel,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
@@ -132,7 +134,7 @@ def build_tiny_gpt(cfg: TinyGPTConfig, *, pre_process: bool | None = None, post_
         normalization="RMSNorm",
     )
     kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config(cfg),
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
@@ -144,3 +146,6 @@ def build_tiny_gpt(cfg: TinyGPTConfig, *, pre_process: bool | None = None, post_
         rotary_base=cfg.rotary_base,
         **kwargs,
     )
+    if cfg.params_dtype == torch.float64:
+        model.to(torch.float64)  # the torch-norm fallback creates its weights in fp32
+    return model
