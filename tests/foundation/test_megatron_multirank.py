@@ -159,7 +159,7 @@ def test_dp2_distributed_adam_checkpoint_restores_params_and_moments(dp2_run):
         assert r["resumed_moments"], "exp_avg/exp_avg_sq not restored bit-exactly"
 
 
-@pytest.mark.xfail(strict=True, reason="megatron-core 0.19.2 without TE/Apex: dp_reshardable load keeps the "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="megatron-core 0.19.2 without TE/Apex: dp_reshardable load keeps the "
                    "dummy-initialized Adam step (1) instead of the saved one; optim_staged owns its step counters")
 def test_dp2_distributed_adam_checkpoint_restores_step(dp2_run):
     for r in dp2_run:
