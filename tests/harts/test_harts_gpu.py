@@ -100,4 +100,9 @@ def test_chunked_head_bf16_inputs():
     assert_close("entropy", er, ent, atol=1e-4, rtol=1e-4)
     # gradients are rounded to bf16 (8 bits of mantissa): relative tolerance 1/128
     assert_close("dhidden", hr.grad, h.grad, atol=1e-3, rtol=8e-3)
-    assert_close("dweight", wr.grad, w.grad, atol=1e-3, rtol=8e-3)
+    # dW sums ~3.4k bf16-rounded logit gradients (rounded like Megatron's own head): an element
+    # whose terms cancel keeps the terms' rounding, so bound it by the terms' scale, and the
+    # whole matrix by the bf16 rounding unit in norm.
+    assert_close("dweight", wr.grad, w.grad, atol=2e-2, rtol=8e-3)
+    rel = ((w.grad.double() - wr.grad).norm() / wr.grad.norm()).item()
+    assert rel < 4e-3, f"dweight: relative Frobenius error {rel:.2e}"
