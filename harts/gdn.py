@@ -151,19 +151,21 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """Depthwise causal conv along trie paths: ``x [T, D]``, ``weight [D, W]``, ``anc [T, W']`` (W' ≥ W).
 
     ``y_v = act(b + Σ_{j<W} weight[:, W−1−j] ⊙ x_{anc_j(v)})``; rows past a root read zeros. One
-    gather ``[T, W, D]`` and one reduction; its backward is a scatter-add into ``x``.
+    gather ``[T, W, D]`` and one reduction (in at least fp32, output in ``x.dtype``); its backward
+    is a scatter-add into ``x``.
     """
     d, w = weight.shape
     if x.dim() != 2 or x.shape[1] != d:
         raise GdnShapeError(f"x must be [T, D={d}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if anc.dim() != 2 or anc.shape[0] != x.shape[0] or anc.shape[1] < w:
         raise GdnShapeError(f"ancestor table {tuple(anc.shape)} must be [T={x.shape[0]}, >= W={w}]")
+    acc = torch.promote_types(x.dtype, torch.float32)  # bf16 inputs accumulate in fp32, like FLA's kernel
     xp = torch.cat([x, x.new_zeros(1, d)])  # row T (= index -1) is the zero row
     xs = xp[anc[:, :w]]  # [T, W, D]
-    y = (xs * weight.flip(1).T.to(x.dtype)).sum(1)
+    y = (xs.to(acc) * weight.flip(1).T.to(acc)).sum(1)
     if bias is not None:
-        y = y + bias
-    return _activate(y, activation)
+        y = y + bias.to(acc)
+    return _activate(y, activation).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,270 @@
+"""Gated DeltaNet over trees vs THD packing: one GDN layer and a hybrid GPT (GDN + attention).
+
+Sections:
+
+* ``layer``: one ``TreeGatedDeltaNet`` (fwd+bwd of the mixer alone). Providers:
+  ``thd_megatron`` (GPU only): Megatron-Core's own ``GatedDeltaNet`` forward on the unpacked
+  sequences as one THD batch (FLA ``causal_conv1d`` + varlen ``chunk_gated_delta_rule``);
+  ``chain``: our path on a chain forest (every sequence alone, one round; the same code as the
+  tree, so the ratio isolates sharing); ``tree`` / ``tree_unaligned``: prefix forest with / without
+  chunk alignment (replay).
+* ``model``: the hybrid GPT (pattern ``GGGA`` twice: Qwen3-Next's 3:1 interleave) fwd+bwd through
+  :func:`harts.megatron.tree_forward` with the tree-aware chunked LM head; ``chain`` (THD packing as
+  a forest) vs ``tree`` / ``tree_unaligned``.
+
+Workloads: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9} and a multi-turn
+caterpillar. Per row: time (p20/p50/p80), peak memory, rounds (sequential kernel calls per GDN
+layer), replayed tokens, rounds a chain-continuation schedule would need (not executed), C.
+If FLA refuses the backward (Hopper + Triton 3.6 without tilelang) the run times forward only and
+says so in the JSON (``mode``).
+
+Run: ``python bench/harts_gdn.py`` on a GPU (≈1–2 min on an H200); ``python bench/harts_gdn.py
+--quick`` for a CPU smoke run (tiny sizes, torch recurrence). Writes ``harts_gdn.json`` and
+``harts_gdn.png`` into ``bench._common.out_dir()`` and prints the tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import out_dir, peak_memory, print_table, time_cpu, write_results  # noqa: E402
+
+GDN_QUICK = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                 linear_num_value_heads=4)
+GDN_FULL = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=8,
+                linear_num_value_heads=16)
+
+
+def _setup():
+    from mcore_distill import cpu_compat
+    from mcore_distill.testing import free_port, init_megatron
+
+    if not torch.cuda.is_available():
+        cpu_compat.enable()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    init_megatron(tp=1, pp=1, seed=0)
+
+
+def _model(quick: bool, dev: str, pattern: str):
+    from megatron.core.models.gpt import GPTModel
+
+    from harts.gdn_megatron import hybrid_block_spec
+    from harts.megatron import apply_harts
+    from mcore_distill.testing import TinyGPTConfig, seed_all, transformer_config
+
+    seed_all(0)
+    if quick:
+        cfg = TinyGPTConfig(vocab_size=512, num_layers=len(pattern), max_sequence_length=4096, extra=dict(GDN_QUICK))
+        dtype = torch.float32
+    else:
+        cfg = TinyGPTConfig(vocab_size=32000, hidden_size=1024, num_layers=len(pattern), num_attention_heads=16,
+                            num_query_groups=4, ffn_hidden_size=3072, max_sequence_length=65536,
+                            params_dtype=torch.bfloat16, extra=dict(GDN_FULL))
+        dtype = torch.bfloat16
+    model = GPTModel(config=transformer_config(cfg), transformer_layer_spec=hybrid_block_spec(pattern),
+                     vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_sequence_length,
+                     position_embedding_type="rope").to(device=dev, dtype=dtype)
+    apply_harts(model)
+    return model, cfg
+
+
+def _workloads(quick: bool, vocab: int):
+    from harts.workload import caterpillar, grpo_for_sharing
+
+    if quick:
+        return [(f"rho={r}", grpo_for_sharing(r, num_groups=1, n=8, seq_len=40, vocab_size=vocab)) for r in (0.0, 0.75)]
+    w = [(f"rho={r}", grpo_for_sharing(r, num_groups=1, n=16, seq_len=1024, vocab_size=vocab, seed=1))
+         for r in (0.0, 0.25, 0.5, 0.75, 0.9)]
+    w.append(("caterpillar", caterpillar(2, turns=8, turn_len=512, branches=2, branch_len=256, vocab_size=vocab)))
+    return w
+
+
+def _probe_backward(dev: str) -> bool:
+    """False when FLA refuses the GDN backward (fla #640: Hopper + Triton 3.6 without tilelang)."""
+    if dev != "cuda":
+        return True
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    x = torch.randn(1, 64, 1, 64, device=dev, requires_grad=True)
+    g = torch.full((1, 64, 1), -0.1, device=dev)
+    try:
+        o, _ = chunk_gated_delta_rule(x, torch.nn.functional.normalize(x, dim=-1), x, g, torch.rand(1, 64, 1, device=dev))
+        o.sum().backward()
+    except RuntimeError as e:
+        print(f"[harts_gdn] backward unavailable, timing forward only: {e}")
+        return False
+    return True
+
+
+def _providers(dev):
+    p = ["chain", "tree", "tree_unaligned"]
+    return (["thd_megatron"] + p) if dev == "cuda" else p
+
+
+def _forest_for(provider, seqs, dev):
+    from harts.forest import build_chain_forest, build_forest
+
+    return (build_chain_forest if provider in ("chain", "thd_megatron") else build_forest)(seqs, device=dev)
+
+
+def bench_layer(args, dev, rows, bwd):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from harts.gdn import GdnTreeConfig, chain_rounds
+    from harts.gdn_megatron import make_gdn_tree_params
+
+    model, cfg = _model(args.quick, dev, "G")
+    mixer = model.decoder.layers[0].self_attention
+    table = []
+    for case, seqs in _workloads(args.quick, cfg.vocab_size):
+        res = {}
+        for provider in _providers(dev):
+            f = _forest_for(provider, seqs, dev)
+            gen = torch.Generator(device=dev).manual_seed(0)
+            hidden = torch.randn(f.num_nodes, 1, cfg.hidden_size, device=dev, generator=gen).to(cfg.params_dtype)
+            hidden.requires_grad_(bwd)
+            gdn = GdnTreeConfig(align=provider != "tree_unaligned")
+            if provider == "thd_megatron":
+                cu = f.seq_offsets.to(torch.int32)
+                mx = int(f.lengths.max())
+                psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx,
+                                      max_seqlen_kv=mx)
+            else:
+                psp = None
+
+            def step(f=f, hidden=hidden, gdn=gdn, psp=psp):
+                p = psp if psp is not None else make_gdn_tree_params(f, config=gdn, backend="dense")
+                out = mixer(hidden, None, packed_seq_params=p)[0]
+                if bwd:
+                    out.float().square().mean().backward()
+                return p
+
+            p = step()
+            plan = getattr(p, "gdn_plan", None)
+            tm = time_cpu(step, warmup=1, iters=args.iters)
+            mem = peak_memory(step)
+            res[provider] = tm["p50"]
+            rows.append({"bench": "harts_gdn", "section": "layer", "case": case, "provider": provider,
+                         "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
+                         "ms_p80": tm["p80"], "peak_bytes": mem, "rows": f.num_nodes, "total_tokens": f.total_tokens,
+                         "compression": f.compression, "rounds": plan.num_rounds if plan else 1,
+                         "replay_tokens": plan.replay_tokens if plan else 0,
+                         "chain_schedule_rounds": chain_rounds(f), "pieces": plan.num_pieces if plan else f.num_seqs})
+        st = build_forest_stats(seqs, dev)
+        base = res["chain"]
+        table.append({"case": case, "C": st[0], "rounds": st[1], "replay": st[2], "chain_rounds": st[3],
+                      "thd_mcore_ms": res.get("thd_megatron", float("nan")), "chain_ms": base,
+                      "tree_ms": res["tree"], "tree_unal_ms": res["tree_unaligned"],
+                      "tree_x": base / res["tree"], "unal_x": base / res["tree_unaligned"]})
+    return table
+
+
+def build_forest_stats(seqs, dev):
+    from harts.forest import build_forest
+    from harts.gdn import build_gdn_plan, chain_rounds
+
+    f = build_forest(seqs, device=dev)
+    p = build_gdn_plan(f, chunk_size=64, align=True)
+    return f.compression, p.num_rounds, p.replay_tokens, chain_rounds(f)
+
+
+def bench_model(args, dev, rows, bwd):
+    from harts.gdn import GdnTreeConfig
+    from harts.gdn_megatron import make_gdn_tree_params
+    from harts.loss import sequence_entropy, sequence_logprobs
+    from harts.megatron import tree_forward
+
+    model, cfg = _model(args.quick, dev, "GGGA" * (1 if args.quick else 2))
+    backend = "flex" if dev == "cuda" else "dense"
+    table = []
+    for case, seqs in _workloads(args.quick, cfg.vocab_size):
+        res, mems = {}, {}
+        for provider in ("chain", "tree", "tree_unaligned"):
+            f = _forest_for(provider, seqs, dev)
+            gdn = GdnTreeConfig(align=provider != "tree_unaligned")
+
+            def step(f=f, gdn=gdn):
+                model.zero_grad(set_to_none=True)
+                params = make_gdn_tree_params(f, config=gdn, backend=backend)
+                with torch.set_grad_enabled(bwd):
+                    out = tree_forward(model, f, params=params)
+                    lp = sequence_logprobs(out.logp, f)
+                    loss = -lp.mean() - 0.01 * sequence_entropy(out.entropy, f).mean()
+                if bwd:
+                    loss.backward()
+                return params
+
+            plan = step().gdn_plan
+            tm = time_cpu(step, warmup=1, iters=args.iters)
+            mem = peak_memory(step)
+            res[provider], mems[provider] = tm["p50"], mem
+            rows.append({"bench": "harts_gdn", "section": "model", "case": case, "provider": provider,
+                         "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
+                         "ms_p80": tm["p80"], "peak_bytes": mem, "rows": f.num_nodes, "total_tokens": f.total_tokens,
+                         "compression": f.compression, "rounds": plan.num_rounds, "replay_tokens": plan.replay_tokens,
+                         "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3)})
+        c = build_forest_stats(seqs, dev)[0]
+        table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
+                      "tree_unal_ms": res["tree_unaligned"], "tree_x": res["chain"] / res["tree"],
+                      "tree_x/C": res["chain"] / res["tree"] / c, "chain_MiB": mems["chain"] / 2**20,
+                      "tree_MiB": mems["tree"] / 2**20})
+    return table
+
+
+def _plot(layer, model, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for tab, name, m in ((layer, "GDN layer", "o"), (model, "hybrid model", "s")):
+        if tab:
+            ax.scatter([r["C"] for r in tab], [r["tree_x"] for r in tab], label=f"{name}: tree vs chain", marker=m)
+            for r in tab:
+                ax.annotate(r["case"], (r["C"], r["tree_x"]), fontsize=7)
+    cs = [r["C"] for r in layer + model] + [2.0]
+    ax.plot([1, max(cs)], [1, max(cs)], "k--", lw=0.8, label="speedup = C")
+    ax.axhline(1.0, color="grey", lw=0.6)
+    ax.set_xlabel("compression C = ΣL / T")
+    ax.set_ylabel("speedup vs chain (THD) packing")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--sections", default="layer,model")
+    args = ap.parse_args()
+    args.iters = args.iters or (1 if args.quick else 3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    _setup()
+    bwd = _probe_backward(dev)
+    rows = []
+    layer = bench_layer(args, dev, rows, bwd) if "layer" in args.sections else []
+    model = bench_model(args, dev, rows, bwd) if "model" in args.sections else []
+    path = write_results("harts_gdn", rows, {"quick": args.quick, "mode": "fwd+bwd" if bwd else "fwd",
+                                             "chunk_size": 64})
+    _plot(layer, model, out_dir() / "harts_gdn.png")
+    print(f"wrote {path}")
+    if layer:
+        print("\nGDN layer (ms p50; chain = our path without sharing; thd_mcore = Megatron GatedDeltaNet THD):")
+        print_table(layer, list(layer[0]))
+    if model:
+        print("\nhybrid model GGGA (ms p50, fwd+bwd step):")
+        print_table(model, list(model[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""GPU lane for the tree Gated DeltaNet (FLA Triton kernels).
+
+* FLA varlen rounds with fp32 state handoff vs the fp64 torch tree path (itself checked against
+  per-sequence execution on CPU), forward and backward;
+* one ``TreeGatedDeltaNet`` layer in bf16: tree vs Megatron's own per-sequence ``GatedDeltaNet``
+  forward, within the noise of sequence-wise execution measured in the test (self-rerun and the
+  same sequences THD-packed), outputs and every parameter gradient;
+* the hybrid GPT (GDN + attention, flex backend) tree vs per-sequence in fp32.
+
+The backward needs tilelang on Hopper with Triton 3.6 (fla #640); without it these tests fail
+with that message. Run: ``pytest -q -m gpu tests/harts/test_gdn_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harts.forest import build_forest
+from harts.gdn import GdnTreeConfig, build_gdn_plan, tree_gated_delta_rule
+from harts.workload import caterpillar, grpo_groups
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@contextlib.contextmanager
+def _needs_tilelang():
+    """Turn FLA's Hopper/Triton refusal into a failure that says what to carry."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "#640" in str(e) or "tilelang" in str(e):
+            pytest.fail("GDN backward refused: fla-core 0.6 on Hopper with Triton 3.6 needs tilelang "
+                        f"(see ../shared/notes/environment.md for the two-command carry). FLA said: {e}")
+        raise
+
+
+def _rms_ratio(ref, out):
+    ref, out = ref.double(), out.double()
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300)).item()
+
+
+def _forests():
+    return {
+        "grpo": grpo_groups(2, prompt_len=300, response_len=200, n=4, vocab_size=1000, seed=1),
+        "caterpillar": caterpillar(2, turns=4, turn_len=70, branches=2, branch_len=50, vocab_size=1000),
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
+def test_fla_rounds_match_fp64_tree(kind, align):
+    f = build_forest(_forests()[kind], device="cuda")
+    plan = build_gdn_plan(f, chunk_size=64, align=align)
+    t = f.num_nodes
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, 2, 64, device="cuda", generator=g)
+    k = F.normalize(torch.randn(t, 2, 64, device="cuda", generator=g), dim=-1)
+    v = torch.randn(t, 4, 64, device="cuda", generator=g)
+    gg = F.logsigmoid(torch.randn(t, 4, device="cuda", generator=g) + 3)
+    beta = torch.rand(t, 4, device="cuda", generator=g)
+    do = torch.randn(t, 4, 64, device="cuda", generator=g)
+    base = (q.repeat_interleave(2, 1), k.repeat_interleave(2, 1), v, gg, beta)  # FLA wants H == HV here
+    fl = [x.clone().requires_grad_(True) for x in base]
+    o = tree_gated_delta_rule(*fl, plan=plan, backend="fla")
+    with _needs_tilelang():
+        o.backward(do)
+    rf = [x.double().requires_grad_(True) for x in base]
+    o_ref = tree_gated_delta_rule(*rf, plan=plan, backend="torch", state_dtype=torch.float64)
+    o_ref.backward(do.double())
+    print(f"\n{kind} align={align}: rounds={plan.num_rounds} replay={plan.replay_tokens} "
+          f"out rms={_rms_ratio(o_ref, o):.2e}")
+    # FLA fp32 kernels vs fp64: ~1.5e-3 relative outputs, 4e-4..3e-3 gradients (environment.md)
+    assert _rms_ratio(o_ref, o) < 5e-3
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), rf, fl):
+        r = _rms_ratio(a.grad, b.grad)
+        print(f"  {name} rms={r:.2e}")
+        assert r < 1e-2, f"{name}: rms ratio {r:.3e}"
+
+
+def _layer(dtype):
+    from mcore_distill.testing import seed_all
+    from tests.harts.test_gdn import build_hybrid
+
+    seed_all(0)
+    model = build_hybrid("G", dtype=dtype, device="cuda")
+    return model, model.decoder.layers[0].self_attention
+
+
+def _seq_forward(mixer, hidden, forest):
+    """Megatron's own GatedDeltaNet forward on every sequence alone → per-(seq, pos) rows."""
+    outs = []
+    for i in range(forest.num_seqs):
+        idx = forest.index[forest.seq_offsets[i]:forest.seq_offsets[i + 1]]
+        outs.append(mixer(hidden[idx], None)[0])
+    return torch.cat(outs)
+
+
+def _thd_forward(mixer, hidden, forest):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = forest.seq_offsets.to(torch.int32)
+    mx = int(forest.lengths.max())
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx, max_seqlen_kv=mx)
+    return mixer(hidden[forest.index], None, packed_seq_params=psp)[0]
+
+
+def _run(fn, params, hidden, wt):
+    for p in params:
+        p.grad = None
+    h = hidden.detach().clone().requires_grad_(True)
+    out = fn(h)
+    with _needs_tilelang():
+        (out.float() * wt).sum().backward()
+    return out.detach(), [p.grad.detach().clone() for p in params], h.grad.detach().clone()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
+def test_layer_tree_within_sequence_noise_bf16(cpu_megatron, kind):
+    from harts.gdn_megatron import make_gdn_tree_params
+
+    model, mixer = _layer(torch.bfloat16)
+    seqs = _forests()[kind]
+    f = build_forest(seqs, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hidden = torch.randn(f.num_nodes, 1, model.config.hidden_size, device="cuda", generator=g).bfloat16()
+    wt = torch.randn(f.total_tokens, 1, model.config.hidden_size, device="cuda", generator=g)
+    params = [p for p in mixer.parameters()]
+    names = [n for n, _ in mixer.named_parameters()]
+
+    def tree(align):
+        tp = make_gdn_tree_params(f, config=GdnTreeConfig(align=align), backend="dense")
+        return lambda h: mixer(h, None, packed_seq_params=tp)[0][f.index]  # compact → per-(seq, pos)
+
+    seq = _run(lambda h: _seq_forward(mixer, h, f), params, hidden, wt)
+    rerun = _run(lambda h: _seq_forward(mixer, h, f), params, hidden, wt)
+    thd = _run(lambda h: _thd_forward(mixer, h, f), params, hidden, wt)
+    res = {a: _run(tree(a), params, hidden, wt) for a in (True, False)}
+    labels = ["out"] + [f"grad {n}" for n in names] + ["dhidden"]
+
+    def flat(r):
+        return [r[0]] + r[1] + [r[2]]
+
+    for i, label in enumerate(labels):
+        ref = flat(seq)[i]
+        noise = max(_rms_ratio(ref, flat(rerun)[i]), _rms_ratio(ref, flat(thd)[i]))
+        err = _rms_ratio(ref, flat(res[True])[i])
+        err_un = _rms_ratio(ref, flat(res[False])[i])
+        tol = max(2 * noise, 2.0 ** -9)  # floor: half a bf16 ulp (relative RMS)
+        print(f"{kind} {label}: noise {noise:.2e} aligned {err:.2e} unaligned {err_un:.2e} tol {tol:.2e}")
+        assert err <= tol, f"{label}: tree (aligned) rms {err:.3e} > tol {tol:.3e} (noise {noise:.3e})"
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_model_tree_vs_sequence_fp32(cpu_megatron):
+    """Integration: TreeGatedDeltaNet (FLA rounds) + flex tree attention + chunked head vs per-sequence
+    execution through Megatron's GatedDeltaNet forward, fp32 (FLA kernel error ~1.5e-3 relative)."""
+    from tests.harts.test_gdn import GDN_CASES, hybrid_exactness
+
+    seqs = [s for c in GDN_CASES for s in c.values[0]]
+    with _needs_tilelang():
+        hybrid_exactness(seqs, pattern="GAG", dtype=torch.float32, device="cuda", attn_backend="flex",
+                         gdn=GdnTreeConfig(chunk_size=16), tol=2e-2)
