@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,7 +87,7 @@ def save_teacher_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], 
 
 
 class MegatronTeacherHost:
-    """A frozen model (list of chunks for virtual pipeline) that teachers share.
+    """A frozen model (one chunk: no virtual pipeline) that teachers share.
 
     ``free()`` drops the device storage of every parameter/buffer of the state dict;
     ``write(tensors)`` (re)allocates and copies a teacher's weights in; ``snapshot()`` copies
@@ -97,6 +98,9 @@ class MegatronTeacherHost:
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], *, pg_collection: Any | None = None,
                  micro_batch_size: int = 1) -> None:
         self.chunks = list(model) if isinstance(model, Sequence) else [model]
+        if len(self.chunks) != 1:
+            raise ValueError(f"MegatronTeacherHost takes one model chunk; got {len(self.chunks)} "
+                             "(virtual-pipeline teachers are not supported)")
         for m in self.chunks:
             m.eval()
             for p in m.parameters():
@@ -166,10 +170,7 @@ class MegatronTeacher:
         self._offloaded: dict[str, torch.Tensor] | None = None
 
     def _is_shard_folder(self) -> bool:
-        import glob
-        import os
-
-        return bool(glob.glob(os.path.join(self.checkpoint, "shard_*.pt")))
+        return any(Path(self.checkpoint).glob("shard_*.pt"))
 
     def prefetch(self) -> None:
         if self._staged is None and self._is_shard_folder():
@@ -231,9 +232,8 @@ class MegatronTeacher:
         fb = get_forward_backward_func()
         chunks = self.host.chunks
         kw = {} if self.host.pg_collection is None else {"pg_collection": self.host.pg_collection}
-        res = fb(forward_step_func=step, data_iterator=iter(micro) if len(chunks) == 1 else [iter(micro)] * len(chunks),
-                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro), seq_length=L,
-                 micro_batch_size=mbs, forward_only=True, collect_non_loss_data=True, **kw)
+        res = fb(forward_step_func=step, data_iterator=iter(micro), model=chunks[0], num_microbatches=len(micro),
+                 seq_length=L, micro_batch_size=mbs, forward_only=True, collect_non_loss_data=True, **kw)
         if not res:  # not the last pipeline stage
             return torch.zeros(B, L, dtype=torch.float32, device=ids.device)
         logp = torch.cat([r.float() for r in res])[:B]
@@ -328,7 +328,6 @@ def _route_metrics(out: Any, micro: MOPDMicroBatch, student: torch.Tensor,
         "adv_clip_frac": st["adv_clipped"].to(lp.dtype),
         "teacher_weight": torch.where(mask, micro.targets.weight_sum, torch.zeros_like(lp)).to(lp.dtype),
     }
-    del lp
     R = len(route_names)
     codes = torch.where(mask & (micro.route_ids >= 0), micro.route_ids, torch.full_like(micro.route_ids, R)).reshape(-1)
     counts = torch.zeros(R + 1, dtype=torch.float32, device=codes.device).index_add_(
