@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from harts.forest import Forest
-from harts.gdn_reference import _activate, chunk_gated_delta_rule_reference
+from harts.gdn_reference import chunk_gated_delta_rule_reference
 
 __all__ = ["GdnConfigError", "GdnShapeError", "GdnTreeConfig", "GdnRound", "GdnPlan", "ancestor_table",
            "build_gdn_plan", "tree_causal_conv1d", "tree_gated_delta_rule", "chain_rounds"]
@@ -146,26 +146,67 @@ def ancestor_table(parent: torch.Tensor, width: int) -> torch.Tensor:
     return torch.stack(cols, 1)
 
 
+def _conv_pre(xp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, anc: torch.Tensor,
+              acc: torch.dtype) -> torch.Tensor:
+    """Pre-activation ``b + Σ_j weight[:, W−1−j] ⊙ xp[anc[:, j]]`` in ``acc`` (``xp`` has a zero last row)."""
+    w = weight.shape[1]
+    pre = xp.index_select(0, anc[:, 0]).to(acc) * weight[:, w - 1].to(acc)
+    for j in range(1, w):
+        pre = pre + xp.index_select(0, anc[:, j]).to(acc) * weight[:, w - 1 - j].to(acc)
+    return pre if bias is None else pre + bias.to(acc)
+
+
+class _TreeConv(torch.autograd.Function):
+    """Saves only ``x`` and the ancestor table; backward recomputes the pre-activation and
+    scatter-adds ``dpre ⊙ w_j`` into each tap's ancestor rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, anc, silu):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xp = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T (= index -1) is the zero row
+        a = torch.where(anc >= 0, anc, x.shape[0])
+        pre = _conv_pre(xp, weight, bias, a, acc)
+        ctx.save_for_backward(x, weight, bias, a)
+        ctx.silu = silu
+        return (torch.nn.functional.silu(pre) if silu else pre).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, a = ctx.saved_tensors
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xp = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        dpre = dy.to(acc)
+        if ctx.silu:
+            pre = _conv_pre(xp, weight, bias, a, acc)
+            sg = torch.sigmoid(pre)
+            dpre = dpre * (sg * (1 + pre * (1 - sg)))
+        w = weight.shape[1]
+        dx = torch.zeros(xp.shape, dtype=acc, device=x.device)
+        dw = torch.empty(weight.shape, dtype=acc, device=x.device)
+        for j in range(w):
+            dx.index_add_(0, a[:, j], dpre * weight[:, w - 1 - j].to(acc))
+            dw[:, w - 1 - j] = (dpre * xp.index_select(0, a[:, j]).to(acc)).sum(0)
+        db = dpre.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return dx[:-1].to(x.dtype), dw.to(weight.dtype), db, None, None
+
+
 def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        anc: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     """Depthwise causal conv along trie paths: ``x [T, D]``, ``weight [D, W]``, ``anc [T, W']`` (W' ≥ W).
 
-    ``y_v = act(b + Σ_{j<W} weight[:, W−1−j] ⊙ x_{anc_j(v)})``; rows past a root read zeros. One
-    gather ``[T, W, D]`` and one reduction (in at least fp32, output in ``x.dtype``); its backward
-    is a scatter-add into ``x``.
+    ``y_v = act(b + Σ_{j<W} weight[:, W−1−j] ⊙ x_{anc_j(v)})``; rows past a root read zeros.
+    Parallel over all rows (one gather per tap, accumulated in at least fp32, output in
+    ``x.dtype``); the backward is a scatter-add into ``x`` (``index_add``). Only ``x`` and the
+    ancestor table are saved (the pre-activation is recomputed), like a sequential conv kernel.
     """
     d, w = weight.shape
     if x.dim() != 2 or x.shape[1] != d:
         raise GdnShapeError(f"x must be [T, D={d}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
     if anc.dim() != 2 or anc.shape[0] != x.shape[0] or anc.shape[1] < w:
         raise GdnShapeError(f"ancestor table {tuple(anc.shape)} must be [T={x.shape[0]}, >= W={w}]")
-    acc = torch.promote_types(x.dtype, torch.float32)  # bf16 inputs accumulate in fp32, like FLA's kernel
-    xp = torch.cat([x, x.new_zeros(1, d)])  # row T (= index -1) is the zero row
-    xs = xp[anc[:, :w]]  # [T, W, D]
-    y = (xs.to(acc) * weight.flip(1).T.to(acc)).sum(1)
-    if bias is not None:
-        y = y + bias.to(acc)
-    return _activate(y, activation).to(x.dtype)
+    if activation not in ("silu", "swish", None):
+        raise GdnConfigError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+    return _TreeConv.apply(x, weight, bias, anc[:, :w], activation is not None)
 
 
 # ---------------------------------------------------------------------------------------------
