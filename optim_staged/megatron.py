@@ -207,42 +207,46 @@ def _get_staged_muon(config: StagedOptimizerConfig, model_chunks: list[Any], *, 
     """Megatron's Muon chain (TensorParallelMuon for matrices, Adam for the rest) with each leaf's
     inner optimizer replaced by :class:`StagedMuon` / :class:`StagedAdamW` over the same groups.
 
-    Supported leaves: ``FP32Optimizer`` (fp32 models: master, momentum and moments all staged) and
+    Supported leaves: ``FP32Optimizer`` (fp32 models: master, momentum and moments all staged),
     ``Float16OptimizerWithFloat16Params`` (bf16: Megatron keeps its fp32 main params on the device,
-    only momentum/moments are staged). The layer-wise distributed optimizer is refused.
+    only momentum/moments are staged), and the raw leaves of ``LayerWiseDistributedOptimizer``
+    (each DP rank steps whole matrices it owns; Megatron all-gathers them afterwards).
     """
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     mcfg = megatron_config or megatron_muon_config(config, model_chunks)
-    if getattr(mcfg, "use_layer_wise_distributed_optimizer", False):
-        raise UnsupportedMegatronConfigError(
-            "OptimizerConfig.use_layer_wise_distributed_optimizer=True is not supported by staged Muon yet; "
-            "use use_distributed_optimizer=False (each DP rank steps every matrix)")
     if mcfg.fp16:
         raise UnsupportedMegatronConfigError("OptimizerConfig.fp16=True is not supported by staged optimizers")
     opt = get_megatron_optimizer(mcfg, model_chunks, config_overrides=config_overrides,
                                  use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection)
     if config.residency == "gpu":
         return opt
+
+    def staged_twin(inner: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if isinstance(inner, TensorParallelMuon):
+            twin = StagedMuon.from_tensor_parallel_muon(inner, slots=config.slots)
+        elif isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
+            g0 = inner.param_groups[0]
+            twin = StagedAdamW([dict(g) for g in inner.param_groups], lr=g0["lr"], betas=g0["betas"],
+                               eps=g0["eps"], weight_decay=g0["weight_decay"], slots=config.slots,
+                               impl=config.adamw.impl)
+        else:
+            raise UnsupportedMegatronConfigError(
+                f"Muon chain leaf optimizer {type(inner).__name__} cannot be staged "
+                "(expected TensorParallelMuon or AdamW)")
+        twin.initialize_state()
+        return twin
+
     leaves = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
-    for leaf in leaves:
-        inner = getattr(leaf, "optimizer", None)
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, DistributedOptimizer):
             raise UnsupportedMegatronConfigError(
                 "OptimizerConfig.use_distributed_optimizer=True with Muon: scalar Adam leaves under a "
                 "DistributedOptimizer are not staged by the Muon path; set it to False")
-        if isinstance(inner, TensorParallelMuon):
-            leaf.optimizer = StagedMuon.from_tensor_parallel_muon(inner, slots=config.slots)
-        elif isinstance(inner, torch.optim.AdamW | torch.optim.Adam):
-            g0 = inner.param_groups[0]
-            leaf.optimizer = StagedAdamW([dict(g) for g in inner.param_groups], lr=g0["lr"], betas=g0["betas"],
-                                         eps=g0["eps"], weight_decay=g0["weight_decay"], slots=config.slots,
-                                         impl=config.adamw.impl)
-        elif inner is not None:
-            raise UnsupportedMegatronConfigError(
-                f"Muon chain leaf optimizer {type(inner).__name__} cannot be staged (expected TensorParallelMuon or AdamW)")
-        if inner is not None:
-            leaf.optimizer.initialize_state()
+        if isinstance(leaf, torch.optim.Optimizer):  # layer-wise DistOpt, fp32: raw inner optimizers
+            leaves[i] = staged_twin(leaf)
+        elif getattr(leaf, "optimizer", None) is not None:  # FP32Optimizer / Float16Optimizer wrappers
+            leaf.optimizer = staged_twin(leaf.optimizer)
             leaf.init_state_fn = _init_state_fn  # checkpoint templates: state exists, keep it
     return opt
 
