@@ -7,7 +7,8 @@ Cases (forward + backward unless noted):
 * ``topk/<kind>``: chunked :func:`mopd.topk_divergence` (bucket tail) vs plain autograd.
 * ``pg/K=<k>``: routed target aggregation (:class:`mopd.TargetAccumulator`, each sample scored by
   one of K teachers) + :func:`mopd.mopd_pg_loss`, vs a dense baseline holding ``[K, B, L]``
-  teacher log-probs (``TokenTargets.from_teachers``); the accumulator's cost should stay flat in K.
+  teacher log-probs (``TokenTargets.from_teachers``). Routed work is proportional to the routed
+  tokens (here B·L in total) plus a fixed per-teacher overhead; the dense baseline's is K·B·L.
 
 Run: ``python bench/mopd.py`` (H200: ~1 min) or ``python bench/mopd.py --quick`` (CPU smoke).
 Writes ``mopd.json`` and ``mopd.png`` into ``$OUT`` (or ``outputs/bench``); prints a table last.
