@@ -159,7 +159,9 @@ def test_layer_tree_within_sequence_noise_bf16(cpu_megatron, kind):
         noise = max(_rms_ratio(ref, flat(rerun)[i]), _rms_ratio(ref, flat(thd)[i]))
         err = _rms_ratio(ref, flat(res[True])[i])
         err_un = _rms_ratio(ref, flat(res[False])[i])
-        tol = max(2 * noise, 2.0 ** -9)  # floor: half a bf16 ulp (relative RMS)
+        # floor: one bf16 ulp (relative RMS); the tree conv sums its taps in another order than
+        # FLA's causal_conv1d, which THD and rerun noise (same conv kernel) do not measure
+        tol = max(2 * noise, 2.0 ** -8)
         print(f"{kind} {label}: noise {noise:.2e} aligned {err:.2e} unaligned {err_un:.2e} tol {tol:.2e}")
         assert err <= tol, f"{label}: tree (aligned) rms {err:.3e} > tol {tol:.3e} (noise {noise:.3e})"
 
@@ -173,4 +175,4 @@ def test_hybrid_model_tree_vs_sequence_fp32(cpu_megatron):
     seqs = [s for c in GDN_CASES for s in c.values[0]]
     with _needs_tilelang():
         hybrid_exactness(seqs, pattern="GAG", dtype=torch.float32, device="cuda", attn_backend="flex",
-                         gdn=GdnTreeConfig(chunk_size=16), tol=2e-2)
+                         gdn=GdnTreeConfig(chunk_size=64), tol=2e-2)  # Megatron runs FLA with C = 64
