@@ -114,8 +114,11 @@ class StudentReader:
 
 def run_producer(connect_info: dict, *, store_spec: dict, teacher: TeacherFeatureFn, dataset: Sequence[torch.Tensor],
                  key: CompatKey, batch_size: int = 4, poll_s: float = 0.05, plan_timeout: float = 120.0,
-                 deadline_s: float = 600.0) -> dict:
-    """Produce the whole stream: admit → teacher forward (one batch per node and round) → put → publish.
+                 deadline_s: float = 600.0, nodes: list[str] | None = None) -> dict:
+    """Produce the stream: admit → teacher forward (one batch per node and round) → put → publish.
+
+    ``nodes``: the nodes this producer serves (default all); run one producer per node for
+    node-local features, each with its teacher and its node's store.
 
     Returns ``{"forward_samples", "forward_batches", "skipped", "put_bytes"}``. Raises
     ``TimeoutError`` if the stream is not finished after ``deadline_s``.
@@ -124,23 +127,27 @@ def run_producer(connect_info: dict, *, store_spec: dict, teacher: TeacherFeatur
     store = open_store(store_spec)
     try:
         plan = client.call("plan", timeout=plan_timeout)
-        nodes, sizes = plan["nodes"], plan["sizes"]
-        pos = dict(plan["start"])
-        end = {n: plan["num_epochs"] * sizes[n] for n in nodes}
+        all_nodes, sizes = plan["nodes"], plan["sizes"]
+        unknown = set(nodes or []) - set(all_nodes)
+        if unknown:
+            raise SharedTeacherError(f"run_producer: nodes {sorted(unknown)} are not in the source ({all_nodes})")
+        mine = list(nodes or all_nodes)
+        pos = {n: plan["start"][n] for n in mine}
+        end = {n: plan["num_epochs"] * sizes[n] for n in mine}
         orders: dict[int, list[int]] = {}
         stats = {"forward_samples": 0, "forward_batches": 0, "skipped": 0, "put_bytes": 0}
         limit = time.monotonic() + deadline_s
 
         def index_of(n: str, s: int) -> int:
-            epoch, p = node_position(s, nodes.index(n), len(nodes), sizes[n])
+            epoch, p = node_position(s, all_nodes.index(n), len(all_nodes), sizes[n])
             if epoch not in orders:
                 orders[epoch] = epoch_order(len(dataset), seed=key.seed, epoch=epoch, order=key.epoch_order)
             return orders[epoch][p]
 
-        while any(pos[n] < end[n] for n in nodes):
+        while any(pos[n] < end[n] for n in mine):
             if time.monotonic() > limit:
                 raise TimeoutError(f"run_producer: stream not finished after {deadline_s}s; positions {pos} of {end}")
-            for n in nodes:
+            for n in mine:
                 if pos[n] >= end[n]:
                     continue
                 nxt = range(pos[n], min(pos[n] + batch_size, end[n]))
@@ -162,7 +169,7 @@ def run_producer(connect_info: dict, *, store_spec: dict, teacher: TeacherFeatur
                 stats["forward_batches"] += 1
                 refs = []
                 for d, f, seq in zip(todo, feats, seqs):
-                    p = node_position(d["s"], nodes.index(n), len(nodes), sizes[n])[1]
+                    p = node_position(d["s"], all_nodes.index(n), len(all_nodes), sizes[n])[1]
                     ref = store.put(f, sample_id=d["sample_id"], generation=d["generation"], node=n,
                                     num_tokens=len(seq), schema_key=plan["schema_key"], epoch=d["epoch"], position=p)
                     stats["put_bytes"] += ref.nbytes

@@ -4,7 +4,7 @@ Only metadata crosses it (dicts of ints/strings). The server exposes a fixed set
 :class:`~shared_teacher.source.SharedTeacherSource` methods; each connection gets a thread, so a
 blocking call (``next_window``) of one reader never delays another. Errors come back as the
 same typed exception. Every client call has a timeout: a dead server fails the call, never hangs it.
-For several hosts the same protocol runs over TCP (``family="AF_INET"``); see docs.
+Pass ``address=(host, port)`` to serve over TCP for readers on other hosts.
 """
 
 from __future__ import annotations
@@ -26,17 +26,24 @@ _ERRORS.update(TimeoutError=TimeoutError, ValueError=ValueError, KeyError=KeyErr
 
 
 class SourceServer:
-    """Serve ``source`` on a Unix socket; :attr:`connect_info` is what clients need (picklable)."""
+    """Serve ``source``; :attr:`connect_info` is what clients need (picklable).
 
-    def __init__(self, source, *, address: str | None = None, authkey: bytes | None = None) -> None:
+    ``address``: a Unix socket path (default: a fresh temp path), or ``(host, port)`` for TCP so
+    readers on other hosts can connect (port 0 picks a free one). The authkey (random by
+    default) authenticates every connection with HMAC; it does not encrypt.
+    """
+
+    def __init__(self, source, *, address: str | tuple[str, int] | None = None, authkey: bytes | None = None) -> None:
         self.source = source
         self._dir = None
         if address is None:
             self._dir = tempfile.mkdtemp(prefix="stsrc-")
             address = os.path.join(self._dir, "sock")
-        self.address = address
+        self.family = "AF_INET" if isinstance(address, tuple) else "AF_UNIX"
         self.authkey = authkey or os.urandom(16)
-        self._listener = Listener(address, family="AF_UNIX", authkey=self.authkey)
+        # a deep backlog: with the default of 1, concurrent TCP connects get SYN-dropped and back off for seconds
+        self._listener = Listener(address, family=self.family, authkey=self.authkey, backlog=128)
+        self.address = self._listener.address
         self._conns: list[Connection] = []
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="shared-teacher-rpc", daemon=True)
@@ -44,7 +51,7 @@ class SourceServer:
 
     @property
     def connect_info(self) -> dict:
-        return {"address": self.address, "authkey": self.authkey.hex()}
+        return {"address": self.address, "family": self.family, "authkey": self.authkey.hex()}
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -64,7 +71,7 @@ class SourceServer:
         while True:
             try:
                 method, kwargs = conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError):  # TypeError: closed under us by close()
                 return
             try:
                 if method not in METHODS:
@@ -81,15 +88,16 @@ class SourceServer:
     def close(self) -> None:
         self._closed = True
         try:
-            with socket.socket(socket.AF_UNIX) as s:  # unblock accept()
-                s.connect(self.address)
+            with socket.socket(socket.AF_INET if self.family == "AF_INET" else socket.AF_UNIX) as s:
+                s.settimeout(1.0)
+                s.connect(self.address)  # unblock accept()
         except OSError:
             pass
         self._listener.close()
         for c in self._conns:
             c.close()
         self._thread.join(timeout=2)
-        if self._dir:
+        if self._dir and self.family == "AF_UNIX":
             try:
                 os.unlink(self.address)
                 os.rmdir(self._dir)
@@ -101,7 +109,9 @@ class SourceClient:
     """One connection to a :class:`SourceServer`; ``call(method, **kwargs)`` with a hard timeout."""
 
     def __init__(self, connect_info: dict, *, rpc_timeout: float = 120.0) -> None:
-        self._conn = Client(connect_info["address"], family="AF_UNIX", authkey=bytes.fromhex(connect_info["authkey"]))
+        family = connect_info.get("family", "AF_UNIX")
+        address = tuple(connect_info["address"]) if family == "AF_INET" else connect_info["address"]
+        self._conn = Client(address, family=family, authkey=bytes.fromhex(connect_info["authkey"]))
         self._lock = threading.Lock()
         self.rpc_timeout = rpc_timeout
 
