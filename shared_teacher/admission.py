@@ -13,15 +13,17 @@ token-quantum) is in flight, so byte pressure never pauses below one quantum.
 ``T_cn = ranks_cn × pack_budget × accumulation`` tokens (a next-fit window is decidable once that
 many tokens are ready), i.e. at most ``ceil(T_cn / min_seq_len)`` samples.
 
-**Preflight (unpacked, exact on one node).** Windows of epoch ``e`` start at
-``e·D_n + k·Q_cn`` for ``k < K_c = min_n floor(D_n / Q_cn)``; after ``K_c`` windows the student
-drops the rest of its epoch. Stalls are exactly: ``H < max_c Q_cn``, or a reachable remainder
-above the low watermark. The slowest student can sit on any window start ``F`` of any student;
-admission then pauses at ``P = F + H``; every student drains to its last window start ``f_c(P) ≤ P``
-(or past its epoch end) and ``max(0, P − min_c f_c(P))`` samples stay in flight. Preflight requires
-``L ≥ R = max_F (F + H − min_c f_c(F + H))`` (``R ≤ max_c Q_cn − 1``, so ``L ≥ Q − 1`` always
-suffices). :func:`shared_teacher.reference.simulate_node` explores every interleaving of the same
-rules; the property test checks that preflight rejects exactly the configs it finds a stall in.
+**Preflight (unpacked).** Windows of epoch ``e`` start at ``e·D_n + k·Q_cn`` for
+``k < K_c = min_n floor(D_n / Q_cn)``; after ``K_c`` windows the student drops the rest of its
+epoch. A stall needs ``H < max_c Q_cn`` or a remainder above the low watermark: if the slowest
+student sits on a window start ``F``, admission pauses at ``P = F + H``, every student drains to
+its last window start ``f_c(P) ≤ P`` (or past its epoch end) and ``max(0, P − min_c f_c(P))``
+samples stay in flight. Preflight requires ``L ≥ R = max_F (F + H − min_c f_c(F + H))`` over the
+window starts ``F`` of every student (``R ≤ max_c Q_cn − 1``, so ``L ≥ Q − 1`` always suffices).
+:func:`shared_teacher.reference.simulate_node` explores every interleaving of the same rules; the
+property tests check that with one window size per node preflight refuses exactly the configs the
+simulator stalls on, and that with mixed sizes it is sound (it may refuse a config whose worst
+``F`` is unreachable).
 
 **Preflight (packed and mixed, sufficient).** With ``s = min_seq_len``, ``m = max_seq_len``:
 ``H_s ≥ ceil(T/s)``, ``L_s ≥ floor((T−1)/s)``; token gauge on: ``H_t ≥ T``, ``L_t ≥ T − 1`` (packed),
