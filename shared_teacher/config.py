@@ -45,7 +45,7 @@ class CompatKey:
     """Hash of the teacher weights (see :func:`shared_teacher.features.fingerprint_state_dict`)."""
     tokenizer: str
     """Tokenizer and chat-template identity (name + revision or hash)."""
-    signals: list[str] = field(default_factory=lambda: ["logprobs", "topk"])
+    signals: list[str] = field(default_factory=lambda: ["logprobs"])
     """Captured signals, a subset of ``logprobs``, ``topk``, ``hidden``."""
     top_k: int = 0
     """Number of top log-probs per position (0 when ``topk`` is not captured)."""

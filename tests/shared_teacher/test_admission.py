@@ -168,3 +168,9 @@ def test_configs_are_hydra_structured_configs():
     assert node.high_samples == 8
     spec = OmegaConf.to_object(OmegaConf.structured(StudentSpec(name="a", ranks_per_node={"n0": 2})))
     assert isinstance(spec, StudentSpec) and spec.quantum("n0") == 2
+    cfg = OmegaConf.structured(_cfg(high=8, low=8, students=[StudentSpec(name="a", ranks_per_node={"n0": 2})]))
+    cfg.nodes.n0.low_samples = 7  # override like a Hydra command line would
+    back = OmegaConf.to_object(cfg)
+    assert isinstance(back, SourceConfig) and back.nodes["n0"].low_samples == 7
+    assert isinstance(back.key, CompatKey) and isinstance(back.students[0], StudentSpec)
+    preflight(back)
