@@ -112,6 +112,16 @@ def dp2_body(rank: int, world_size: int, ckpt_dir: str):
     result["cont_norms"] = [_train_step(staged_model, staged, step, [rank]) for step in range(SAVE_AT, STEPS)]
     result["final_params"] = _params(staged_model)
     result["final_states"] = _leaf_states(staged)
+    # reload_model_params(): masters are re-read from the (bf16) model params, never stale.
+    leaf = staged_leaves(staged)[0]
+    for p in leaf.model_param_group_index_map:
+        with torch.no_grad():
+            p.mul_(0.5)
+    staged.reload_model_params()
+    for p in leaf.model_param_group_index_map:
+        master = leaf._get_main_param_and_optimizer_states(p)["param"]
+        r = leaf._get_model_param_range_map(p)["param"]
+        assert torch.equal(master.cpu(), p.detach().view(-1)[r.start:r.end].float().cpu())
     return result
 
 
