@@ -13,6 +13,7 @@ from optim_staged.config import (
     StagedOptimizerConfig,
     UnsupportedMegatronConfigError,
 )
+from optim_staged.muon import StagedMuon
 from optim_staged.reference import identity_orthogonalize, reference_adamw_step, reference_muon_step
 from optim_staged.update import adamw_update_, muon_update_
 
@@ -25,6 +26,7 @@ __all__ = [
     "SlotTooSmallError",
     "StagedAdamW",
     "StagedConfigError",
+    "StagedMuon",
     "StagedOptimizerConfig",
     "UnsupportedMegatronConfigError",
     "adamw_update_",

@@ -196,7 +196,6 @@ class SlotRing:
             self.compute_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
         self._prefetched: dict[int, int] = {}  # slot index -> slab start of the prefetched unit
-        self._last_d2h = None
 
     # ----------------------------------------------------------------- memory
     @property
