@@ -118,6 +118,8 @@ class GdnPlan:
     replay_tokens: int
     """Rows recomputed for chunk alignment (summed over rounds)."""
     num_pieces: int
+    identity: bool = False
+    """One round whose packed rows are ``0..T-1`` in order (no gather or permutation needed)."""
 
     @property
     def num_rounds(self) -> int:
@@ -132,7 +134,7 @@ class GdnPlan:
                        for r in self.rounds)
         return GdnPlan(num_nodes=self.num_nodes, chunk_size=self.chunk_size, align=self.align, anc=mv(self.anc),
                        rounds=rounds, inverse=mv(self.inverse), replay_tokens=self.replay_tokens,
-                       num_pieces=self.num_pieces)
+                       num_pieces=self.num_pieces, identity=self.identity)
 
 
 def ancestor_table(parent: torch.Tensor, width: int) -> torch.Tensor:
@@ -301,7 +303,8 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
     inverse[order] = np.arange(t)
     plan = GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align,
                    anc=ancestor_table(forest.parent.cpu(), conv_width), rounds=tuple(rounds),
-                   inverse=torch.as_tensor(inverse), replay_tokens=int(nrep.sum()), num_pieces=int(n_p))
+                   inverse=torch.as_tensor(inverse), replay_tokens=int(nrep.sum()), num_pieces=int(n_p),
+                   identity=len(rounds) == 1 and bool(np.array_equal(order, np.arange(t))) and not nrep.any())
     return plan.to(forest.parent.device)
 
 
@@ -394,6 +397,9 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         h0 = q.new_zeros(n_pieces, hv, kd, vd, dtype=state_dtype)
         for sr, si, di in rd.init_sources:
             h0 = h0.index_copy(0, di, states[sr].index_select(0, si))
+        if plan.identity:  # one round over all rows in order, nothing replayed (e.g. a chain forest)
+            return _run_round(q, k, v, g, beta, cu=rd.cu_seqlens, h0=h0, scale=scale, chunk_size=plan.chunk_size,
+                              backend=backend)[0]
         gather = [x.index_select(0, rd.rows) for x in (q, k, v, g, beta)]
         o, ht = _run_round(*gather, cu=rd.cu_seqlens, h0=h0, scale=scale, chunk_size=plan.chunk_size,
                            backend=backend)

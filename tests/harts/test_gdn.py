@@ -162,6 +162,22 @@ def test_tree_rule_matches_per_sequence_fp64(seqs, align):
         assert_close(name, ref.grad, out.grad, atol=1e-11, rtol=1e-11)
 
 
+def test_chain_forest_runs_one_ungathered_round():
+    """THD packing (a chain forest) takes the identity fast path and equals per-sequence recurrence."""
+    from harts.forest import build_chain_forest
+
+    seqs = GDN_CASES[0].values[0] + GDN_CASES[3].values[0]
+    f = build_chain_forest(seqs)
+    plan = build_gdn_plan(f, chunk_size=C)
+    assert plan.identity
+    x = _inputs(f.num_nodes, seed=9)
+    o = tree_gated_delta_rule(*x, plan=plan, state_dtype=torch.float64)
+    for i in range(f.num_seqs):
+        idx = f.index[f.seq_offsets[i]:f.seq_offsets[i + 1]]
+        o_r, _ = recurrent_gated_delta_rule_reference(*(t[idx][None] for t in x))
+        assert_close(f"chain seq {i}", o_r[0], o[idx], atol=1e-12, rtol=1e-12)
+
+
 def test_alignment_reproduces_sequence_chunks_bitwise():
     """fp32, torch backend: with alignment every chunk the tree computes is a chunk of
     per-sequence chunked execution with the same start state, so outputs are bitwise equal."""
@@ -206,6 +222,12 @@ def test_plan_shapes_replay_and_rounds():
     assert build_gdn_plan(f, chunk_size=C, align=False).num_rounds == 4
     assert chain_rounds(f) == 2
     assert torch.equal(ancestor_table(f.parent, 3)[:3], torch.tensor([[0, -1, -1], [1, 0, -1], [2, 1, 0]]))
+    assert not build_gdn_plan(f, chunk_size=C).identity
+    # THD packing as a forest: one round, rows in order, no gather
+    from harts.forest import build_chain_forest
+
+    p = build_gdn_plan(build_chain_forest(cat), chunk_size=C)
+    assert p.identity and p.num_rounds == 1 and p.rounds[0].cu_seqlens.tolist() == [0, 11, 32, 63, 103]
 
 
 def test_bad_input_raises_typed_errors():
@@ -244,7 +266,7 @@ GDN_DIMS = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_he
                 linear_num_value_heads=4)
 
 
-def build_hybrid(pattern, *, dtype, recompute=False, tp=1, vocab=VOCAB, device="cpu"):
+def build_hybrid(pattern, *, dtype, recompute=False, tp=1, vocab=VOCAB, device="cpu", sp=False):
     """Tiny hybrid GPT (GatedDeltaNet + attention layers, local modules) with tree execution enabled."""
     from megatron.core.models.gpt import GPTModel
 
@@ -253,7 +275,7 @@ def build_hybrid(pattern, *, dtype, recompute=False, tp=1, vocab=VOCAB, device="
     from mcore_distill.testing import TinyGPTConfig, transformer_config
 
     cfg = TinyGPTConfig(vocab_size=vocab, params_dtype=dtype, num_layers=len(pattern), recompute=recompute,
-                        tensor_model_parallel_size=tp, extra=dict(GDN_DIMS))
+                        tensor_model_parallel_size=tp, sequence_parallel=sp, extra=dict(GDN_DIMS))
     model = GPTModel(config=transformer_config(cfg), transformer_layer_spec=hybrid_block_spec(pattern),
                      vocab_size=vocab, max_sequence_length=128, position_embedding_type="rope")
     model = model.to(device=device, dtype=dtype)
@@ -262,7 +284,7 @@ def build_hybrid(pattern, *, dtype, recompute=False, tp=1, vocab=VOCAB, device="
 
 
 def hybrid_exactness(seqs, *, pattern="GAG", dtype=torch.float64, recompute=False, gdn=None, tol=1e-10,
-                     device="cpu", attn_backend="dense"):
+                     device="cpu", attn_backend="dense", sp=False):
     """Tree vs per-sequence on the hybrid model: log-probs, entropies, a PPO-style loss and every
     parameter gradient. Returns the number of gradients compared (shared with the TP=2 body)."""
     import torch.distributed as dist
@@ -274,7 +296,8 @@ def hybrid_exactness(seqs, *, pattern="GAG", dtype=torch.float64, recompute=Fals
 
     tp = dist.get_world_size()
     seed_all(1234)
-    model = build_hybrid(pattern, dtype=dtype, recompute=recompute, tp=tp, vocab=VOCAB + VOCAB % tp, device=device)
+    model = build_hybrid(pattern, dtype=dtype, recompute=recompute, tp=tp, vocab=VOCAB + VOCAB % tp, device=device,
+                         sp=sp)
     gdn = gdn or GdnTreeConfig(chunk_size=C, state_dtype="float64" if dtype == torch.float64 else "float32")
     forest = build_forest(seqs, vocab_size=VOCAB, device=device).padded(tp)
     n = len(seqs)
@@ -373,7 +396,8 @@ def _tp2_body(rank, world):
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
 def test_hybrid_model_tp2_gloo():
-    """TP=2 (column-parallel in_proj: GDN heads split over ranks; row-parallel out_proj), recompute."""
+    """TP=2 (column-parallel in_proj: GDN heads split over ranks; row-parallel out_proj), full recompute.
+    Sequence parallelism is not testable here: Megatron's torch norms (local spec) refuse it."""
     from mcore_distill.testing import run_ranks
 
     res = run_ranks(_tp2_body, 2, timeout=170)
