@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import sys
 import traceback
@@ -101,6 +102,7 @@ def adamw_rows(n: int, duplex: float | None, iters: int) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - one provider failing must not hide the others
             rows.append({"case": case, "provider": provider, "error": f"{type(e).__name__}: {e}"[:300]})
             traceback.print_exc()
+        gc.collect()  # free (and unregister) host slabs before the next provider allocates its own
         if CUDA:
             torch.cuda.empty_cache()
 
@@ -159,6 +161,7 @@ def muon_rows(shape: tuple[int, int], count: int, iters: int) -> list[dict]:
         rows.append({"case": case, "provider": "staged_muon", "ms": _timer(opt.step, iters), "params": numel * count,
                      "slot_bytes": opt.gpu_state_bytes, "pinned_host_bytes": opt.residency["host_bytes"]})
         del ps, opt
+        gc.collect()
     except Exception as e:  # noqa: BLE001
         rows.append({"case": case, "provider": "error", "error": f"{type(e).__name__}: {e}"[:300]})
         traceback.print_exc()
@@ -235,6 +238,7 @@ def megatron_rows(quick: bool, snapshot: bool = False) -> list[dict]:
                      "opt_step_ms": t_opt, "peak_hbm_GiB": torch.cuda.max_memory_allocated() / 2**30,
                      "params": nparams})
         del model, opt
+        gc.collect()
     rows[1]["ratio"] = rows[1]["ms"] / rows[0]["ms"]
     rows[0]["ratio"] = 1.0
     return rows
