@@ -230,6 +230,15 @@ def test_plan_shapes_replay_and_rounds():
     assert p.identity and p.num_rounds == 1 and p.rounds[0].cu_seqlens.tolist() == [0, 11, 32, 63, 103]
 
 
+def test_config_is_a_hydra_structured_config():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(GdnTreeConfig), {"chunk_size": 32, "align": False})
+    assert OmegaConf.to_object(cfg) == GdnTreeConfig(chunk_size=32, align=False)
+    with pytest.raises(GdnConfigError, match="GdnTreeConfig.chunk_size must be one of .* got 48"):
+        OmegaConf.to_object(OmegaConf.merge(cfg, {"chunk_size": 48}))
+
+
 def test_bad_input_raises_typed_errors():
     with pytest.raises(GdnConfigError, match="chunk_size must be one of .* got 48"):
         GdnTreeConfig(chunk_size=48)
@@ -284,9 +293,10 @@ def build_hybrid(pattern, *, dtype, recompute=False, tp=1, vocab=VOCAB, device="
 
 
 def hybrid_exactness(seqs, *, pattern="GAG", dtype=torch.float64, recompute=False, gdn=None, tol=1e-10,
-                     device="cpu", attn_backend="dense", sp=False):
+                     device="cpu", attn_backend="dense", sp=False, forest=None):
     """Tree vs per-sequence on the hybrid model: log-probs, entropies, a PPO-style loss and every
-    parameter gradient. Returns the number of gradients compared (shared with the TP=2 body)."""
+    parameter gradient. ``forest`` (sequence k = ``seqs[k]``) defaults to ``build_forest(seqs)``.
+    Returns the number of gradients compared (shared with the TP=2 body)."""
     import torch.distributed as dist
 
     from harts.gdn_megatron import make_gdn_tree_params
@@ -299,7 +309,7 @@ def hybrid_exactness(seqs, *, pattern="GAG", dtype=torch.float64, recompute=Fals
     model = build_hybrid(pattern, dtype=dtype, recompute=recompute, tp=tp, vocab=VOCAB + VOCAB % tp, device=device,
                          sp=sp)
     gdn = gdn or GdnTreeConfig(chunk_size=C, state_dtype="float64" if dtype == torch.float64 else "float32")
-    forest = build_forest(seqs, vocab_size=VOCAB, device=device).padded(tp)
+    forest = forest if forest is not None else build_forest(seqs, vocab_size=VOCAB, device=device).padded(tp)
     n = len(seqs)
     g = torch.Generator().manual_seed(7)
     adv = torch.randn(n, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -353,6 +363,20 @@ def test_hybrid_model_unaligned_with_recompute_fp64(cpu_megatron):
     seqs = GDN_CASES[0].values[0] + GDN_CASES[2].values[0]
     hybrid_exactness(seqs, pattern="GGA", recompute=True, gdn=GdnTreeConfig(chunk_size=C, align=False,
                                                                              state_dtype="float64"), tol=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_model_over_planner_microbatches(cpu_megatron):
+    """Planner microbatches (tree and THD-fallback, alignment padding) through the hybrid model."""
+    from harts.config import PlannerConfig
+    from harts.planner import plan_step
+
+    seqs = GDN_CASES[0].values[0] + [_seq(5, 30), _seq(25, 27)] + GDN_CASES[1].values[0]
+    plan = plan_step(seqs, PlannerConfig(token_cap=64, align=16, fallback_compression=1.15))
+    mbs = plan.microbatches
+    assert {mb.mode for mb in mbs} == {"tree", "thd"}
+    for mb in mbs:
+        hybrid_exactness([seqs[i] for i in mb.seq_ids], pattern="GA", forest=mb.build(seqs), tol=1e-9)
 
 
 def test_spec_swap_and_errors(cpu_megatron):
