@@ -152,6 +152,8 @@ def test_three_students_share_one_teacher_stream(tmp_path):
                 assert tokens < spec.quantum("n0") + spec.quantum("n1"), (name, sorted(dropped), tokens)
             else:  # 12 samples per node, windows of 2 per node: nothing dropped
                 assert not dropped, f"{name}: never saw {sorted(dropped)}"
+            # its own LR schedule: warm-up to its own peak LR by the third step
+            assert max(r["lr"] for r in ranks[0]) == pytest.approx(plans[name]["lr"], rel=1e-12), name
             # node affinity: rank 0 reads only node n0, rank 1 only node n1
             assert all(row["nodes"] in (["n0"], []) for row in ranks[0]), name
             assert all(row["nodes"] in (["n1"], []) for row in ranks[1]), name
@@ -231,8 +233,11 @@ def test_sigkill_one_student_then_resume_from_different_checkpoints(tmp_path):
     finally:
         _shutdown(src, server, store, procs)
     for name, k, first in (("fast", 7, fast1), ("slow", 2, slow1)):
-        lineage = [r for r in first if r["step"] <= k] + _steps(out2, name)
+        second = _steps(out2, name)
+        lineage = [r for r in first if r["step"] <= k] + second
         assert [r["step"] for r in lineage] == list(range(1, len(lineage) + 1)), name
+        # the LR schedule resumed with the checkpoint: step k+1 runs at the same LR in both phases
+        assert second[0]["lr"] == pytest.approx(first[k]["lr"], rel=1e-12) and first[k]["lr"] > 0, name
         q = 2 if name == "fast" else 3
         for epoch in (0, 1):
             ids = [i for r in lineage if r["epoch"] == epoch for mb in r["ids"] for i in mb]

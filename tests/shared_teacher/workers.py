@@ -83,6 +83,7 @@ def student_main(rank: int, world: int, port: int, connect: dict, store_spec: di
             finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt
         from shared_teacher import CompatKey, StudentReader, train_window
@@ -92,25 +93,33 @@ def student_main(rank: int, world: int, port: int, connect: dict, store_spec: di
         model.config.finalize_model_grads_func = finalize_model_grads
         model = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, bf16=False, fp16=False), [model])
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=2,
+                                        lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=20, wd_incr_style="constant")
         cursor = None
-        if resume:
+        if resume:  # the student's own state: weights, optimizer, LR schedule, RNG, data cursor
             ck = torch.load(resume, weights_only=False)
             model.module.load_state_dict(ck["model"])
             opt.load_state_dict(ck["optimizer"])
+            sched.load_state_dict(ck["scheduler"])
+            torch.set_rng_state(ck["rng"])
             cursor = ck["cursor"]
         reader = StudentReader(connect, student=name, rank=rank, key=CompatKey(**key_dict), store_spec=store_spec,
                                resume=cursor, heartbeat_s=0.2, timeout=300)
         for window in reader:
             ids = [[r.sample_id for r in mb] for mb in window.micro_batches]
             nodes = sorted({r.node for mb in window.micro_batches for r in mb})
+            step_lr = opt.param_groups[0]["lr"]
             loss = train_window(reader, window, model, opt, packed=packed)
+            sched.step(increment=1)
             cur = reader.ack_step(window)
             log.write(json.dumps({"step": cur.step, "epoch": window.epoch, "ids": ids, "nodes": nodes,
-                                  "loss": loss}) + "\n")
+                                  "loss": loss, "lr": step_lr}) + "\n")
             log.flush()
             if rank == 0:
                 _save_ckpt(os.path.join(out_dir, f"{name}.step{cur.step}.pt"),
-                           {"model": model.module.state_dict(), "optimizer": opt.state_dict(), "cursor": cur.to_dict()})
+                           {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                            "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "cursor": cur.to_dict()})
             if step_limit and cur.step >= step_limit:
                 reader.leave(f"step limit {step_limit}")
                 break
