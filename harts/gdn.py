@@ -94,6 +94,8 @@ class GdnRound:
     """[n] compact row gathered into each packed position."""
     cu_seqlens: torch.Tensor
     """[N+1] piece boundaries in the packed rows."""
+    cu_seqlens_cpu: torch.Tensor
+    """The same on the host (FLA then needs no device-to-host sync per call)."""
     keep: torch.Tensor
     """[n_keep] packed positions whose outputs are kept (not replayed)."""
     init_sources: tuple
@@ -129,7 +131,8 @@ class GdnPlan:
         def mv(x):
             return x.to(device) if isinstance(x, torch.Tensor) else x
 
-        rounds = tuple(GdnRound(rows=mv(r.rows), cu_seqlens=mv(r.cu_seqlens), keep=mv(r.keep),
+        rounds = tuple(GdnRound(rows=mv(r.rows), cu_seqlens=mv(r.cu_seqlens), cu_seqlens_cpu=r.cu_seqlens_cpu,
+                                keep=mv(r.keep),
                                 init_sources=tuple((a, mv(b), mv(c)) for a, b, c in r.init_sources))
                        for r in self.rounds)
         return GdnPlan(num_nodes=self.num_nodes, chunk_size=self.chunk_size, align=self.align, anc=mv(self.anc),
@@ -296,7 +299,8 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
             dst = np.flatnonzero(has & (rnd[np.where(has, src[ids], 0)] == sr))
             srcs.append((int(sr), torch.as_tensor(pos_in_round[src[ids[dst]]]), torch.as_tensor(dst)))
         rounds.append(GdnRound(rows=torch.as_tensor(np.concatenate([rows_of[i] for i in ids])),
-                               cu_seqlens=torch.as_tensor(cu), keep=torch.as_tensor(keep),
+                               cu_seqlens=torch.as_tensor(cu), cu_seqlens_cpu=torch.as_tensor(cu),
+                               keep=torch.as_tensor(keep),
                                init_sources=tuple(srcs)))
     order = np.concatenate(kept_rows) if kept_rows else np.zeros(0, dtype=np.int64)
     inverse = np.empty(t, dtype=np.int64)
@@ -338,18 +342,18 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, h0: torch.Tensor, scale: float, chunk_size: int,
-               backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, cu_cpu: torch.Tensor, h0: torch.Tensor, scale: float,
+               chunk_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """One varlen call: packed ``[n, ...]`` inputs, ``h0 [N, HV, K, V]`` → ``o [n, HV, V]``, ``ht [N, ...]``."""
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         o, ht = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
                                        initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                       chunk_size=chunk_size)
+                                       cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size)
         return o[0], ht
     outs, finals = [], []
-    bounds = cu.tolist()
+    bounds = cu_cpu.tolist()
     for i in range(len(bounds) - 1):
         a, b = bounds[i], bounds[i + 1]
         # fresh (aligned) buffers per piece, as a lone sequence would have: CPU matmul kernels may
@@ -398,11 +402,11 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         for sr, si, di in rd.init_sources:
             h0 = h0.index_copy(0, di, states[sr].index_select(0, si))
         if plan.identity:  # one round over all rows in order, nothing replayed (e.g. a chain forest)
-            return _run_round(q, k, v, g, beta, cu=rd.cu_seqlens, h0=h0, scale=scale, chunk_size=plan.chunk_size,
-                              backend=backend)[0]
+            return _run_round(q, k, v, g, beta, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
+                              chunk_size=plan.chunk_size, backend=backend)[0]
         gather = [x.index_select(0, rd.rows) for x in (q, k, v, g, beta)]
-        o, ht = _run_round(*gather, cu=rd.cu_seqlens, h0=h0, scale=scale, chunk_size=plan.chunk_size,
-                           backend=backend)
+        o, ht = _run_round(*gather, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
+                           chunk_size=plan.chunk_size, backend=backend)
         states.append(ht.to(state_dtype))
         kept.append(o.index_select(0, rd.keep))
     return torch.cat(kept).index_select(0, plan.inverse)
