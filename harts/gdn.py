@@ -6,7 +6,7 @@ Two pieces make a linear-attention layer exact on the compact row of a
 * **Tree convolution.** The causal depthwise conv of width ``W`` reads, for compact node ``v``,
   its ancestors ``anc_j(v)`` (``anc_0 = v``, ``anc_{j+1} = parent(anc_j)``, zero past the root):
   ``y_v = act(b + Σ_{j<W} w_{W−1−j} ⊙ x_{anc_j(v)})``. One gather of ``x`` by the ancestor table
-  ``anc [T, W]`` and one weighted sum; autograd turns the gather into a scatter-add.
+  ``anc [T, W]`` and one weighted sum; the backward is a scatter-add into the ancestor rows.
 * **State handoff.** The recurrence runs on *pieces* (contiguous runs of compact rows, at most a
   compressed-trie segment) in rounds: every piece of round ``r`` starts from the fp32 final state
   of its parent piece (round ``r − 1``) and all pieces of a round go into one varlen kernel call
@@ -189,7 +189,8 @@ class _TreeConv(torch.autograd.Function):
         dx = torch.zeros(xp.shape, dtype=acc, device=x.device)
         dw = torch.empty(weight.shape, dtype=acc, device=x.device)
         for j in range(w):
-            dx.index_add_(0, a[:, j], dpre * weight[:, w - 1 - j].to(acc))
+            # index_put_ with accumulate has a deterministic CUDA path (torch.use_deterministic_algorithms)
+            dx.index_put_((a[:, j],), dpre * weight[:, w - 1 - j].to(acc), accumulate=True)
             dw[:, w - 1 - j] = (dpre * xp.index_select(0, a[:, j]).to(acc)).sum(0)
         db = dpre.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return dx[:-1].to(x.dtype), dw.to(weight.dtype), db, None, None
@@ -201,8 +202,8 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     ``y_v = act(b + Σ_{j<W} weight[:, W−1−j] ⊙ x_{anc_j(v)})``; rows past a root read zeros.
     Parallel over all rows (one gather per tap, accumulated in at least fp32, output in
-    ``x.dtype``); the backward is a scatter-add into ``x`` (``index_add``). Only ``x`` and the
-    ancestor table are saved (the pre-activation is recomputed), like a sequential conv kernel.
+    ``x.dtype``); the backward is a scatter-add into ``x`` (``index_put_(accumulate=True)``). Only
+    ``x`` and the ancestor table are saved (the pre-activation is recomputed).
     """
     d, w = weight.shape
     if x.dim() != 2 or x.shape[1] != d:

@@ -161,8 +161,10 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         g_beta = self._compute_g_and_beta if fast else _plain_g_beta
         g, beta = g_beta(self.A_log, self.dt_bias, alpha, beta)
         if psp is not None:
+            # deterministic_mode: the base module swaps FLA for a torch chunk loop; so does the tree path
+            backend = "torch" if psp.gdn_backend == "auto" and self.config.deterministic_mode else psp.gdn_backend
             o = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], plan=psp.gdn_plan,
-                                      backend=psp.gdn_backend, state_dtype=psp.gdn_state_dtype)[None]
+                                      backend=backend, state_dtype=psp.gdn_state_dtype)[None]
         else:
             o, _ = recurrent_gated_delta_rule_reference(query, key, value, g, beta)
             o = o.to(value.dtype)
