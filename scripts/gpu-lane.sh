@@ -6,6 +6,7 @@
 #   bash scripts/gpu-lane.sh                 # tests + all benchmarks
 #   bash scripts/gpu-lane.sh tests [PATHS/PYTEST ARGS...]   # default path: tests
 #   bash scripts/gpu-lane.sh bench NAME [ARGS...]   # one benchmark, e.g. bench optim_staged --quick
+#   bash scripts/gpu-lane.sh benches NAME...        # several benchmarks with default arguments
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu-lane}
@@ -58,6 +59,7 @@ mode=${1:-all}
 case "$mode" in
   tests) shift; run_tests "$@" ;;
   bench) shift; run_bench "$@" ;;
+  benches) shift; for n in "$@"; do run_bench "$n"; done ;;
   all)
     run_tests
     for f in bench/*.py; do
@@ -65,7 +67,7 @@ case "$mode" in
       case "$n" in _*|plot|__init__) continue ;; esac
       run_bench "$n"
     done ;;
-  *) echo "usage: $0 [all | tests [pytest args] | bench NAME [args]]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all | tests [pytest args] | bench NAME [args] | benches NAME...]" >&2; exit 2 ;;
 esac
 
 {
