@@ -92,7 +92,8 @@ def student_main(rank: int, world: int, port: int, connect: dict, store_spec: di
                                              ffn_hidden_size=2 * hidden, max_sequence_length=64))
         model.config.finalize_model_grads_func = finalize_model_grads
         model = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, bf16=False, fp16=False), [model])
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, bf16=False, fp16=False),
+                                     [model])
         sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=2,
                                         lr_decay_steps=20, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
                                         wd_incr_steps=20, wd_incr_style="constant")
