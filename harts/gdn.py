@@ -13,7 +13,9 @@ Two pieces make a linear-attention layer exact on the compact row of a
   (FLA ``chunk_gated_delta_rule(..., initial_state, output_final_state=True, cu_seqlens)`` on
   CUDA, :func:`harts.gdn_reference.chunk_gated_delta_rule_reference` per piece on CPU).
   Gradients flow through the handoff (``dh_T → dh_0``). The number of rounds is the depth of
-  the piece tree (level-synchronous schedule).
+  the piece tree: one per level of segments (``schedule='level'``), or, with ``'chain'``, one
+  child continues each chain and fork states inside a chain come from state-only pieces that
+  recompute the chain's prefix in the same round (fewer rounds, more recurrence rows).
 
 **Chunk alignment** (``align=True``). Chunked kernels split each varlen sequence at offsets
 ``0, C, 2C, ...``; per-sequence execution therefore has chunk boundaries at depths that are
@@ -53,6 +55,7 @@ class GdnShapeError(ValueError):
 _CHUNK_SIZES = (16, 32, 64)
 _BACKENDS = ("auto", "fla", "torch")
 _STATE_DTYPES = ("float32", "float64")
+_SCHEDULES = ("level", "chain")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,6 +76,9 @@ class GdnTreeConfig:
     fp64 inputs only, for exactness tests)."""
     conv_width: int = 4
     """Short-convolution width ``W`` (``linear_conv_kernel_dim``; the ancestor table has W columns)."""
+    schedule: str = "level"
+    """``level``: one round per trie level of pieces. ``chain``: one child continues each chain
+    (fewer rounds on deep trees), fork states inside a chain are recomputed by state-only pieces."""
 
     def __post_init__(self) -> None:
         if self.chunk_size not in _CHUNK_SIZES:
@@ -84,6 +90,8 @@ class GdnTreeConfig:
                 f"GdnTreeConfig.state_dtype must be 'float32' (or 'float64' for fp64 tests), got {self.state_dtype!r}")
         if self.conv_width < 1:
             raise GdnConfigError(f"GdnTreeConfig.conv_width must be >= 1, got {self.conv_width}")
+        if self.schedule not in _SCHEDULES:
+            raise GdnConfigError(f"GdnTreeConfig.schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,10 +126,13 @@ class GdnPlan:
     inverse: torch.Tensor
     """[T] position of each compact row in the concatenation of all rounds' kept outputs."""
     replay_tokens: int
-    """Rows recomputed for chunk alignment (summed over rounds)."""
+    """Rows recomputed for chunk alignment (ancestors replayed before fork children)."""
     num_pieces: int
     identity: bool = False
     """One round whose packed rows are ``0..T-1`` in order (no gather or permutation needed)."""
+    export_tokens: int = 0
+    """Rows recomputed by state-only pieces (chain schedule)."""
+    schedule: str = "level"
 
     @property
     def num_rounds(self) -> int:
@@ -137,7 +148,8 @@ class GdnPlan:
                        for r in self.rounds)
         return GdnPlan(num_nodes=self.num_nodes, chunk_size=self.chunk_size, align=self.align, anc=mv(self.anc),
                        rounds=rounds, inverse=mv(self.inverse), replay_tokens=self.replay_tokens,
-                       num_pieces=self.num_pieces, identity=self.identity)
+                       num_pieces=self.num_pieces, identity=self.identity, export_tokens=self.export_tokens,
+                       schedule=self.schedule)
 
 
 def ancestor_table(parent: torch.Tensor, width: int) -> torch.Tensor:
@@ -228,93 +240,196 @@ def _ancestor_at_depth(node: int, target: int, parent: np.ndarray, depth: np.nda
         node = int(parent[s])
 
 
-def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, conv_width: int = 4) -> GdnPlan:
-    """Level-synchronous plan: pieces = trie segments (cut at chunk boundaries when aligning).
+def _level_pieces(parent, depth, seg_start, seg_end, node_seg, t, chunk_size, align):
+    """Pieces = segments, cut where an aligned fork needs the state at a chunk boundary.
 
-    A piece's round is one more than its state source's round; roots run in round 0.
+    Returns ``rows_of`` (per piece: replayed rows then own rows), ``skip`` (leading rows whose
+    outputs are dropped) and ``src`` (piece whose final state starts it, -1 = zeros).
+    """
+    starts = set(int(x) for x in seg_start)
+    replay_from: dict[int, int] = {}  # piece start -> first replayed depth b
+    if align:
+        for s0 in seg_start:
+            p, d = parent[s0], int(depth[s0])
+            if p < 0 or d % chunk_size == 0:
+                continue
+            b = d - d % chunk_size
+            replay_from[int(s0)] = b
+            if b > 0:
+                a = _ancestor_at_depth(int(p), b - 1, parent, depth, seg_start, node_seg)
+                if a + 1 < seg_end[node_seg[a]]:
+                    starts.add(a + 1)  # a is mid-segment: cut so that a piece ends at a
+    pstart = np.array(sorted(starts), dtype=np.int64)
+    pend = np.minimum(np.append(pstart[1:], t), seg_end[node_seg[pstart]])  # next start or segment end
+    piece_of = np.repeat(np.arange(pstart.size), pend - pstart)
+    rows_of, skip, src = [], [], []
+    for s0, e in zip(pstart, pend):
+        own = np.arange(s0, e, dtype=np.int64)
+        p = int(parent[s0])
+        b = replay_from.get(int(s0))
+        if p < 0 or b is None:  # a root, or starts from the state after its parent node
+            rows_of.append(own)
+            skip.append(0)
+            src.append(-1 if p < 0 else int(piece_of[p]))
+            continue
+        rep = _path_rows(p, b, int(depth[s0]), parent, depth, seg_start, node_seg)
+        rows_of.append(np.concatenate([rep, own]))
+        skip.append(rep.size)
+        src.append(int(piece_of[_ancestor_at_depth(p, b - 1, parent, depth, seg_start, node_seg)]) if b > 0 else -1)
+    return rows_of, skip, src, int(sum(skip)), 0
+
+
+def _path_rows(node, lo, hi, parent, depth, seg_start, node_seg) -> np.ndarray:
+    """Ancestors-or-self of ``node`` at depths ``lo..hi-1``."""
+    return np.array([_ancestor_at_depth(node, dd, parent, depth, seg_start, node_seg) for dd in range(lo, hi)],
+                    dtype=np.int64)
+
+
+def _chain_pieces(parent, depth, seg_start, seg_end, node_seg, seg_parent, chunk_size, align):
+    """Pieces = chains (a segment continued by the child segment with the most rounds below it).
+
+    A fork child needs the state after a node ``x`` (its parent, or with alignment the last node
+    before its chunk boundary). If ``x`` ends its chain's piece, that piece's final state is used;
+    otherwise a *state-only* piece re-runs the chain from its start up to ``x`` in the same round
+    (outputs dropped), trading recomputed rows for rounds.
+    """
+    n = seg_start.size
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for sg in range(n):
+        if seg_parent[sg] >= 0:
+            kids[seg_parent[sg]].append(sg)
+    r = np.ones(n, dtype=np.int64)
+    cont = np.full(n, -1, dtype=np.int64)
+    for sg in range(n - 1, -1, -1):  # children follow parents in pre-order
+        if kids[sg]:
+            vals = [int(r[c]) for c in kids[sg]]
+            best = int(np.argmax(vals))
+            cont[sg] = kids[sg][best]
+            rest = vals[:best] + vals[best + 1:]
+            r[sg] = max(vals[best], max(rest) + 1) if rest else vals[best]
+    is_cont = np.zeros(n, dtype=bool)
+    is_cont[cont[cont >= 0]] = True
+    heads = [sg for sg in range(n) if not is_cont[sg]]
+    chain_of = np.zeros(seg_end[-1] if n else 0, dtype=np.int64)  # node -> chain
+    pos_of = np.zeros_like(chain_of)  # node -> position among the chain's own rows
+    own_of = []
+    for ci, h in enumerate(heads):
+        segs, sg = [], h
+        while sg >= 0:
+            segs.append(np.arange(seg_start[sg], seg_end[sg], dtype=np.int64))
+            sg = cont[sg]
+        own = np.concatenate(segs)
+        chain_of[own] = ci
+        pos_of[own] = np.arange(own.size)
+        own_of.append(own)
+    rows_of, skip, need = [], [], []  # need: node whose post-state starts the chain (-1 = zeros)
+    for ci, h in enumerate(heads):
+        c0 = int(seg_start[h])
+        p, d = int(parent[c0]), int(depth[c0])
+        rep = np.zeros(0, dtype=np.int64)
+        x = p
+        if p >= 0 and align and d % chunk_size:
+            b = d - d % chunk_size
+            rep = _path_rows(p, b, d, parent, depth, seg_start, node_seg)
+            x = _ancestor_at_depth(p, b - 1, parent, depth, seg_start, node_seg) if b > 0 else -1
+        rows_of.append(np.concatenate([rep, own_of[ci]]))
+        skip.append(rep.size)
+        need.append(x)
+    src = [-1] * len(heads)
+    exports: dict[tuple[int, int], int] = {}
+    replay = int(sum(skip))
+    for ci, x in enumerate(need):
+        if x < 0:
+            continue
+        xc = int(chain_of[x])
+        if pos_of[x] == own_of[xc].size - 1:  # x ends its chain: use that chain's final state
+            src[ci] = xc
+            continue
+        key = (xc, int(x))
+        if key not in exports:  # state-only piece: the chain's rows up to and including x
+            exports[key] = len(rows_of)
+            rows_of.append(rows_of[xc][:skip[xc] + int(pos_of[x]) + 1])
+            skip.append(rows_of[-1].size)
+            src.append(-1)  # set below, once every chain's source is known
+        src[ci] = exports[key]
+    for (xc, _), pi in exports.items():  # a state-only piece starts like its chain
+        src[pi] = src[xc]
+    return rows_of, skip, src, replay, int(sum(skip)) - replay
+
+
+def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, conv_width: int = 4,
+                   schedule: str = "level") -> GdnPlan:
+    """Plan the recurrence over ``forest``.
+
+    ``schedule='level'``: pieces are trie segments (cut at chunk boundaries when aligning); rounds
+    = depth of the piece tree. ``schedule='chain'``: one child continues each chain (fewer rounds,
+    see :func:`chain_rounds`), fork states in the middle of a chain come from state-only pieces
+    that recompute the chain's prefix (``export_tokens``). A piece's round is one more than its
+    state source's round; pieces without a source run in round 0.
     """
     if chunk_size not in _CHUNK_SIZES:
         raise GdnConfigError(f"chunk_size must be one of {_CHUNK_SIZES}, got {chunk_size}")
+    if schedule not in _SCHEDULES:
+        raise GdnConfigError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
     parent = forest.parent.cpu().numpy()
     depth = forest.depth.cpu().numpy()
     seg_off = forest.seg_offsets.cpu().numpy()
     node_seg = forest.node_seg.cpu().numpy()
     t = parent.size
     seg_start, seg_end = seg_off[:-1], seg_off[1:]  # end exclusive
-    starts = set(int(s) for s in seg_start)
-    # fork children needing replay: state source = ancestor at depth b-1; cut right after it
-    replay_from: dict[int, int] = {}  # piece start -> first replayed depth b
-    if align:
-        for s in seg_start:
-            p = parent[s]
-            d = int(depth[s])
-            if p < 0 or d % chunk_size == 0:
-                continue
-            b = d - d % chunk_size
-            replay_from[int(s)] = b
-            if b > 0:
-                a = _ancestor_at_depth(int(p), b - 1, parent, depth, seg_start, node_seg)
-                if a + 1 < seg_end[node_seg[a]]:
-                    starts.add(a + 1)  # a is mid-segment: cut so a piece ends at a
-    pstart = np.array(sorted(starts), dtype=np.int64)
-    # piece ends: the next start or the end of the segment, whichever comes first
-    nxt = np.append(pstart[1:], t)
-    pend = np.minimum(nxt, seg_end[node_seg[pstart]])
-    piece_of = np.repeat(np.arange(pstart.size), pend - pstart)
-    n_p = pstart.size
-    src = np.full(n_p, -1, dtype=np.int64)
-    rows_of: list[np.ndarray] = []
-    nrep = np.zeros(n_p, dtype=np.int64)
-    for i, (s, e) in enumerate(zip(pstart, pend)):
-        own = np.arange(s, e, dtype=np.int64)
-        p = int(parent[s])
-        if p < 0:
-            rows_of.append(own)
-            continue
-        b = replay_from.get(int(s))
-        if b is None:  # starts from the state after its parent node
-            src[i] = piece_of[p]
-            rows_of.append(own)
-            continue
-        rep = np.array([_ancestor_at_depth(p, dd, parent, depth, seg_start, node_seg)
-                        for dd in range(b, int(depth[s]))], dtype=np.int64)
-        nrep[i] = rep.size
-        if b > 0:
-            src[i] = piece_of[_ancestor_at_depth(p, b - 1, parent, depth, seg_start, node_seg)]
-        rows_of.append(np.concatenate([rep, own]))
-    rnd = np.zeros(n_p, dtype=np.int64)
-    for i in range(n_p):  # sources precede their dependants in pre-order
-        if src[i] >= 0:
-            rnd[i] = rnd[src[i]] + 1
+    if schedule == "level":
+        rows_of, skip, src, replay, export = _level_pieces(parent, depth, seg_start, seg_end, node_seg, t,
+                                                           chunk_size, align)
+    else:
+        rows_of, skip, src, replay, export = _chain_pieces(parent, depth, seg_start, seg_end, node_seg,
+                                                           forest.seg_parent.cpu().numpy(), chunk_size, align)
+    n_p = len(rows_of)
+    rnd = np.full(n_p, -1, dtype=np.int64)
+
+    def round_of(i):
+        chain = []
+        while rnd[i] < 0 and src[i] >= 0:
+            chain.append(i)
+            i = src[i]
+        base = rnd[i] if rnd[i] >= 0 else 0
+        rnd[i] = base
+        for j in reversed(chain):
+            base += 1
+            rnd[j] = base
+
+    for i in range(n_p):
+        round_of(i)
+    src_a = np.asarray(src, dtype=np.int64)
+    skip_a = np.asarray(skip, dtype=np.int64)
     rounds, kept_rows, pos_in_round = [], [], np.zeros(n_p, dtype=np.int64)
     for r in range(int(rnd.max()) + 1 if n_p else 0):
         ids = np.flatnonzero(rnd == r)
         pos_in_round[ids] = np.arange(ids.size)
         lens = np.array([rows_of[i].size for i in ids], dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)])
-        keep = np.concatenate([np.arange(cu[j] + nrep[i], cu[j + 1]) for j, i in enumerate(ids)])
-        kept_rows.append(np.concatenate([rows_of[i][nrep[i]:] for i in ids]))
+        keep = np.concatenate([np.arange(cu[j] + skip_a[i], cu[j + 1]) for j, i in enumerate(ids)])
+        kept_rows.append(np.concatenate([rows_of[i][skip_a[i]:] for i in ids]))
         srcs = []
-        has = src[ids] >= 0
-        for sr in (np.unique(rnd[src[ids[has]]]) if has.any() else []):
-            dst = np.flatnonzero(has & (rnd[np.where(has, src[ids], 0)] == sr))
-            srcs.append((int(sr), torch.as_tensor(pos_in_round[src[ids[dst]]]), torch.as_tensor(dst)))
+        has = src_a[ids] >= 0
+        for sr in (np.unique(rnd[src_a[ids[has]]]) if has.any() else []):
+            dst = np.flatnonzero(has & (rnd[np.where(has, src_a[ids], 0)] == sr))
+            srcs.append((int(sr), torch.as_tensor(pos_in_round[src_a[ids[dst]]]), torch.as_tensor(dst)))
         rounds.append(GdnRound(rows=torch.as_tensor(np.concatenate([rows_of[i] for i in ids])),
                                cu_seqlens=torch.as_tensor(cu), cu_seqlens_cpu=torch.as_tensor(cu),
-                               keep=torch.as_tensor(keep),
-                               init_sources=tuple(srcs)))
+                               keep=torch.as_tensor(keep), init_sources=tuple(srcs)))
     order = np.concatenate(kept_rows) if kept_rows else np.zeros(0, dtype=np.int64)
     inverse = np.empty(t, dtype=np.int64)
     inverse[order] = np.arange(t)
     plan = GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align,
                    anc=ancestor_table(forest.parent.cpu(), conv_width), rounds=tuple(rounds),
-                   inverse=torch.as_tensor(inverse), replay_tokens=int(nrep.sum()), num_pieces=int(n_p),
-                   identity=len(rounds) == 1 and bool(np.array_equal(order, np.arange(t))) and not nrep.any())
+                   inverse=torch.as_tensor(inverse), replay_tokens=replay, num_pieces=int(n_p),
+                   identity=len(rounds) == 1 and bool(np.array_equal(order, np.arange(t))) and not skip_a.any(),
+                   export_tokens=export, schedule=schedule)
     return plan.to(forest.parent.device)
 
 
 def chain_rounds(forest: Forest) -> int:
-    """Rounds if one child continued each chain (not executed; reported by the benchmark):
+    """Rounds of the chain schedule without alignment cuts (model-free statistic):
     ``r(leaf segment) = 1``, ``r(u) = max(r_1, r_2 + 1)`` over its two largest child values."""
     seg_parent = forest.seg_parent.cpu().numpy()
     n = seg_parent.size

@@ -69,7 +69,8 @@ def make_gdn_tree_params(forest: Forest, *, config: GdnTreeConfig | None = None,
     """Tree metadata for a hybrid model: attention (``backend``: flex/varlen/dense) and GDN plan."""
     config = config or GdnTreeConfig()
     base = make_tree_params(forest, backend=backend, block_size=block_size)
-    plan = build_gdn_plan(forest, chunk_size=config.chunk_size, align=config.align, conv_width=config.conv_width)
+    plan = build_gdn_plan(forest, chunk_size=config.chunk_size, align=config.align, conv_width=config.conv_width,
+                          schedule=config.schedule)
     kw = {f.name: getattr(base, f.name) for f in fields(base)}
     return GdnTreeParams(**kw, gdn_plan=plan, gdn_backend=config.backend,
                          gdn_state_dtype=getattr(torch, config.state_dtype))

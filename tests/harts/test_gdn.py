@@ -135,13 +135,14 @@ def test_tree_conv_gradcheck(activation):
                                     (x, w, b))
 
 
+@pytest.mark.parametrize("schedule", ["level", "chain"])
 @pytest.mark.parametrize("align", [True, False], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("seqs", GDN_CASES)
-def test_tree_rule_matches_per_sequence_fp64(seqs, align):
+def test_tree_rule_matches_per_sequence_fp64(seqs, align, schedule):
     """Outputs and the gradients of q, k, v, g, β (through every handoff) equal per-sequence
     recurrence in fp64."""
     f = build_forest(seqs).padded(4)
-    plan = build_gdn_plan(f, chunk_size=C, align=align)
+    plan = build_gdn_plan(f, chunk_size=C, align=align, schedule=schedule)
     base = _inputs(f.num_nodes, seed=len(seqs))
     leaves = [x.clone().requires_grad_(True) for x in base]
     o = tree_gated_delta_rule(*leaves, plan=plan, state_dtype=torch.float64)
@@ -178,15 +179,17 @@ def test_chain_forest_runs_one_ungathered_round():
         assert_close(f"chain seq {i}", o_r[0], o[idx], atol=1e-12, rtol=1e-12)
 
 
-def test_alignment_reproduces_sequence_chunks_bitwise():
+@pytest.mark.parametrize("schedule", ["level", "chain"])
+def test_alignment_reproduces_sequence_chunks_bitwise(schedule):
     """fp32, torch backend: with alignment every chunk the tree computes is a chunk of
     per-sequence chunked execution with the same start state, so outputs are bitwise equal."""
     seqs = [s for p in GDN_CASES for s in p.values[0]]
     f = build_forest(seqs)
-    plan = build_gdn_plan(f, chunk_size=C, align=True)
+    plan = build_gdn_plan(f, chunk_size=C, align=True, schedule=schedule)
     q, k, v, g, beta = _inputs(f.num_nodes, dtype=torch.float32, seed=5)
     o = tree_gated_delta_rule(q, k, v, g, beta, plan=plan, backend="torch")
-    o_un = tree_gated_delta_rule(q, k, v, g, beta, plan=build_gdn_plan(f, chunk_size=C, align=False))
+    o_un = tree_gated_delta_rule(q, k, v, g, beta, plan=build_gdn_plan(f, chunk_size=C, align=False,
+                                                                       schedule=schedule))
     unaligned_equal = True
     for i in range(f.num_seqs):
         idx = f.index[f.seq_offsets[i]:f.seq_offsets[i + 1]]
@@ -221,6 +224,11 @@ def test_plan_shapes_replay_and_rounds():
     f = build_forest(cat)
     assert build_gdn_plan(f, chunk_size=C, align=False).num_rounds == 4
     assert chain_rounds(f) == 2
+    # chain schedule: the spine continues; each side fork's state is recomputed from the spine start
+    p = build_gdn_plan(f, chunk_size=C, align=False, schedule="chain")
+    assert (p.num_rounds, p.export_tokens, p.replay_tokens) == (2, 10 + 20 + 30, 0)
+    p = build_gdn_plan(f, chunk_size=C, align=True, schedule="chain")  # forks at 10, 20, 30 -> b = 0, 16, 16
+    assert (p.num_rounds, p.export_tokens, p.replay_tokens) == (2, 16, 10 + 4 + 14)
     assert torch.equal(ancestor_table(f.parent, 3)[:3], torch.tensor([[0, -1, -1], [1, 0, -1], [2, 1, 0]]))
     assert not build_gdn_plan(f, chunk_size=C).identity
     # THD packing as a forest: one round, rows in order, no gather
@@ -246,6 +254,8 @@ def test_bad_input_raises_typed_errors():
         GdnTreeConfig(state_dtype="bfloat16")
     with pytest.raises(GdnConfigError, match="backend must be one of .* got 'cuda'"):
         GdnTreeConfig(backend="cuda")
+    with pytest.raises(GdnConfigError, match="schedule must be one of .* got 'dfs'"):
+        GdnTreeConfig(schedule="dfs")
     with pytest.raises(GdnConfigError, match="chunk_size must be one of .* got 128"):
         build_gdn_plan(build_forest([[1, 2]]), chunk_size=128)
     f = build_forest([[1, 2, 3], [1, 2, 4]])
@@ -355,6 +365,14 @@ def hybrid_exactness(seqs, *, pattern="GAG", dtype=torch.float64, recompute=Fals
 @pytest.mark.parametrize("seqs", GDN_CASES)
 def test_hybrid_model_tree_equals_per_sequence_fp64(cpu_megatron, seqs):
     hybrid_exactness(seqs, tol=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_model_chain_schedule_fp64(cpu_megatron):
+    """Chain schedule (state-only pieces) inside the model, aligned."""
+    seqs = GDN_CASES[1].values[0] + GDN_CASES[4].values[0]
+    hybrid_exactness(seqs, pattern="GA", gdn=GdnTreeConfig(chunk_size=C, schedule="chain", state_dtype="float64"),
+                     tol=1e-9)
 
 
 @pytest.mark.timeout(120)
