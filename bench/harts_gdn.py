@@ -7,14 +7,15 @@ Sections:
   sequences as one THD batch (FLA ``causal_conv1d`` + varlen ``chunk_gated_delta_rule``);
   ``chain``: our path on a chain forest (every sequence alone, one round; the same code as the
   tree, so the ratio isolates sharing); ``tree`` / ``tree_unaligned``: prefix forest with / without
-  chunk alignment (replay).
+  chunk alignment (replay), level schedule; ``tree_chainsched``: aligned, chain schedule (one child
+  continues each chain; state-only pieces recompute mid-chain fork states).
 * ``model``: the hybrid GPT (pattern ``GGGA`` twice: Qwen3-Next's 3:1 interleave) fwd+bwd through
   :func:`harts.megatron.tree_forward` with the tree-aware chunked LM head; ``chain`` (THD packing as
-  a forest) vs ``tree`` / ``tree_unaligned``.
+  a forest) vs ``tree`` / ``tree_unaligned`` / ``tree_chainsched``.
 
 Workloads: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9} and a multi-turn
 caterpillar. Per row: time (p20/p50/p80), peak memory, rounds (sequential kernel calls per GDN
-layer), replayed tokens, rounds a chain-continuation schedule would need (not executed), C.
+layer), replayed tokens (alignment), exported tokens (chain schedule's state-only pieces), C.
 If FLA refuses the backward (Hopper + Triton 3.6 without tilelang) the run times forward only and
 says so in the JSON (``mode``).
 
@@ -105,7 +106,7 @@ def _probe_backward(dev: str) -> bool:
 
 
 def _providers(dev):
-    p = ["chain", "tree", "tree_unaligned"]
+    p = ["chain", "tree", "tree_unaligned", "tree_chainsched"]
     return (["thd_megatron"] + p) if dev == "cuda" else p
 
 
@@ -118,7 +119,6 @@ def _forest_for(provider, seqs, dev):
 def bench_layer(args, dev, rows, bwd):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from harts.gdn import GdnTreeConfig, chain_rounds
     from harts.gdn_megatron import make_gdn_tree_params
 
     model, cfg = _model(args.quick, dev, "G")
@@ -131,7 +131,7 @@ def bench_layer(args, dev, rows, bwd):
             gen = torch.Generator(device=dev).manual_seed(0)
             hidden = torch.randn(f.num_nodes, 1, cfg.hidden_size, device=dev, generator=gen).to(cfg.params_dtype)
             hidden.requires_grad_(bwd)
-            gdn = GdnTreeConfig(align=provider != "tree_unaligned")
+            gdn = _gdn_config(provider)
             if provider == "thd_megatron":
                 cu = f.seq_offsets.to(torch.int32)
                 mx = int(f.lengths.max())
@@ -161,27 +161,36 @@ def bench_layer(args, dev, rows, bwd):
                          "ms_p80": tm["p80"], "peak_bytes": mem, "rows": f.num_nodes, "total_tokens": f.total_tokens,
                          "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds if plan else 1,
                          "replay_tokens": plan.replay_tokens if plan else 0,
-                         "chain_schedule_rounds": chain_rounds(f), "pieces": plan.num_pieces if plan else f.num_seqs})
+                         "export_tokens": plan.export_tokens if plan else 0,
+                         "pieces": plan.num_pieces if plan else f.num_seqs})
         st = build_forest_stats(seqs, dev)
         base = res["chain"]
-        table.append({"case": case, "C": st[0], "rounds": st[1], "replay": st[2], "chain_rounds": st[3],
-                      "thd_mcore_ms": res.get("thd_megatron", float("nan")), "chain_ms": base,
-                      "tree_ms": res["tree"], "tree_unal_ms": res["tree_unaligned"],
-                      "tree_x": base / res["tree"], "unal_x": base / res["tree_unaligned"]})
+        table.append({"case": case, "C": st[0], "rounds": st[1], "replay": st[2], "chsched_rounds": st[3],
+                      "chsched_export": st[4], "thd_mcore_ms": res.get("thd_megatron", float("nan")),
+                      "chain_ms": base, "tree_ms": res["tree"], "unal_ms": res["tree_unaligned"],
+                      "chsched_ms": res["tree_chainsched"], "tree_x": base / res["tree"],
+                      "tree_vs_mcore": res.get("thd_megatron", float("nan")) / res["tree"]})
     return table
 
 
 def build_forest_stats(seqs, dev):
     from harts.forest import build_forest
-    from harts.gdn import build_gdn_plan, chain_rounds
+    from harts.gdn import build_gdn_plan
 
     f = build_forest(seqs, device=dev)
     p = build_gdn_plan(f, chunk_size=64, align=True)
-    return f.compression, p.num_rounds, p.replay_tokens, chain_rounds(f)
+    pc = build_gdn_plan(f, chunk_size=64, align=True, schedule="chain")
+    return f.compression, p.num_rounds, p.replay_tokens, pc.num_rounds, pc.export_tokens
+
+
+def _gdn_config(provider):
+    from harts.gdn import GdnTreeConfig
+
+    return GdnTreeConfig(align=provider != "tree_unaligned",
+                         schedule="chain" if provider == "tree_chainsched" else "level")
 
 
 def bench_model(args, dev, rows, bwd):
-    from harts.gdn import GdnTreeConfig
     from harts.gdn_megatron import make_gdn_tree_params
     from harts.loss import sequence_entropy, sequence_logprobs
     from harts.megatron import tree_forward
@@ -191,9 +200,9 @@ def bench_model(args, dev, rows, bwd):
     table = []
     for case, seqs in _workloads(args.quick, cfg.vocab_size):
         res, mems = {}, {}
-        for provider in ("chain", "tree", "tree_unaligned"):
+        for provider in ("chain", "tree", "tree_unaligned", "tree_chainsched"):
             f = _forest_for(provider, seqs, dev)
-            gdn = GdnTreeConfig(align=provider != "tree_unaligned")
+            gdn = _gdn_config(provider)
 
             def step(f=f, gdn=gdn):
                 model.zero_grad(set_to_none=True)
@@ -214,10 +223,12 @@ def bench_model(args, dev, rows, bwd):
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
                          "ms_p80": tm["p80"], "peak_bytes": mem, "rows": f.num_nodes, "total_tokens": f.total_tokens,
                          "compression": f.compression, "rounds": plan.num_rounds, "replay_tokens": plan.replay_tokens,
+                         "export_tokens": plan.export_tokens,
                          "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3)})
         c = build_forest_stats(seqs, dev)[0]
         table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
-                      "tree_unal_ms": res["tree_unaligned"], "tree_x": res["chain"] / res["tree"],
+                      "unal_ms": res["tree_unaligned"], "chsched_ms": res["tree_chainsched"],
+                      "tree_x": res["chain"] / res["tree"],
                       "tree_x/C": res["chain"] / res["tree"] / c, "chain_MiB": mems["chain"] / 2**20,
                       "tree_MiB": mems["tree"] / 2**20})
     return table
