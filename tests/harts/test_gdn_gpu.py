@@ -59,11 +59,12 @@ def _forests():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("align", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("align,schedule", [(True, "level"), (False, "level"), (True, "chain")],
+                         ids=["aligned", "unaligned", "chain-schedule"])
 @pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
-def test_fla_rounds_match_fp64_tree(kind, align):
+def test_fla_rounds_match_fp64_tree(kind, align, schedule):
     f = build_forest(_forests()[kind], device="cuda")
-    plan = build_gdn_plan(f, chunk_size=64, align=align)
+    plan = build_gdn_plan(f, chunk_size=64, align=align, schedule=schedule)
     t = f.num_nodes
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(t, 2, 64, device="cuda", generator=g)
@@ -80,7 +81,7 @@ def test_fla_rounds_match_fp64_tree(kind, align):
     rf = [x.double().requires_grad_(True) for x in base]
     o_ref = tree_gated_delta_rule(*rf, plan=plan, backend="torch", state_dtype=torch.float64)
     o_ref.backward(do.double())
-    print(f"\n{kind} align={align}: rounds={plan.num_rounds} replay={plan.replay_tokens} "
+    print(f"\n{kind} align={align} {schedule}: rounds={plan.num_rounds} replay={plan.replay_tokens} "
           f"out rms={_rms_ratio(o_ref, o):.2e}")
     # FLA fp32 kernels vs fp64: ~1.5e-3 relative outputs, 4e-4..3e-3 gradients (environment.md)
     assert _rms_ratio(o_ref, o) < 5e-3
