@@ -36,6 +36,7 @@ from harts.forest import Forest
 from harts.gdn import (
     GdnConfigError,
     GdnPlan,
+    GdnShapeError,
     GdnTreeConfig,
     build_gdn_plan,
     tree_causal_conv1d,
@@ -140,9 +141,9 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         qkvzba = qkvzba.transpose(0, 1)  # [B, S, D]
         batch, seq_len = qkvzba.shape[:2]
         if psp is not None and batch != 1:
-            raise ValueError(f"tree GDN expects one packed row (b = 1), got b={batch}")
+            raise GdnShapeError(f"tree GDN expects one packed row (b = 1), got b={batch}")
         if psp is not None and seq_len != psp.gdn_plan.num_nodes:
-            raise ValueError(f"tree GDN: {seq_len} rows after in_proj but the plan has T={psp.gdn_plan.num_nodes}")
+            raise GdnShapeError(f"tree GDN: {seq_len} rows after in_proj but the plan has T={psp.gdn_plan.num_nodes}")
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
         gate = gate.reshape(batch, seq_len, -1, self.value_head_dim)
         weight = self.conv1d.weight.squeeze(1)  # [D, W]

@@ -420,6 +420,9 @@ def test_spec_swap_and_errors(cpu_megatron):
         tree_forward(model, forest, params=make_tree_params(forest, backend="dense"))
     from harts.gdn_megatron import make_gdn_tree_params
 
+    with pytest.raises(GdnShapeError, match="3 rows after in_proj but the plan has T=4"):
+        params = make_gdn_tree_params(forest, config=GdnTreeConfig(state_dtype="float64"), backend="dense")
+        mixer(torch.zeros(3, 1, 64, dtype=torch.float64), None, packed_seq_params=params)
     with pytest.raises(GdnConfigError, match="conv_width=2 is smaller than the layer's linear_conv_kernel_dim=4"):
         tree_forward(model, forest, params=make_gdn_tree_params(
             forest, config=GdnTreeConfig(conv_width=2, state_dtype="float64"), backend="dense"))
