@@ -51,11 +51,13 @@ class StudentReader:
         store_spec: :meth:`FeatureStore.spec` of the source's store.
         resume: the cursor from the student's checkpoint (``None``: fresh start).
         heartbeat_s: heartbeat period (well below the source's ``lease_timeout_s``).
-        timeout: default wait for a window / an ack.
+        timeout: default wait for a window / an ack; ``None`` waits as long as the source is healthy
+            (a lag-capped student may legitimately wait for a slow one; the source's watchdog and
+            leases turn a real stall into an error).
     """
 
     def __init__(self, connect_info: dict, *, student: str, rank: int, key: CompatKey, store_spec: dict,
-                 resume: dict | None = None, heartbeat_s: float = 0.5, timeout: float = 120.0) -> None:
+                 resume: dict | None = None, heartbeat_s: float = 0.5, timeout: float | None = None) -> None:
         self.student, self.rank, self.timeout = student, rank, timeout
         self.client = SourceClient(connect_info)
         info = self.client.call("subscribe", student=student, rank=rank, pid=os.getpid(), key=asdict(key),
@@ -73,12 +75,23 @@ class StudentReader:
         while not self._stop.wait(period):
             try:
                 self._hb_client.call("heartbeat", lease=self.lease)
-            except (SharedTeacherError, OSError, EOFError, TimeoutError):
+            except (SharedTeacherError, OSError, EOFError, TimeoutError):  # ConnectionError is an OSError
                 return
+
+    def _blocking(self, method: str, timeout: float | None, **kwargs):
+        """Call a blocking control-plane method; without a timeout, wait in 30 s slices."""
+        limit = timeout if timeout is not None else self.timeout
+        if limit is not None:
+            return self.client.call(method, lease=self.lease, timeout=limit, **kwargs)
+        while True:
+            try:
+                return self.client.call(method, lease=self.lease, timeout=30.0, **kwargs)
+            except TimeoutError:
+                continue  # the source is alive (it answered); errors such as SourceStalledError propagate
 
     def next_window(self, timeout: float | None = None) -> Window | None:
         """This rank's next window, or ``None`` at the end of the stream."""
-        d = self.client.call("next_window", lease=self.lease, timeout=timeout or self.timeout)
+        d = self._blocking("next_window", timeout)
         if d is None:
             return None
         return Window(index=d["window"], epoch=d["epoch"],
@@ -94,8 +107,7 @@ class StudentReader:
 
     def ack_step(self, window: Window, timeout: float | None = None) -> StudentCursor:
         """Durable ack after the optimizer step; returns the cursor to store in the checkpoint."""
-        return StudentCursor.from_dict(
-            self.client.call("ack_step", lease=self.lease, window=window.index, timeout=timeout or self.timeout))
+        return StudentCursor.from_dict(self._blocking("ack_step", timeout, window=window.index))
 
     def leave(self, reason: str = "left") -> None:
         """Stop consuming (step limit reached); the source fences this student once its processes exit."""
@@ -114,14 +126,15 @@ class StudentReader:
 
 def run_producer(connect_info: dict, *, store_spec: dict, teacher: TeacherFeatureFn, dataset: Sequence[torch.Tensor],
                  key: CompatKey, batch_size: int = 4, poll_s: float = 0.05, plan_timeout: float = 120.0,
-                 deadline_s: float = 600.0, nodes: list[str] | None = None) -> dict:
+                 deadline_s: float | None = None, nodes: list[str] | None = None) -> dict:
     """Produce the stream: admit → teacher forward (one batch per node and round) → put → publish.
 
     ``nodes``: the nodes this producer serves (default all); run one producer per node for
     node-local features, each with its teacher and its node's store.
 
     Returns ``{"forward_samples", "forward_batches", "skipped", "put_bytes"}``. Raises
-    ``TimeoutError`` if the stream is not finished after ``deadline_s``.
+    ``TimeoutError`` if the stream is not finished after ``deadline_s`` (``None``: no deadline; the
+    source's watchdog turns a stall into ``SourceStalledError``).
     """
     client = SourceClient(connect_info)
     store = open_store(store_spec)
@@ -136,7 +149,7 @@ def run_producer(connect_info: dict, *, store_spec: dict, teacher: TeacherFeatur
         end = {n: plan["num_epochs"] * sizes[n] for n in mine}
         orders: dict[int, list[int]] = {}
         stats = {"forward_samples": 0, "forward_batches": 0, "skipped": 0, "put_bytes": 0}
-        limit = time.monotonic() + deadline_s
+        limit = time.monotonic() + deadline_s if deadline_s is not None else float("inf")
 
         def index_of(n: str, s: int) -> int:
             epoch, p = node_position(s, all_nodes.index(n), len(all_nodes), sizes[n])

@@ -116,12 +116,16 @@ class SourceClient:
         self.rpc_timeout = rpc_timeout
 
     def call(self, method: str, **kwargs):
-        """Call ``method``; waits at most ``kwargs['timeout'] + rpc_timeout`` for the reply."""
+        """Call ``method``; waits at most ``kwargs['timeout'] + rpc_timeout`` for the reply.
+
+        Raises the source's typed error (``TimeoutError`` when a blocking method's own wait expired),
+        or ``ConnectionError`` when the control plane did not answer at all.
+        """
         limit = float(kwargs.get("timeout", 0)) + self.rpc_timeout
         with self._lock:
             self._conn.send((method, kwargs))
-            if not self._conn.poll(limit):
-                raise TimeoutError(f"control plane did not answer {method!r} within {limit:.1f}s")
+            if not self._conn.poll(limit):  # not a TimeoutError: that one means "the source waited, nothing came"
+                raise ConnectionError(f"control plane did not answer {method!r} within {limit:.1f}s")
             reply = self._conn.recv()
         if reply[0] == "ok":
             return reply[1]
