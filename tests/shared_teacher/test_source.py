@@ -50,12 +50,25 @@ STUDENTS = [
 ]
 
 
+_OPEN: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_harnesses():
+    yield
+    while _OPEN:
+        h = _OPEN.pop()
+        h.src.close()
+        h.store.close(remove=True)
+
+
 class Harness:
     """Drives one source with a fake-free producer (real store puts) and per-rank reader state."""
 
     def __init__(self, cfg, *, resume=None, seed=0):
         self.cfg, self.store = cfg, ShmStore()
         self.src = SharedTeacherSource(cfg, self.store, monitor=False)
+        _OPEN.append(self)
         self.rng = random.Random(seed)
         self.leases, self.pending, self.log = {}, {}, {s.name: [] for s in cfg.students}
         self.produced = 0
