@@ -1,12 +1,31 @@
 """harts: tree execution of shared-prefix rollouts on Megatron-Core.
 
-Megatron integration (``apply_harts``, ``tree_forward``...) lives in :mod:`harts.megatron`, the
-only submodule importing ``megatron.core``; DP row exchange in :mod:`harts.exchange`.
+Megatron integration (``apply_harts``, ``tree_forward``...) lives in :mod:`harts.megatron`, and
+the Gated DeltaNet layer swap (``TreeGatedDeltaNet``, ``apply_tree_gdn``) in
+:mod:`harts.gdn_megatron`; these two are the only submodules importing ``megatron.core`` and are
+not imported here. DP row exchange is in :mod:`harts.exchange`.
 """
 
 from harts.attention import build_block_mask, flex_tree_attention, tree_attention
 from harts.config import CostModelConfig, HartsConfigError, HeadConfig, PlannerConfig
 from harts.forest import EmptySequenceError, Forest, TokenOutOfRangeError, build_chain_forest, build_forest
+from harts.gdn import (
+    GdnConfigError,
+    GdnPlan,
+    GdnShapeError,
+    GdnTreeConfig,
+    ancestor_table,
+    build_gdn_plan,
+    chain_rounds,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
+from harts.gdn_reference import (
+    causal_conv1d_reference,
+    chunk_gated_delta_rule_reference,
+    l2norm_reference,
+    recurrent_gated_delta_rule_reference,
+)
 from harts.lm_head import TreeHeadOutput, tree_lm_head
 from harts.loss import (
     aggregate_loss,
@@ -34,6 +53,9 @@ from harts.reference import (
 from harts.workload import caterpillar, grpo_for_sharing, grpo_groups
 
 __all__ = [
+    "GdnConfigError", "GdnPlan", "GdnShapeError", "GdnTreeConfig", "ancestor_table", "build_gdn_plan",
+    "causal_conv1d_reference", "chain_rounds", "chunk_gated_delta_rule_reference", "l2norm_reference",
+    "recurrent_gated_delta_rule_reference", "tree_causal_conv1d", "tree_gated_delta_rule",
     "CapacityError", "CostModelConfig", "EmptySequenceError", "Forest", "HartsConfigError", "HeadConfig",
     "Microbatch", "PlanError", "PlannerConfig", "SharingStats", "StepPlan", "TokenOutOfRangeError",
     "TreeHeadOutput", "aggregate_loss", "build_block_mask", "build_chain_forest", "build_forest", "caterpillar",
