@@ -1,0 +1,149 @@
+"""Structured (Hydra) config of the demo: kw_only dataclasses, a docstring under every field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class DemoConfigError(ValueError):
+    """A demo config field holds an invalid value (the message names the field and the value)."""
+
+
+def _check(ok: bool, name: str, value, why: str) -> None:
+    if not ok:
+        raise DemoConfigError(f"{name}={value!r}: {why}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape of a tiny Qwen3-style Megatron GPT (``mcore_distill.testing.TinyGPTConfig``)."""
+
+    hidden_size: int = 128
+    """Model width H."""
+    num_layers: int = 2
+    """Transformer layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA)."""
+    ffn_hidden_size: int = 256
+    """SwiGLU intermediate size."""
+
+    def validate(self, name: str) -> None:
+        for f in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            _check(getattr(self, f) >= 1, f"{name}.{f}", getattr(self, f), "must be >= 1")
+        _check(self.hidden_size % self.num_attention_heads == 0, f"{name}.hidden_size", self.hidden_size,
+               f"must be divisible by num_attention_heads={self.num_attention_heads}")
+        _check(self.num_attention_heads % self.num_query_groups == 0, f"{name}.num_query_groups",
+               self.num_query_groups, f"must divide num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(kw_only=True)
+class TeacherTrainConfig:
+    """Supervised training of each teacher on its own domain (cosine-decayed LR)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Teacher architecture (both teachers share it, so one resident Megatron host serves both)."""
+    steps: int = 300
+    """Optimizer steps per teacher."""
+    batch: int = 32
+    """Sequences per rank per step."""
+    lr: float = 3e-3
+    """Peak learning rate (cosine decay to ``lr * min_lr_ratio``)."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of ``lr``."""
+    min_accuracy: float = 0.9
+    """A teacher below this held-out exact-match accuracy stops the demo with an error."""
+    distill_prompts: int = 2048
+    """Prompts per domain whose greedy teacher answers form the warm-start (sequence-level KD) set."""
+
+
+@dataclass(kw_only=True)
+class WarmStartConfig:
+    """Sequence-level distillation of the student on teacher outputs, before MOPD."""
+
+    steps: int = 60
+    """Optimizer steps (0 skips the warm start)."""
+    batch: int = 32
+    """Sequences per rank per step (half of each domain)."""
+    lr: float = 3e-3
+    """Learning rate (constant)."""
+
+
+@dataclass(kw_only=True)
+class MOPDStageConfig:
+    """The on-policy phase: rollouts, tree packing, routed teachers, MOPD loss, publish."""
+
+    steps: int = 60
+    """Optimizer steps."""
+    prompts_per_step: int = 4
+    """Prompts per rank per step (alternating domains)."""
+    group_size: int = 8
+    """Samples per prompt (a GRPO group; the prompt is shared in the tree)."""
+    temperature: float = 1.0
+    """Rollout and scoring temperature."""
+    lr: float = 2e-3
+    """Peak learning rate (cosine decay to 10%)."""
+    is_cap: float = 5.0
+    """Truncated importance-weight cap (``MOPDLossConfig.is_cap``)."""
+    adv_clip: float = 10.0
+    """Per-token advantage clip (``MOPDLossConfig.adv_clip``)."""
+    forward: str = "tree"
+    """``tree`` (harts: shared prompts packed once, tree attention) or ``plain`` ([B, S] batch)."""
+    attention_backend: str = "dense"
+    """harts attention backend: ``dense`` on CPU; ``flex`` or ``varlen`` on CUDA."""
+    eval_every: int = 10
+    """Held-out evaluation period in steps (and at the last step)."""
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    """The whole demo run."""
+
+    length: int = 6
+    """Letters per prompt (answers have the same length)."""
+    letters: int = 16
+    """Alphabet size."""
+    shift: int = 3
+    """Caesar shift of the ``shift`` domain."""
+    seed: int = 0
+    """Seed of everything (data, init, sampling)."""
+    held_out: int = 256
+    """Held-out prompts per domain (never used for training)."""
+    teacher: TeacherTrainConfig = field(default_factory=TeacherTrainConfig)
+    """Teacher training."""
+    student: ModelConfig = field(default_factory=lambda: ModelConfig(hidden_size=64, ffn_hidden_size=128))
+    """Student architecture (smaller than the teachers)."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Sequence-level warm start."""
+    mopd: MOPDStageConfig = field(default_factory=MOPDStageConfig)
+    """On-policy phase."""
+    out_dir: str = "outputs/demo"
+    """Output folder (plot, TensorBoard, results JSON); the teacher cache is ``<out_dir>/cache``."""
+    use_cache: bool = True
+    """Reuse trained teachers from the cache when the config hash matches."""
+    progress: bool = True
+    """Show tqdm progress bars (rank 0)."""
+
+    def validate(self) -> None:
+        _check(2 <= self.length <= 16, "length", self.length, "must be in [2, 16]")
+        _check(2 <= self.letters <= 24, "letters", self.letters, "must be in [2, 24] (vocab is 32)")
+        _check(0 < self.shift < self.letters, "shift", self.shift, f"must be in [1, letters={self.letters})")
+        _check(self.held_out >= 1, "held_out", self.held_out, "must be >= 1")
+        self.teacher.model.validate("teacher.model")
+        self.student.validate("student")
+        for name, v in (("teacher.steps", self.teacher.steps), ("teacher.batch", self.teacher.batch),
+                        ("teacher.distill_prompts", self.teacher.distill_prompts),
+                        ("warm_start.batch", self.warm_start.batch), ("mopd.prompts_per_step", self.mopd.prompts_per_step),
+                        ("mopd.group_size", self.mopd.group_size), ("mopd.eval_every", self.mopd.eval_every)):
+            _check(v >= 1, name, v, "must be >= 1")
+        for name, v in (("warm_start.steps", self.warm_start.steps), ("mopd.steps", self.mopd.steps)):
+            _check(v >= 0, name, v, "must be >= 0")
+        for name, v in (("teacher.lr", self.teacher.lr), ("warm_start.lr", self.warm_start.lr),
+                        ("mopd.lr", self.mopd.lr), ("mopd.temperature", self.mopd.temperature)):
+            _check(v > 0, name, v, "must be > 0")
+        _check(0.0 <= self.teacher.min_accuracy <= 1.0, "teacher.min_accuracy", self.teacher.min_accuracy,
+               "must be in [0, 1]")
+        _check(self.mopd.forward in ("tree", "plain"), "mopd.forward", self.mopd.forward, "one of tree|plain")
+        _check(self.mopd.attention_backend in ("dense", "flex", "varlen"), "mopd.attention_backend",
+               self.mopd.attention_backend, "one of dense|flex|varlen")

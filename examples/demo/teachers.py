@@ -1,0 +1,158 @@
+"""Teacher training (supervised, Megatron DDP + distributed optimizer), greedy evaluation,
+the sequence-level distillation set, and the config-hash-keyed teacher cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from examples.demo.config import DemoConfig, ModelConfig
+from examples.demo.tasks import DOMAINS, VOCAB, TaskData, prompts_from_letters
+
+CACHE_FORMAT = 1
+
+
+class TeacherNotConvergedError(RuntimeError):
+    """A trained teacher is below ``teacher.min_accuracy`` on its held-out prompts."""
+
+
+def tiny_cfg(m: ModelConfig, *, max_len: int):
+    from mcore_distill.testing import TinyGPTConfig
+
+    return TinyGPTConfig(vocab_size=VOCAB, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+                         ffn_hidden_size=m.ffn_hidden_size, max_sequence_length=max_len)
+
+
+def cosine_lr(step: int, total: int, lr: float, min_ratio: float) -> float:
+    """``lr · (r + (1 − r)(1 + cos(π step/total))/2)``."""
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * step / max(total, 1))))
+
+
+def answer_loss(model, rows: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Mean cross entropy of the answer tokens of ``rows [N, P + L]`` given their prefix."""
+    pos = torch.arange(rows.shape[1]).expand_as(rows)
+    per_token = model(rows, pos, None, labels=torch.roll(rows, -1, dims=1))  # [N, S]
+    return per_token[:, prompt_len - 1: -1].float().mean()
+
+
+@torch.no_grad()
+def megatron_greedy(model, prompts: torch.Tensor, n_new: int, *, batch: int = 256) -> torch.Tensor:
+    """Greedy continuation ``[N, n_new]`` of equal-length ``prompts [N, P]`` (full recompute)."""
+    outs = []
+    for s in range(0, prompts.shape[0], batch):
+        seq = prompts[s:s + batch].clone()
+        for _ in range(n_new):
+            pos = torch.arange(seq.shape[1]).expand_as(seq)
+            seq = torch.cat([seq, model(seq, pos, None)[:, -1].argmax(-1, keepdim=True)], 1)
+        outs.append(seq[:, prompts.shape[1]:])
+    return torch.cat(outs)
+
+
+def cache_key(cfg: DemoConfig, world: int) -> str:
+    """Hash of everything that determines the trained teachers."""
+    blob = json.dumps({"format": CACHE_FORMAT, "teacher": asdict(cfg.teacher), "length": cfg.length,
+                       "letters": cfg.letters, "shift": cfg.shift, "seed": cfg.seed, "held_out": cfg.held_out,
+                       "world": world}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def train_teacher(task: str, cfg: DemoConfig, data: TaskData, *, bar=None) -> tuple[torch.nn.Module, float]:
+    """Train one teacher on ``task`` across the default group; returns (model, held-out accuracy)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from mcore_distill.testing import build_tiny_gpt, seed_all
+
+    t = cfg.teacher
+    rank = dist.get_rank()
+    seed_all(cfg.seed * 100 + DOMAINS.index(task) + 1)
+    model = build_tiny_gpt(tiny_cfg(t.model, max_len=data.prompt_len + cfg.length))
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr * t.min_lr_ratio,
+                                                 weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=True,
+                                                 bf16=False, fp16=False), [ddp])
+    g = torch.Generator().manual_seed(1000 * cfg.seed + 17 * rank + DOMAINS.index(task))
+    for step in range(t.steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, t.steps, t.lr, t.min_lr_ratio)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = answer_loss(ddp, data.full_rows(task, data.sample(task, t.batch, g)), data.prompt_len)
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        if bar is not None:
+            bar.update(1)
+            if step % 20 == 0:
+                bar.set_postfix(teacher=task, loss=f"{loss.item():.3f}")
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    acc = greedy_accuracy(model, task, data)
+    del opt, ddp
+    return model, acc
+
+
+def greedy_accuracy(model, task: str, data: TaskData) -> float:
+    x = data.held_out[task]
+    gen = megatron_greedy(model, prompts_from_letters(task, x), data.length)
+    return float(data.correct(task, x, gen).float().mean())
+
+
+def prepare_teachers(cfg: DemoConfig, data: TaskData, *, bar=None) -> dict:
+    """Train (or load from the cache) both teachers. Collective over the default group.
+
+    Returns ``{"folders": {task: shard folder}, "accuracy": {task: float}, "distill": {task: (x, y)},
+    "cached": bool}``; the distillation set holds ``teacher.distill_prompts`` training prompts per
+    domain with the teacher's greedy answers.
+    """
+    from mopd.megatron import save_teacher_checkpoint
+
+    world = dist.get_world_size()
+    root = Path(cfg.out_dir) / "cache" / cache_key(cfg, world)
+    meta_path = root / "meta.pt"
+    if cfg.use_cache and meta_path.exists():
+        meta = torch.load(meta_path, weights_only=True)
+        if bar is not None:
+            bar.update(cfg.teacher.steps * len(DOMAINS))
+        return {"folders": {t: str(root / t) for t in DOMAINS}, "accuracy": meta["accuracy"],
+                "distill": {t: (meta[f"{t}_x"], meta[f"{t}_y"]) for t in DOMAINS}, "cached": True}
+    accuracy, distill = {}, {}
+    g = torch.Generator().manual_seed(7919 * cfg.seed + 5)  # same on every rank
+    for task in DOMAINS:
+        model, acc = train_teacher(task, cfg, data, bar=bar)
+        accuracy[task] = acc
+        if acc < cfg.teacher.min_accuracy:
+            raise TeacherNotConvergedError(
+                f"teacher '{task}' reached {acc:.1%} held-out exact match after teacher.steps={cfg.teacher.steps}, "
+                f"below teacher.min_accuracy={cfg.teacher.min_accuracy}: a distillation table would be misleading; "
+                "raise teacher.steps or teacher.lr")
+        x = data.sample(task, cfg.teacher.distill_prompts, g)
+        distill[task] = (x, megatron_greedy(model, prompts_from_letters(task, x), data.length))
+        save_teacher_checkpoint(model, str(root / task))
+        del model
+    if dist.get_rank() == 0:
+        meta = {"accuracy": accuracy, **{f"{t}_x": distill[t][0] for t in DOMAINS},
+                **{f"{t}_y": distill[t][1] for t in DOMAINS}}
+        _atomic_save(meta, meta_path)
+    dist.barrier()
+    return {"folders": {t: str(root / t) for t in DOMAINS}, "accuracy": accuracy, "distill": distill,
+            "cached": False}
