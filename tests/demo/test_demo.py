@@ -1,0 +1,160 @@
+"""The demo pipeline end to end on 2 gloo ranks with a tiny config, plus its config and checkers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.demo.config import DemoConfig, DemoConfigError, MOPDStageConfig, TeacherTrainConfig, WarmStartConfig
+from examples.demo.tasks import FIRST_LETTER, TaskData, answer, prompts_from_letters
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "examples" / "demo" / "conf")
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    ConfigStore.instance().store(name="demo_schema", node=DemoConfig)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="demo", overrides=overrides)
+
+
+def test_yaml_equals_dataclass_defaults():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(_compose([]))
+    assert isinstance(cfg, DemoConfig)
+    assert asdict(cfg) == asdict(DemoConfig())  # one default per knob
+
+
+def test_hydra_names_a_wrong_key():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="stepz"):
+        _compose(["mopd.stepz=3"])
+
+
+@pytest.mark.parametrize("field,value,kw", [
+    ("mopd.forward", "dense", {"mopd": MOPDStageConfig(forward="dense")}),
+    ("teacher.min_accuracy", 1.5, {"teacher": TeacherTrainConfig(min_accuracy=1.5)}),
+    ("warm_start.lr", 0.0, {"warm_start": WarmStartConfig(lr=0.0)}),
+    ("shift", 16, {"shift": 16}),
+])
+def test_bad_values_name_field_and_value(field, value, kw):
+    with pytest.raises(DemoConfigError, match=rf"{field}={value!r}"):
+        DemoConfig(**kw).validate()
+
+
+def test_checkers():
+    x = torch.tensor([[0, 1, 2, 15]]) + FIRST_LETTER
+    assert answer("reverse", x, letters=16, shift=3).tolist() == [[20, 7, 6, 5]]
+    assert answer("shift", x, letters=16, shift=3).tolist() == [[8, 9, 10, 7]]  # 15 + 3 wraps to 2
+    assert prompts_from_letters("shift", x).tolist() == [[1, 4, 5, 6, 7, 20, 2]]
+    data = TaskData(length=4, letters=16, shift=3, held_out=8, seed=0)
+    held = {tuple(r) for r in data.held_out["reverse"].tolist()}
+    small = TaskData(length=2, letters=2, shift=1, held_out=3, seed=0)  # 4 possible rows, 3 held out
+    rows = small.sample("reverse", 50, torch.Generator().manual_seed(0)).tolist()
+    assert all(tuple(r) not in {tuple(h) for h in small.held_out["reverse"].tolist()} for r in rows)
+    assert not held & {tuple(r) for r in data.sample("reverse", 64, torch.Generator().manual_seed(1)).tolist()}
+
+
+def _tiny(out_dir: str, **over) -> DemoConfig:
+    cfg = DemoConfig(length=4, held_out=16, out_dir=out_dir, progress=False,
+                     teacher=TeacherTrainConfig(steps=30, batch=16, min_accuracy=0.0, distill_prompts=32),
+                     warm_start=WarmStartConfig(steps=3, batch=8),
+                     mopd=MOPDStageConfig(steps=2, prompts_per_step=2, group_size=4, eval_every=1))
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _pipeline_rank(rank: int, world: int, out_dir: str) -> dict:
+    from examples.demo.pipeline import run_demo
+    from examples.demo.report import table, write_outputs
+    from examples.demo.student import build_student, student_logprobs, warm_start
+    from examples.demo.teachers import TeacherNotConvergedError
+    from mcore_distill.testing import assert_close, destroy_megatron
+
+    torch.set_num_threads(1)
+    checks: dict = {}
+    cfg = _tiny(out_dir)
+    res = run_demo(cfg)
+    checks["first"] = {k: res[k] for k in ("teachers_cached", "engine_version", "accuracy", "teacher_accuracy")}
+    checks["max_engine_trainer"] = max(h["engine_trainer_max_abs"] for h in res["history"])
+    checks["sharing"] = [h["sharing_ratio"] for h in res["history"]]
+    if rank == 0:
+        paths = write_outputs(res, res.pop("history"), res.pop("evals"), out_dir)
+        checks["paths"] = paths
+        checks["table"] = table(res)
+    destroy_megatron()
+
+    res2 = run_demo(cfg)  # teachers from the cache
+    checks["second"] = {k: res2[k] for k in ("teachers_cached", "teacher_accuracy")}
+    destroy_megatron()
+
+    try:  # one step cannot reach 50%: the demo must refuse to print a table
+        run_demo(_tiny(out_dir, use_cache=False, teacher=TeacherTrainConfig(steps=1, batch=4, min_accuracy=0.5)))
+        checks["not_converged"] = None
+    except TeacherNotConvergedError as e:
+        checks["not_converged"] = str(e)
+    destroy_megatron()
+
+    # Tree (harts) vs plain student forward, and engine (published) vs Megatron logits, fp32.
+    from mcore_distill.testing import init_megatron
+
+    init_megatron(seed=0)
+    cfg = _tiny(out_dir)
+    data = TaskData(length=cfg.length, letters=cfg.letters, shift=cfg.shift, held_out=cfg.held_out, seed=0)
+    st = build_student(cfg, data)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.cat([data.sample("reverse", 3, g), data.sample("shift", 3, g)])
+    y = torch.randint(FIRST_LETTER, FIRST_LETTER + 16, (6, cfg.length), generator=g)
+    prompts = torch.cat([prompts_from_letters("reverse", x[:3]), prompts_from_letters("shift", x[3:])])
+    ids = torch.cat([prompts.repeat_interleave(2, 0), y.repeat(2, 1)], 1)  # shared prompts, forks
+    distill = {t: (x, y) for t in ("reverse", "shift")}
+    warm_start(st, cfg, data, distill)                                     # trains and publishes v2
+    st.ddp.eval()
+    with torch.no_grad():
+        tree, compression = student_logprobs(st, ids, cfg)
+        cfg.mopd.forward = "plain"
+        plain, _ = student_logprobs(st, ids, cfg)
+        assert_close("tree vs plain log-probs", plain, tree, atol=2e-5)
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        assert_close("engine vs Megatron logits", st.model(ids, pos, None).float(), st.engine.logits(ids), atol=2e-5)
+    checks["compression"] = compression
+    checks["version"] = st.engine.weight_version()
+    return checks
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(150)
+def test_demo_pipeline_two_ranks(tmp_path):
+    from mcore_distill.testing import run_ranks
+
+    out = run_ranks(_pipeline_rank, 2, str(tmp_path), timeout=140)
+    for c in out:
+        first = c["first"]
+        assert first["teachers_cached"] is False and c["second"]["teachers_cached"] is True
+        assert c["second"]["teacher_accuracy"] == first["teacher_accuracy"]
+        assert first["engine_version"] == 1 + 1 + 2  # init, after warm start, one per MOPD step
+        for stage in ("before", "warm_start", "mopd"):
+            assert set(first["accuracy"][stage]) == {"reverse", "shift"}
+            assert all(0.0 <= v <= 1.0 for v in first["accuracy"][stage].values())
+        assert c["max_engine_trainer"] < 1e-4  # on-policy: behaviour log-probs = trainer log-probs
+        assert all(1.5 < s < 4.0 for s in c["sharing"])  # groups of 4 share a 7-token prompt
+        assert c["not_converged"] is not None and "teacher.min_accuracy=0.5" in c["not_converged"]
+        assert c["version"] == 2 and c["compression"] > 1.2
+    assert out[0]["first"]["accuracy"] == out[1]["first"]["accuracy"]  # all-reduced
+    paths = out[0]["paths"]
+    saved = json.loads(Path(paths["json"]).read_text())
+    assert len(saved["history"]) == 2 and saved["evals"][-1]["step"] == 2
+    assert Path(paths["png"]).stat().st_size > 10_000
+    assert any(Path(paths["tensorboard"]).glob("events.out.tfevents.*"))
+    assert "student after MOPD" in out[0]["table"]
