@@ -62,7 +62,7 @@ class TeacherTrainConfig:
 class WarmStartConfig:
     """Sequence-level distillation of the student on teacher outputs, before MOPD."""
 
-    steps: int = 60
+    steps: int = 90
     """Optimizer steps (0 skips the warm start)."""
     batch: int = 32
     """Sequences per rank per step (half of each domain)."""
@@ -74,7 +74,7 @@ class WarmStartConfig:
 class MOPDStageConfig:
     """The on-policy phase: rollouts, tree packing, routed teachers, MOPD loss, publish."""
 
-    steps: int = 60
+    steps: int = 250
     """Optimizer steps."""
     prompts_per_step: int = 4
     """Prompts per rank per step (alternating domains)."""
@@ -82,17 +82,17 @@ class MOPDStageConfig:
     """Samples per prompt (a GRPO group; the prompt is shared in the tree)."""
     temperature: float = 1.0
     """Rollout and scoring temperature."""
-    lr: float = 2e-3
+    lr: float = 1e-3
     """Peak learning rate (cosine decay to 10%)."""
     is_cap: float = 5.0
     """Truncated importance-weight cap (``MOPDLossConfig.is_cap``)."""
-    adv_clip: float = 10.0
+    adv_clip: float = 3.0
     """Per-token advantage clip (``MOPDLossConfig.adv_clip``)."""
     forward: str = "tree"
     """``tree`` (harts: shared prompts packed once, tree attention) or ``plain`` ([B, S] batch)."""
     attention_backend: str = "dense"
     """harts attention backend: ``dense`` on CPU; ``flex`` or ``varlen`` on CUDA."""
-    eval_every: int = 10
+    eval_every: int = 25
     """Held-out evaluation period in steps (and at the last step)."""
 
 

@@ -1,4 +1,4 @@
-"""The whole demo as one function over an initialized default process group (gloo or NCCL)."""
+"""The whole demo as one function over an initialized gloo default process group (CPU)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ def _bar(total: int, desc: str, enabled: bool):
 def run_demo(cfg: DemoConfig) -> dict:
     """Teachers → student warm start → MOPD. Collective; every rank returns the results dict
     (``accuracy[stage][domain]``, ``teacher_accuracy``, ``history``, ``evals``, timings)."""
-    from mcore_distill.testing import init_megatron
-
     from examples.demo.student import build_pool, build_student, engine_accuracy, mopd_step, warm_start
     from examples.demo.teachers import prepare_teachers
+    from mcore_distill.testing import init_megatron
 
     cfg.validate()
     rank, world = dist.get_rank(), dist.get_world_size()

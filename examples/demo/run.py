@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU-only demo: its tensors are created on the host (docs/demo.md)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hydra  # noqa: E402
@@ -38,15 +39,11 @@ def main(dcfg: DictConfig) -> None:
     logging.getLogger().setLevel(logging.WARNING)  # Megatron / publisher INFO lines would break the bar
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        from mcore_distill import cpu_compat
+    from mcore_distill import cpu_compat
 
-        cpu_compat.enable()
-        torch.set_num_threads(1)
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    cpu_compat.enable()
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
     from examples.demo.pipeline import acceptance, run_demo
     from examples.demo.report import table, write_outputs
 

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.demo.config import DemoConfig, DemoConfigError, MOPDStageConfig, TeacherTrainConfig, WarmStartConfig
+from examples.demo.config import (
+    DemoConfig,
+    DemoConfigError,
+    MOPDStageConfig,
+    TeacherTrainConfig,
+    WarmStartConfig,
+)
 from examples.demo.tasks import FIRST_LETTER, TaskData, answer, prompts_from_letters
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "examples" / "demo" / "conf")
