@@ -62,12 +62,14 @@ class TeacherTrainConfig:
 class WarmStartConfig:
     """Sequence-level distillation of the student on teacher outputs, before MOPD."""
 
-    steps: int = 90
+    steps: int = 150
     """Optimizer steps (0 skips the warm start)."""
     batch: int = 32
     """Sequences per rank per step (half of each domain)."""
     lr: float = 3e-3
     """Learning rate (constant)."""
+    mix: dict[str, float] = field(default_factory=lambda: {"reverse": 0.7, "shift": 0.3})
+    """Share of each domain in a warm-start batch (normalized; every domain must be listed)."""
 
 
 @dataclass(kw_only=True)
@@ -142,6 +144,10 @@ class DemoConfig:
         for name, v in (("teacher.lr", self.teacher.lr), ("warm_start.lr", self.warm_start.lr),
                         ("mopd.lr", self.mopd.lr), ("mopd.temperature", self.mopd.temperature)):
             _check(v > 0, name, v, "must be > 0")
+        _check(set(self.warm_start.mix) == {"reverse", "shift"}, "warm_start.mix", dict(self.warm_start.mix),
+               "needs exactly the keys reverse, shift")
+        _check(all(v >= 0 for v in self.warm_start.mix.values()) and sum(self.warm_start.mix.values()) > 0,
+               "warm_start.mix", dict(self.warm_start.mix), "shares must be >= 0 with a positive sum")
         _check(0.0 <= self.teacher.min_accuracy <= 1.0, "teacher.min_accuracy", self.teacher.min_accuracy,
                "must be in [0, 1]")
         _check(self.mopd.forward in ("tree", "plain"), "mopd.forward", self.mopd.forward, "one of tree|plain")

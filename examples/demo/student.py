@@ -109,18 +109,21 @@ def engine_accuracy(st: Student, cfg: DemoConfig, data: TaskData) -> dict[str, f
 
 
 def warm_start(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, *, bar=None) -> None:
-    """Sequence-level KD: cross entropy on the teachers' greedy answers, both domains per batch."""
+    """Sequence-level KD: cross entropy on the teachers' greedy answers, domains mixed by ``warm_start.mix``."""
     w = cfg.warm_start
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(31 * cfg.seed + rank + 3)
     st.ddp.train()
-    half = max(w.batch // len(DOMAINS), 1)
+    total = sum(w.mix.values())
+    counts = {t: round(w.batch * w.mix[t] / total) for t in DOMAINS}
     for step in range(w.steps):
         _set_lr(st.opt, w.lr)
         rows = []
         for task in DOMAINS:
+            if counts[task] == 0:
+                continue
             x, y = distill[task]
-            pick = torch.randint(0, x.shape[0], (half,), generator=g)
+            pick = torch.randint(0, x.shape[0], (counts[task],), generator=g)
             rows.append(torch.cat([prompts_from_letters(task, x[pick]), y[pick]], 1))
         st.ddp.zero_grad_buffer()
         st.opt.zero_grad()
