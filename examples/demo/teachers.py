@@ -129,7 +129,8 @@ def prepare_teachers(cfg: DemoConfig, data: TaskData, *, bar=None) -> dict:
     world = dist.get_world_size()
     root = Path(cfg.out_dir) / "cache" / cache_key(cfg, world)
     meta_path = root / "meta.pt"
-    if cfg.use_cache and meta_path.exists():
+    complete = meta_path.exists() and all(any((root / t).glob("shard_*.pt")) for t in DOMAINS)
+    if cfg.use_cache and complete:  # an incomplete cache folder (a deleted shard) is retrained
         meta = torch.load(meta_path, weights_only=True)
         if bar is not None:
             bar.update(cfg.teacher.steps * len(DOMAINS))
