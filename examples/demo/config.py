@@ -84,7 +84,7 @@ class MOPDStageConfig:
     """Samples per prompt (a GRPO group; the prompt is shared in the tree)."""
     temperature: float = 1.0
     """Rollout and scoring temperature."""
-    lr: float = 1e-3
+    lr: float = 5e-4
     """Peak learning rate (cosine decay to 10%)."""
     is_cap: float = 5.0
     """Truncated importance-weight cap (``MOPDLossConfig.is_cap``)."""
