@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from examples.demo.tasks import DOMAINS
@@ -28,10 +29,10 @@ def table(results: dict) -> str:
 
 def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir: str) -> dict[str, str]:
     """JSON of everything, ``demo.png`` (accuracy, reward = −KL, tokens/s, sharing ratio) and
-    TensorBoard scalars under ``<out_dir>/tb``. Returns the written paths."""
+    TensorBoard scalars under ``<out_dir>/tb/run-<time>``. Returns the written paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": str(out / "results.json"), "png": str(out / "demo.png"), "tensorboard": str(out / "tb")}
+    paths = {"json": str(out / "results.json"), "png": str(out / "demo.png"), "tensorboard": str(out / "tb" / time.strftime("run-%Y%m%d-%H%M%S"))}
     tmp = out / f".results.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps({"results": results, "history": history, "evals": evals}, indent=1))
     os.replace(tmp, paths["json"])

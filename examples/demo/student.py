@@ -175,10 +175,11 @@ def mopd_step(st: Student, cfg: DemoConfig, data: TaskData, pool, step: int, g: 
     old = torch.zeros(B, S)
     old[:, P - 1:P - 1 + L] = torch.tensor(res.logprobs)              # label layout: old[:, t] ↔ ids[:, t+1]
     samples = [{"task": t} for t in tasks for _ in range(m.group_size)]
-    routes = stamp_routes(samples, routing_spec())
+    spec = routing_spec()
+    routes = stamp_routes(samples, spec)                              # samples[i]["mopd_route"] = its task
     batch = TokenBatch(ids, torch.full((B,), S), torch.full((B,), P - 1))
-    mask = batch.label_mask()
-    targets, _ = score_routed(pool, batch, routes, routing_spec(), old_logp=old, loss_mask=mask)
+    mask = batch.label_mask()                                         # [B, S]: the L answer labels
+    targets, _ = score_routed(pool, batch, routes, spec, old_logp=old, loss_mask=mask)
     t_score = time.perf_counter()
 
     st.ddp.train()
