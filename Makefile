@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: setup demo test gpu-test lint clean
 
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_tiny_gpt.py
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/demo/run.py $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not gpu and not sglang" tests $(PYTEST_ARGS)
