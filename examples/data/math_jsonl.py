@@ -23,7 +23,8 @@ class MathRecord:
     """One math prompt with its answer key."""
 
     id: str
-    """Stable id: the configured source id, or ``<format>-<16 hex of sha256(messages, ground truth)>``."""
+    """Stable id: the configured source id, or ``<format>-<16 hex of sha256(source messages, ground
+    truth)>`` (before ``system_prompt``/``instruction`` are applied; identical rows share an id)."""
 
     task: str
     """Routing task (``MathDataConfig.task``)."""
@@ -99,7 +100,7 @@ def _messages(config: MathDataConfig, obj: dict, line: int) -> tuple[list[dict[s
             raise _record_error(
                 config, line, f"field {config.answer_field!r} has no '#### <answer>' suffix: {a[-80:]!r}"
             )
-        messages = [{"role": "user", "content": q.strip() + config.instruction}]
+        messages = [{"role": "user", "content": q.strip()}]
     else:
         p, gt = _get(obj, config.prompt_field), _get(obj, config.ground_truth_field)
         if not isinstance(p, list) or not p:
@@ -132,8 +133,6 @@ def _messages(config: MathDataConfig, obj: dict, line: int) -> tuple[list[dict[s
                 f"field {config.ground_truth_field!r} missing or not a non-empty string/number (got {gt if gt is not _MISSING else 'nothing'!r})",
             )
         gt = str(gt).strip()
-    if config.system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": config.system_prompt})
     return messages, gt
 
 
@@ -177,6 +176,10 @@ def load_math_jsonl(config: MathDataConfig, *, tokenizer: Any = None) -> list[Ma
                 raise _record_error(config, line_no, f"expected a JSON object, got {type(obj).__name__}")
             messages, gt = _messages(config, obj, line_no)
             rid = _record_id(config, obj, line_no, messages, gt)
+            if config.format == "gsm8k" and config.instruction:
+                messages[-1]["content"] += config.instruction
+            if config.system_prompt is not None and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": config.system_prompt})
             if config.id_field is not None and rid in seen:
                 raise MathDataConfigError(
                     f"MathDataConfig.id_field={config.id_field!r}: id {rid!r} repeats at {config.path}:{seen[rid]} and :{line_no}"

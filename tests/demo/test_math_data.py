@@ -157,7 +157,7 @@ _texts = st.recursive(
 )
 
 
-@settings(max_examples=400, deadline=None, derandomize=True)
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
 @given(_texts, _texts)
 def test_fast_path_matches_reference(response, other):
     got, ref = extract_answer(response), reference_extract_answer(response)
@@ -194,9 +194,11 @@ def test_gsm8k_chat_template_ids_and_rewards(tmp_path):
         assert math_reward(row["answer"], rec.ground_truth) == 1.0
         assert math_reward("#### 999", rec.ground_truth) == 0.0
     # ids are content hashes: stable across runs and under reordering, distinct per record
+    # (the configured system prompt and instruction do not enter the id)
     shuffled = load_math_jsonl(
-        MathDataConfig(path=_write(tmp_path / "rev.jsonl", GSM8K_ROWS[::-1]), system_prompt="be brief"),
+        MathDataConfig(path=_write(tmp_path / "rev.jsonl", GSM8K_ROWS[::-1]), instruction=" Think."),
     )
+    assert shuffled[-1].messages == [{"role": "user", "content": "what is 2 + 3 ? Think."}]
     assert {r.id: r.ground_truth for r in shuffled} == {r.id: r.ground_truth for r in recs}
     assert len({r.id for r in recs}) == 3 and all(r.id.startswith("gsm8k-") for r in recs)
     assert len(load_math_jsonl(MathDataConfig(path=path, max_records=2))) == 2
