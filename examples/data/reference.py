@@ -41,48 +41,44 @@ def _last_boxed(text: str) -> str | None:
 
 
 def _is_comma_int(s: str) -> bool:
-    groups = s.split(",")
-    if len(groups) < 2 or not (1 <= len(groups[0]) <= 3):
-        return False
-    return all(g and all(c in _DIGITS for c in g) for g in groups[:1]) and all(
-        len(g) == 3 and all(c in _DIGITS for c in g) for g in groups[1:]
+    """``s`` is 1-3 digits followed by one or more ``,ddd`` groups."""
+    head, *groups = s.split(",")
+    return (
+        bool(groups)
+        and 1 <= len(head) <= 3
+        and all(c in _DIGITS for c in head)
+        and all(len(g) == 3 and all(c in _DIGITS for c in g) for g in groups)
     )
 
 
-def _read_number(text: str, i: int) -> int:
-    """End index of the number starting at digit ``text[i]`` (same grammar as the fast path)."""
-    n = len(text)
-    j = i
-    while j < n and text[j] in _DIGITS:
+def _skip_digits(text: str, j: int) -> int:
+    while j < len(text) and text[j] in _DIGITS:
         j += 1
-    # thousands groups ",ddd" are taken only when the run of leading digits is 1-3 long
-    # and every group has exactly three digits not followed by another digit
+    return j
+
+
+def _read_number(text: str, i: int) -> int:
+    """End index of the number starting at digit ``text[i]`` (same grammar as the fast path).
+
+    Grammar: digits, or 1-3 digits plus ``,ddd`` groups (a group followed by a digit is not taken);
+    then an optional ``.digits``; then an optional ``/digits`` with an optional ``.digits``.
+    """
+    n = len(text)
+    j = _skip_digits(text, i)
     if j - i <= 3:
-        k = j
         while (
-            k + 3 < n + 1
-            and k < n
-            and text[k] == ","
-            and all(k + t < n and text[k + t] in _DIGITS for t in (1, 2, 3))
-            and not (k + 4 < n and text[k + 4] in _DIGITS)
+            j + 3 < n
+            and text[j] == ","
+            and all(text[j + t] in _DIGITS for t in (1, 2, 3))
+            and not (j + 4 < n and text[j + 4] in _DIGITS)
         ):
-            k += 4
-        # the regex needs the last group to be followed by a non-digit; groups checked above
-        j = k
-    for sep in (".", "/"):
-        if sep == "/" and j < n and text[j] == "/":
-            if j + 1 < n and text[j + 1] in _DIGITS:
-                j += 1
-                while j < n and text[j] in _DIGITS:
-                    j += 1
-                if j + 1 < n and text[j] == "." and text[j + 1] in _DIGITS:
-                    j += 1
-                    while j < n and text[j] in _DIGITS:
-                        j += 1
-        elif sep == "." and j + 1 < n and text[j] == "." and text[j + 1] in _DIGITS:
-            j += 1
-            while j < n and text[j] in _DIGITS:
-                j += 1
+            j += 4
+    if j + 1 < n and text[j] == "." and text[j + 1] in _DIGITS:
+        j = _skip_digits(text, j + 1)
+    if j + 1 < n and text[j] == "/" and text[j + 1] in _DIGITS:
+        j = _skip_digits(text, j + 1)
+        if j + 1 < n and text[j] == "." and text[j + 1] in _DIGITS:
+            j = _skip_digits(text, j + 1)
     return j
 
 
