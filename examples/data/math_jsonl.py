@@ -162,7 +162,7 @@ def load_math_jsonl(config: MathDataConfig, *, tokenizer: Any = None) -> list[Ma
         raise FileNotFoundError(f"MathDataConfig.path={config.path!r} is not an existing file")
     records: list[MathRecord] = []
     seen: dict[str, int] = {}
-    with open(config.path, encoding="utf-8") as f:
+    with open(config.path, encoding="utf-8-sig") as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
