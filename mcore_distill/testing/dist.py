@@ -17,6 +17,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 import torch
@@ -141,10 +142,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
                 )
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty
+            except Empty:
+                # a rank killed before reporting (e.g. by a signal) would otherwise wait out the timeout
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and len(results) < world_size and queue.empty():
-                    time.sleep(0.5)
+                if dead:
+                    time.sleep(0.5)  # let a report already in flight arrive
                     if queue.empty():
                         raise RankFailed(
                             f"{getattr(fn, '__name__', fn)}: rank process exited with code "
