@@ -23,10 +23,8 @@ def _per_sequence(model, seqs, device="cpu"):
     lps, ents = [], []
     for s in seqs:
         t = torch.tensor(s, device=device)
-        # explicit causal mask: Megatron's default mask is built on "cuda", which the CPU shim cannot
-        # redirect inside a recompute backward (autograd thread)
-        causal = torch.triu(torch.ones(len(s), len(s), dtype=torch.bool, device=device), diagonal=1)[None, None]
-        logits = model(t[None], torch.arange(len(s), device=device)[None], causal, runtime_gather_output=True)[0]  # [L, V]
+        # Megatron's own causal mask (attention_mask=None): the per-sequence reference runs unmodified
+        logits = model(t[None], torch.arange(len(s), device=device)[None], None, runtime_gather_output=True)[0]  # [L, V]
         lp = torch.log_softmax(logits.double(), -1)[:-1]
         lps.append(lp.gather(-1, t[1:, None]).squeeze(-1))
         ents.append(-(lp.exp() * lp).sum(-1))
