@@ -102,7 +102,14 @@ class HTTPTeacher:
     temperature}``, ``return_logprob=true`` and per-row ``logprob_start_len``, and reads
     ``meta_info.input_token_logprobs`` (entries ``[logprob, token_id, ...]`` for token
     positions ``start .. len−1`` with ``start = score_from``; SGLang pads entry 0 with None).
-    Every returned token id is checked against the request.
+    Every returned token id is checked against the request (a misaligned reply raises).
+
+    SGLang's reply contract (read from SGLang 0.5.17's scheduler): entry ``i ≥ 1`` holds
+    log softmax(z_{start+i−1})[x_{start+i}] with the *true* token id, but the reported id is
+    passed through ``id if id < vocab_size − 1 else 0`` (meant for multimodal hash ids), so
+    the last vocabulary id ``vocab_size − 1`` comes back as 0. With ``vocab_size`` given, that
+    one substitution is accepted (only for a request id of ``vocab_size − 1``); without it,
+    such a reply is refused with an error naming the fix.
 
     Temperature: the teacher must score at the rollout temperature τ. SGLang returns
     *unscaled* input-token log-probs by default, so τ ≠ 1 is refused unless
@@ -118,7 +125,8 @@ class HTTPTeacher:
 
     def __init__(self, teacher_id: str, url: str, *, temperature: float = 1.0, timeout_s: float = 60.0,
                  max_retries: int = 2, retry_backoff_s: float = 0.5, max_batch: int = 64,
-                 max_new_tokens: int = 1, server_scales_temperature: bool = False) -> None:
+                 max_new_tokens: int = 1, server_scales_temperature: bool = False,
+                 vocab_size: int | None = None) -> None:
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
         if temperature != 1.0 and not server_scales_temperature:
@@ -128,6 +136,10 @@ class HTTPTeacher:
                 "server_scales_temperature=True for such a server")
         if max_new_tokens not in (0, 1):
             raise ValueError(f"max_new_tokens must be 0 or 1, got {max_new_tokens!r}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or vocab_size < 2):
+            raise ValueError(f"vocab_size must be an int >= 2 or None, got {vocab_size!r}")
+        self.vocab_size = vocab_size
         self.teacher_id, self.url = teacher_id, url.rstrip("/")
         self.temperature, self.timeout_s = float(temperature), float(timeout_s)
         self.max_retries, self.retry_backoff_s, self.max_batch = max_retries, retry_backoff_s, max_batch
@@ -137,10 +149,16 @@ class HTTPTeacher:
 
     @classmethod
     def from_spec(cls, teacher_id: str, spec: Any, *, temperature: float) -> HTTPTeacher:
-        """Build from a :class:`mopd.config.TeacherSpec` (``backend='http'``)."""
+        """Build from a :class:`mopd.config.TeacherSpec` (``backend='http'``); ``vocab_size`` is
+        ``spec.vocab_size`` or else read from ``spec.hf_path``'s ``config.json``."""
+        vocab_size = spec.vocab_size
+        if vocab_size is None and spec.hf_path:
+            cfg = Path(spec.hf_path) / "config.json"
+            if cfg.is_file():
+                vocab_size = json.loads(cfg.read_text()).get("vocab_size")
         return cls(teacher_id, spec.url, temperature=temperature, timeout_s=spec.timeout_s,
                    max_retries=spec.max_retries, retry_backoff_s=spec.retry_backoff_s, max_batch=spec.max_batch,
-                   server_scales_temperature=spec.server_scales_temperature)
+                   server_scales_temperature=spec.server_scales_temperature, vocab_size=vocab_size)
 
     def _request(self, path: str, payload: dict | None) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
@@ -223,11 +241,17 @@ class HTTPTeacher:
         if len(entries) != length - start:
             raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} got {len(entries)} input log-probs, "
                                      f"expected {length - start} (length {length}, logprob_start_len {start})")
+        last_id = None if self.vocab_size is None else self.vocab_size - 1
         for i, e in enumerate(entries):
             pos = start + i
-            if int(e[1]) != int(ids[pos]):
+            got, want = int(e[1]), int(ids[pos])
+            if got != want and not (got == 0 and want == last_id):
+                hint = ""
+                if got == 0 and last_id is None:
+                    hint = (" (SGLang reports the last vocabulary id, vocab_size-1, as 0: if "
+                            f"{want} is vocab_size-1, pass vocab_size={want + 1} / set TeacherSpec.vocab_size)")
                 raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} position {pos}: server token id "
-                                         f"{e[1]} != request id {int(ids[pos])} (misaligned log-probs)")
+                                         f"{got} != request id {want} (misaligned log-probs){hint}")
             if i == 0:
                 continue  # SGLang always pads the first entry with None
             if e[0] is None:

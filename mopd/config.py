@@ -212,6 +212,10 @@ class TeacherSpec:
     server_scales_temperature: bool = False
     """http backend: the server returns input-token log-probs of softmax(logits / τ) for the
     request temperature (required when ``rollout_temperature != 1``; SGLang does not by default)."""
+    vocab_size: int | None = None
+    """http backend: the served model's ``vocab_size`` (default: read from ``hf_path``'s
+    ``config.json``). SGLang reports input token id ``vocab_size − 1`` as 0; knowing the size
+    lets the client accept exactly that substitution while checking every other id."""
 
     def __post_init__(self) -> None:
         _choice("teacher.backend", self.backend, BACKENDS)
@@ -223,6 +227,9 @@ class TeacherSpec:
         _finite("teacher.retry_backoff_s", self.retry_backoff_s, nonneg=True)
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ConfigError(f"teacher.max_batch must be a positive int, got {self.max_batch!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 2):
+            raise ConfigError(f"teacher.vocab_size must be an int >= 2 or None, got {self.vocab_size!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -7,8 +7,18 @@ Contract implemented (subset of SGLang's native API): POST ``/generate`` with ``
 ``meta_info.input_token_logprobs = [[logprob | None, token_id, None], ...]`` for token
 positions ``logprob_start_len .. len−1``: the log-prob of that token given its prefix under
 softmax(logits / temperature); the first entry is always ``None`` (as SGLang pads it). Unlike
-SGLang's default, log-probs are scaled by the request temperature. Run: ``python -m mopd.hf_server
---model-dir DIR --port P``.
+SGLang's default, log-probs are scaled by the request temperature.
+
+``mode="sglang-0.5.17"`` reproduces SGLang 0.5.17's reply exactly where it differs (read from
+its source: ``scheduler_components/logprob_result_processor.py`` and ``schedule_batch.py``):
+
+* input-token log-probs are plain ``log_softmax(logits)``: the request temperature scales only
+  sampling and output-token log-probs, never ``input_token_logprobs``;
+* the reported token id of every entry is ``id if id < vocab_size − 1 else 0``, so the last
+  vocabulary id comes back as 0 (the value is still computed for the true id);
+* request ids outside ``[0, vocab_size)`` are rejected (HTTP 400), as its tokenizer manager does.
+
+Run: ``python -m mopd.hf_server --model-dir DIR --port P [--mode sglang-0.5.17]``.
 """
 
 from __future__ import annotations
@@ -24,7 +34,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["HFTeacherServer", "ServerFaults"]
+__all__ = ["MODES", "HFTeacherServer", "ServerFaults"]
+
+MODES = ("reference", "sglang-0.5.17")
 
 
 @dataclass(kw_only=True)
@@ -37,12 +49,20 @@ class ServerFaults:
     """Answer the first N requests (any path) with HTTP 503."""
     nan_at: tuple[int, int] | None = None
     """(row, token position) whose returned log-prob is NaN."""
+    wrong_id_at: tuple[int, int, int] | None = None
+    """(row, token position, reported id): report this id there instead (a misaligned server)."""
 
 
 class HFTeacherServer:
-    """Serve ``model`` (a transformers causal LM, eval mode) on ``host:port`` in a thread."""
+    """Serve ``model`` (a transformers causal LM, eval mode) on ``host:port`` in a thread;
+    ``mode`` is ``reference`` or ``sglang-0.5.17`` (module docstring)."""
 
-    def __init__(self, model: Any, *, host: str = "127.0.0.1", port: int = 0, faults: ServerFaults | None = None):
+    def __init__(self, model: Any, *, host: str = "127.0.0.1", port: int = 0, faults: ServerFaults | None = None,
+                 mode: str = "reference"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.vocab_size = int(model.config.vocab_size)
         self.model = model.eval()
         self.faults = faults or ServerFaults()
         self.requests = 0
@@ -125,17 +145,23 @@ class HFTeacherServer:
                 raise ValueError("this server generates at most one token")
             if not 0 <= int(start) < len(row):
                 raise ValueError(f"logprob_start_len {start} outside [0, {len(row)})")
+            sglang = self.mode == "sglang-0.5.17"
+            if sglang and any(not 0 <= t < self.vocab_size for t in row):
+                raise ValueError(f"input_ids of row {r} hold ids outside [0, {self.vocab_size})")
             x = torch.tensor([row], dtype=torch.long)
             with self._lock:
                 logits = self.model(input_ids=x).logits[0].double()
-            scale = temperature if temperature > 0 else 1.0
+            scale = temperature if temperature > 0 and not sglang else 1.0
             logp = torch.log_softmax(logits / scale, -1)
             entries = []
             for pos in range(int(start), len(row)):
                 value = None if pos == int(start) else float(logp[pos - 1, row[pos]])
                 if self.faults.nan_at == (r, pos):
                     value = math.nan
-                entries.append([value, row[pos], None])
+                tid = row[pos] if not sglang or row[pos] < self.vocab_size - 1 else 0
+                if self.faults.wrong_id_at is not None and self.faults.wrong_id_at[:2] == (r, pos):
+                    tid = self.faults.wrong_id_at[2]
+                entries.append([value, tid, None])
             nxt = int(logits[-1].argmax())
             out.append({"output_ids": [nxt] if int(p.get("max_new_tokens", 1)) else [],
                         "meta_info": {"input_token_logprobs": entries, "prompt_tokens": len(row)}})
@@ -147,11 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--mode", choices=MODES, default="reference")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    server = HFTeacherServer(model, host=args.host, port=args.port)
+    server = HFTeacherServer(model, host=args.host, port=args.port, mode=args.mode)
     print(f"serving {args.model_dir} at {server.url}", flush=True)
     server.httpd.serve_forever()
 

@@ -167,19 +167,20 @@ def test_every_teacher_config_value_reaches_the_backends(cpu_megatron, tmp_path)
     from mopd.megatron import MegatronTeacherHost, build_teacher_pool
 
     covered = {"backend", "checkpoint", "url", "timeout_s", "max_retries", "retry_backoff_s", "max_batch",
-               "server_scales_temperature", "hf_path"}  # hf_path: pre-flight fingerprints (test_preflight)
+               "server_scales_temperature", "vocab_size", "hf_path"}  # hf_path: pre-flight fingerprints (test_preflight)
     assert {f.name for f in dataclasses.fields(TeacherSpec)} == covered, "cover the new TeacherSpec field"
     cfg = MOPDConfig(
         teachers={"m": TeacherSpec(checkpoint=str(tmp_path / "m")),
                   "h": TeacherSpec(backend="http", url="http://h:1", timeout_s=7.0, max_retries=5,
-                                   retry_backoff_s=0.25, max_batch=3, server_scales_temperature=True)},
+                                   retry_backoff_s=0.25, max_batch=3, server_scales_temperature=True,
+                                   vocab_size=48)},
         routing=RoutingSpec(routes={"r": {"m": 1.0, "h": 1.0}}), rollout_temperature=0.6,
         divergence=DivergenceConfig(temperature=0.6), pool=TeacherPoolConfig(prefetch=False, wait_timeout_s=12.0))
     host = MegatronTeacherHost(_gpt(3))
     pool = build_teacher_pool(cfg, host=host)
     h, m = pool._backends["h"], pool._backends["m"]
-    assert (h.url, h.timeout_s, h.max_retries, h.retry_backoff_s, h.max_batch, h.temperature) == (
-        "http://h:1", 7.0, 5, 0.25, 3, 0.6)
+    assert (h.url, h.timeout_s, h.max_retries, h.retry_backoff_s, h.max_batch, h.temperature, h.vocab_size) == (
+        "http://h:1", 7.0, 5, 0.25, 3, 0.6, 48)
     assert (m.checkpoint, m.temperature, m.host) == (str(tmp_path / "m"), 0.6, host)
     assert pool.config.prefetch is False and pool.config.wait_timeout_s == 12.0
     with pytest.raises(ValueError, match="no MegatronTeacherHost"):

@@ -1,14 +1,20 @@
-"""GPU lane, real SGLang: HTTPTeacher log-probs from an SGLang server equal the Megatron
-teacher's for the same weights (bf16 server vs fp32 Megatron, bf16 tolerance).
+"""GPU lane, real SGLang 0.5.17: HTTPTeacher log-probs from an SGLang HTTP server equal the
+Megatron teacher's for the same weights (bf16 server vs fp32 Megatron on bf16-rounded weights).
 
 Run on the H200 with the carried SGLang batches (see ../shared/tools/sglang-gpu/README.md):
-``bash .sgl/scripts/go.sh -m pytest -m sglang tests/mopd/test_mopd_sglang.py -q -x``
+``bash .sgl/scripts/go.sh -m pytest -m sglang tests/mopd/test_mopd_sglang.py -q -x -s``
 (first server start ~90-110 s on a fresh box; the whole file ≤ ~4 min).
+
+The server runs in its own process group and is killed (SIGTERM, then SIGKILL) in a ``finally``;
+start-up, health and every request have timeouts, so a broken server fails these tests and
+never hangs or kills pytest. The CPU twin of the reply contract checked here is
+``tests/mopd/test_http_teacher.py`` (``HFTeacherServer(mode="sglang-0.5.17")``).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +33,16 @@ from tests.mopd.mopd_helpers import token_batch
 
 pytestmark = [pytest.mark.sglang, pytest.mark.gpu]
 
-CFG = TinyGPTConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_attention_heads=4, num_query_groups=2,
+V = 1024
+CFG = TinyGPTConfig(vocab_size=V, hidden_size=256, num_layers=2, num_attention_heads=4, num_query_groups=2,
                     ffn_hidden_size=512, max_sequence_length=256)
 SHAPE = QwenShape(num_layers=2, num_attention_heads=4, num_query_groups=2, head_dim=64)
+START_TIMEOUT_S = 360.0
+
+# bf16 tolerance on |Δ log p| per scored token: SGLang computes activations and logits in bf16
+# (relative rounding 2^-8 ≈ 0.4% per op, logits here of magnitude ~5-10 after the ×10 head),
+# Megatron in fp32 on the same bf16-rounded weights.
+MEAN_TOL, MAX_TOL = 0.02, 0.15
 
 
 @pytest.fixture(scope="module")
@@ -53,88 +66,149 @@ def megatron_state():
     torch.distributed.destroy_process_group()
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (scheduler/detokenizer children too), then SIGKILL."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 @pytest.fixture(scope="module")
 def sglang_url(megatron_state, tmp_path_factory):
     from transformers import Qwen3ForCausalLM
 
     d = tmp_path_factory.mktemp("qwen3_tiny")
-    hf = Qwen3ForCausalLM(hf_qwen3_config(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_size,
+    hf = Qwen3ForCausalLM(hf_qwen3_config(vocab_size=V, hidden_size=CFG.hidden_size,
                                           ffn_hidden_size=CFG.ffn_hidden_size, shape=SHAPE,
                                           max_position_embeddings=CFG.max_sequence_length))
     sd = {k: v for k, v in megatron_state.state_dict().items() if isinstance(v, torch.Tensor)}
     hf.load_state_dict(megatron_to_hf_qwen3(sd, SHAPE), strict=True)
     hf.to(torch.bfloat16).save_pretrained(d)
     port = free_port()
-    log = open(d / "server.log", "w")  # noqa: SIM115 - closed below
-    # asks for temperature-scaled input log-probs; builds that ignore it fail the T=0.7 test
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SGLANG_TEMP_SCALED_LOGPROBS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(d), "--host", "127.0.0.1", "--port",
-         str(port), "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-         "--grammar-backend", "none", "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--dtype",
-         "bfloat16", "--disable-cuda-graph"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    log_path = d / "server.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
     url = f"http://127.0.0.1:{port}"
-    probe = HTTPTeacher("probe", url, timeout_s=5.0, max_retries=0)
-    deadline = time.monotonic() + 400
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sglang exited with {proc.returncode}:\n{(d / 'server.log').read_text()[-4000:]}")
-            try:
-                probe.load()
-                break
-            except (TeacherServerError, TeacherTimeoutError):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"sglang not healthy after 400 s:\n{(d / 'server.log').read_text()[-4000:]}") from None
-                time.sleep(2.0)
-        yield url
-    finally:
-        proc.terminate()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang.launch_server", "--model-path", str(d), "--host", "127.0.0.1", "--port",
+             str(port), "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+             "--grammar-backend", "none", "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--dtype",
+             "bfloat16", "--disable-cuda-graph"], stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
+            probe = HTTPTeacher("probe", url, timeout_s=5.0, max_retries=0)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"sglang exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+                try:
+                    probe.load()
+                    break
+                except (TeacherServerError, TeacherTimeoutError):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"sglang not healthy after {START_TIMEOUT_S:.0f} s:\n"
+                                           f"{log_path.read_text()[-4000:]}") from None
+                    time.sleep(2.0)
+            yield url
+        finally:
+            _stop(proc)
 
 
-def _both(megatron_state, url, tmp_path, temperature: float) -> tuple[torch.Tensor, torch.Tensor, TokenBatch]:
+def _batch() -> TokenBatch:
+    """8 rows of ≤ 200 random ids holding the last vocabulary id V-1 at a label position (row 1),
+    at the unscored start position (row 2) and as a row's last token (row 4)."""
+    b = token_batch(8, 200, vocab=V, seed=5, score_from=True)
+    ids, sf = b.input_ids.clone(), b.score_from.clone()
+    sf[2] = 2
+    ids[1, 17] = ids[2, 2] = ids[4, int(b.lengths[4]) - 1] = V - 1
+    return TokenBatch(ids, b.lengths, sf)
+
+
+def _megatron_logp(megatron_state, tmp_path, batch: TokenBatch, temperature: float) -> torch.Tensor:
     from mopd.megatron import MegatronTeacher, MegatronTeacherHost, save_teacher_checkpoint
 
     save_teacher_checkpoint(megatron_state, str(tmp_path / "meg"))
     seed_all(22)
     host = MegatronTeacherHost(build_tiny_gpt(CFG).cuda(), micro_batch_size=4)
-    backends = {"meg": MegatronTeacher("meg", host, str(tmp_path / "meg"), temperature=temperature),
-                "sgl": HTTPTeacher("sgl", url, temperature=temperature, timeout_s=60.0, max_batch=8,
-                                   server_scales_temperature=temperature != 1.0)}
-    spec = RoutingSpec(routes={"m": {"meg": 1.0}, "s": {"sgl": 1.0}})
-    batch = token_batch(8, 200, vocab=CFG.vocab_size, seed=5, score_from=True)
-    pool = TeacherPool(backends, config=TeacherPoolConfig(wait_timeout_s=300.0))
-    cuda_batch = TokenBatch(batch.input_ids.cuda(), batch.lengths.cuda(), batch.score_from.cuda())
-    meg, _ = score_routed(pool, cuda_batch, ["m"] * 8, spec)
-    sgl, _ = score_routed(pool, cuda_batch, ["s"] * 8, spec)
+    pool = TeacherPool({"meg": MegatronTeacher("meg", host, str(tmp_path / "meg"), temperature=temperature)},
+                       config=TeacherPoolConfig(wait_timeout_s=300.0))
+    spec = RoutingSpec(routes={"m": {"meg": 1.0}})
+    cuda = TokenBatch(batch.input_ids.cuda(), batch.lengths.cuda(), batch.score_from.cuda())
+    targets, _ = score_routed(pool, cuda, ["m"] * batch.input_ids.shape[0], spec)
     pool.close()
-    return meg.logp_sum.cpu(), sgl.logp_sum.cpu(), batch
+    return targets.logp_sum.cpu()
 
 
-@pytest.mark.timeout(900)
-def test_sglang_teacher_equals_megatron_teacher(megatron_state, sglang_url, tmp_path):
-    meg, sgl, batch = _both(megatron_state, sglang_url, tmp_path, temperature=1.0)
-    mask = batch.label_mask()
+def _sglang_logp(teacher: HTTPTeacher, batch: TokenBatch) -> torch.Tensor:
+    pool = TeacherPool({"sgl": teacher}, config=TeacherPoolConfig(wait_timeout_s=300.0))
+    spec = RoutingSpec(routes={"s": {"sgl": 1.0}})
+    targets, _ = score_routed(pool, batch, ["s"] * batch.input_ids.shape[0], spec)
+    pool.close()
+    return targets.logp_sum
+
+
+def _report(tag: str, meg: torch.Tensor, sgl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     diff = (meg - sgl).abs()[mask]
-    print(f"T=1.0: max |Δlogp| {diff.max():.4f}, mean {diff.mean():.5f}, tokens {int(mask.sum())}, "
+    print(f"{tag}: max |Δlogp| {diff.max():.4f}, mean {diff.mean():.5f}, tokens {int(mask.sum())}, "
           f"mean logp {meg[mask].mean():.3f}")
-    assert meg[mask].abs().mean() > 0.5  # non-trivial distributions
-    assert diff.mean() < 0.02 and diff.max() < 0.15
+    return diff
 
 
 @pytest.mark.timeout(900)
-def test_sglang_scores_at_rollout_temperature(megatron_state, sglang_url, tmp_path):
-    """With ``SGLANG_TEMP_SCALED_LOGPROBS=1`` set for the server, its input-token log-probs must
-    follow the request temperature. A failure here means this SGLang build returns unscaled
-    log-probs: HTTP teachers then only support rollout_temperature = 1."""
-    meg, sgl, batch = _both(megatron_state, sglang_url, tmp_path, temperature=0.7)
+@pytest.mark.parametrize("max_new_tokens", [1, 0])
+def test_sglang_teacher_equals_megatron_teacher(megatron_state, sglang_url, tmp_path, max_new_tokens):
+    batch = _batch()
     mask = batch.label_mask()
-    diff = (meg - sgl).abs()[mask]
-    print(f"T=0.7: max |Δlogp| {diff.max():.4f}, mean {diff.mean():.5f}")
-    assert diff.mean() < 0.02 and diff.max() < 0.15
+    meg = _megatron_logp(megatron_state, tmp_path, batch, 1.0)
+    sgl = _sglang_logp(HTTPTeacher("sgl", sglang_url, timeout_s=60.0, max_batch=8, max_new_tokens=max_new_tokens,
+                                   vocab_size=V), batch)
+    diff = _report(f"T=1.0 max_new_tokens={max_new_tokens}", meg, sgl, mask)
+    assert meg[mask].abs().mean() > 0.5  # non-trivial distributions
+    assert diff.mean() < MEAN_TOL and diff.max() < MAX_TOL
+    # the labels that are the last vocabulary id (reported by SGLang as id 0) are scored too
+    for b, t in [(1, 16), (4, int(batch.lengths[4]) - 2)]:
+        assert sgl[b, t] != 0 and abs(float(meg[b, t] - sgl[b, t])) < MAX_TOL
+
+
+@pytest.mark.timeout(900)
+def test_sglang_reports_last_vocab_id_as_zero_and_client_needs_vocab_size(sglang_url):
+    """The reply shape found in SGLang 0.5.17's source, observed on the real server."""
+    batch = _batch()
+    n = int(batch.lengths[1])
+    raw = HTTPTeacher("raw", sglang_url, timeout_s=60.0)._request("/generate", {
+        "input_ids": batch.input_ids[1, :n].tolist(), "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}})
+    entries = raw["meta_info"]["input_token_logprobs"]
+    assert len(entries) == n and entries[0][0] is None
+    assert [e[1] for e in entries][17] == 0  # request id V-1
+    assert all(e[1] == int(t) for i, (e, t) in enumerate(zip(entries, batch.input_ids[1, :n])) if i != 17)
+    with pytest.raises(TeacherServerError, match=rf"server token id 0 != request id {V - 1}.*vocab_size={V}"):
+        HTTPTeacher("sgl", sglang_url, timeout_s=60.0).score(batch)
+
+
+@pytest.mark.timeout(900)
+def test_sglang_input_logprobs_ignore_request_temperature(megatron_state, sglang_url, tmp_path):
+    """SGLang 0.5.17 returns unscaled input-token log-probs whatever the request temperature, so
+    HTTPTeacher refuses rollout_temperature ≠ 1 unless the server is declared to scale them. A
+    teacher wrongly declared so (here on purpose) gets the T=1 log-probs, not the T=0.7 ones."""
+    batch = _batch()
+    mask = batch.label_mask()
+    meg1 = _megatron_logp(megatron_state, tmp_path, batch, 1.0)
+    meg07 = _megatron_logp(megatron_state, tmp_path, batch, 0.7)
+    sgl = _sglang_logp(HTTPTeacher("sgl", sglang_url, temperature=0.7, timeout_s=60.0, max_batch=8, vocab_size=V,
+                                   server_scales_temperature=True), batch)
+    diff1 = _report("request T=0.7 vs Megatron T=1.0", meg1, sgl, mask)
+    diff07 = _report("request T=0.7 vs Megatron T=0.7", meg07, sgl, mask)
+    assert diff1.mean() < MEAN_TOL and diff1.max() < MAX_TOL
+    assert diff07.mean() > 10 * MEAN_TOL
