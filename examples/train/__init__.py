@@ -1,0 +1,1 @@
+"""Real-architecture MOPD runner (Hydra configs in ``examples/configs/``); see ``docs/demo.md``."""

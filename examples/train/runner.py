@@ -1,0 +1,228 @@
+"""Build a student and a frozen teacher from an :class:`ArchConfig` and run MOPD steps on tree-packed
+GRPO batches (harts) with StagedAdamW, on one device (CUDA, or CPU through ``cpu_compat``).
+
+One step::
+
+    forest = build_forest(rollouts)                         # prompts shared within each group
+    ℓ_T = sequence_logprobs(tree_forward(teacher, forest))  # no grad
+    ℓθ  = sequence_logprobs(tree_forward(student, forest))  # with grad
+    loss = mopd_pg_loss(ℓθ, ℓ_old = sg ℓθ, ℓ_T, mask = response tokens)
+    backward → finish_grad_sync → optimizer.step()
+
+The rollouts are synthetic (``harts.grpo_groups``: random tokens), and ℓ_old is the detached
+trainer log-prob (on-policy, one update per batch, so ρ = 1): this measures the training side.
+Sampling is the rollout engine's job (``colocate``), not timed here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from examples.train.config import ArchConfig, TrainConfig
+
+__all__ = ["build_model", "estimate_bytes", "make_rollouts", "response_mask", "run", "DeviceMemoryError"]
+
+
+class DeviceMemoryError(MemoryError):
+    """The selected model would not fit the device (estimate in the message)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def tiny_config(arch: ArchConfig):
+    """The ``mcore_distill.testing.TinyGPTConfig`` (shape + TransformerConfig extras) of ``arch``."""
+    from mcore_distill.testing import TinyGPTConfig
+
+    extra: dict = {}
+    if arch.hybrid:
+        extra.update(linear_conv_kernel_dim=arch.linear_conv_kernel_dim, linear_key_head_dim=arch.linear_key_head_dim,
+                     linear_value_head_dim=arch.linear_value_head_dim,
+                     linear_num_key_heads=arch.linear_num_key_heads,
+                     linear_num_value_heads=arch.linear_num_value_heads)
+    if torch.cuda.is_available():
+        extra["use_cpu_initialization"] = False  # initialize on the current CUDA device (fast for 8B)
+    return TinyGPTConfig(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, num_layers=arch.num_layers,
+                         num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
+                         kv_channels=arch.kv_channels, ffn_hidden_size=arch.ffn_hidden_size,
+                         max_sequence_length=arch.max_sequence_length, rotary_base=arch.rotary_base,
+                         tie_embeddings=arch.tie_embeddings, num_moe_experts=arch.num_moe_experts,
+                         moe_router_topk=arch.moe_router_topk, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+                         params_dtype=_dtype(arch.params_dtype), recompute=arch.recompute, extra=extra)
+
+
+def param_count(arch: ArchConfig) -> int:
+    """Parameters of the model ``arch`` builds (closed form; checked against the built model in tests)."""
+    H, V, L = arch.hidden_size, arch.vocab_size, arch.num_layers
+    d = arch.kv_channels or H // arch.num_attention_heads
+    attn = H * d * (arch.num_attention_heads + 2 * arch.num_query_groups) + arch.num_attention_heads * d * H + 2 * d + H
+    if arch.num_moe_experts:
+        F = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+        mlp = arch.num_moe_experts * 3 * H * F + H * arch.num_moe_experts + H
+    else:
+        mlp = 3 * H * arch.ffn_hidden_size + H
+    per = {"A": attn + mlp}
+    if arch.hybrid:
+        k, v = arch.linear_key_head_dim, arch.linear_value_head_dim
+        nk, nv = arch.linear_num_key_heads, arch.linear_num_value_heads
+        conv_dim = 2 * nk * k + nv * v
+        gdn = (H * (conv_dim + nv * v + 2 * nv) + conv_dim * arch.linear_conv_kernel_dim + 2 * nv + v + nv * v * H + H)
+        per["G"] = gdn + mlp
+    layers = sum(per[c] for c in (arch.layer_pattern or "A" * L))
+    return layers + V * H * (1 if arch.tie_embeddings else 2) + H
+
+
+def estimate_bytes(arch: ArchConfig, *, residency: str) -> int:
+    """Resident device bytes before activations: student and teacher weights, the fp32 gradient
+    buffer, and with ``residency='gpu'`` the fp32 master weights and two moments."""
+    n = param_count(arch)
+    w = torch.finfo(_dtype(arch.params_dtype)).bits // 8
+    return n * (2 * w + 4 + (12 if residency == "gpu" else 0))
+
+
+def build_model(arch: ArchConfig, *, seed: int, device: torch.device):
+    """A Megatron ``GPTModel`` for ``arch`` on ``device`` with harts applied (tree attention, RoPE by
+    depth; hybrid stacks get ``TreeGatedDeltaNet`` mixers). Model-parallel state must exist."""
+    from megatron.core.models.gpt import GPTModel
+
+    from harts.megatron import apply_harts
+    from mcore_distill.testing import build_tiny_gpt, seed_all, transformer_config
+
+    seed_all(seed)
+    cfg = tiny_config(arch)
+    if arch.layer_pattern is not None:
+        from harts.gdn_megatron import hybrid_block_spec
+
+        model = GPTModel(config=transformer_config(cfg), transformer_layer_spec=hybrid_block_spec(arch.layer_pattern),
+                         vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_sequence_length,
+                         share_embeddings_and_output_weights=cfg.tie_embeddings, position_embedding_type="rope",
+                         rotary_base=cfg.rotary_base)
+    else:
+        model = build_tiny_gpt(cfg)
+    model = model.to(device=device, dtype=cfg.params_dtype)
+    apply_harts(model)
+    return model
+
+
+def make_rollouts(cfg: TrainConfig, *, step: int) -> list[list[int]]:
+    """This step's GRPO groups (random tokens, seeded by ``run.seed`` and ``step``)."""
+    from harts import grpo_groups
+
+    w = cfg.workload
+    return grpo_groups(w.num_groups, prompt_len=w.prompt_len, response_len=w.response_len, n=w.group_size,
+                       vocab_size=cfg.model.vocab_size, seed=cfg.run.seed * 7919 + step, response_jitter=w.response_jitter)
+
+
+def response_mask(seqs: list[list[int]], prompt_len: int) -> torch.Tensor:
+    """[Σ(L_i − 1)] bool, in :func:`harts.sequence_logprobs` layout: True where the predicted token
+    (position t ≥ 1) is a response token (t ≥ ``prompt_len``)."""
+    parts = [torch.arange(1, len(s)) >= prompt_len for s in seqs]
+    return torch.cat(parts)
+
+
+def _backend(cfg: TrainConfig, device: torch.device) -> str:
+    if cfg.run.attention_backend != "auto":
+        return cfg.run.attention_backend
+    return "flex" if device.type == "cuda" else "dense"
+
+
+def _tree_params(cfg: TrainConfig, forest, backend: str):
+    if cfg.model.hybrid:
+        from harts.gdn_megatron import make_gdn_tree_params
+
+        return make_gdn_tree_params(forest, backend=backend)
+    from harts.megatron import make_tree_params
+
+    return make_tree_params(forest, backend=backend)
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Build student (DDP + optimizer) and teacher, run ``run.steps`` MOPD steps; return metrics.
+
+    Needs an initialized default process group and Megatron parallel state (TP = PP = 1)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from harts import build_forest, sequence_logprobs, sharing_stats
+    from harts.megatron import tree_forward
+    from mopd import MOPDLossConfig
+    from mopd.objectives import TokenTargets, mopd_pg_loss
+    from optim_staged.config import AdamWConfig, SlotConfig, StagedOptimizerConfig
+    from optim_staged.megatron import get_staged_optimizer
+
+    cfg.validate()
+    r = cfg.run
+    cuda = r.device == "cuda" or (r.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    need = estimate_bytes(cfg.model, residency=r.residency)
+    if cuda:
+        free, total = torch.cuda.mem_get_info(device)
+        if need > r.memory_margin * free:
+            raise DeviceMemoryError(
+                f"model={cfg.model.name}: about {need / 2**30:.1f} GiB resident (student + teacher weights, fp32 "
+                f"grads{', fp32 optimizer state' if r.residency == 'gpu' else ''}) before activations, but only "
+                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free; this entry point runs on one device "
+                f"(use expert/tensor parallelism in your trainer, or a scaled-down config)")
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    student = build_model(cfg.model, seed=r.seed, device=device)
+    teacher = build_model(cfg.model, seed=r.seed + 1, device=device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    bf16 = cfg.model.params_dtype == "bfloat16"
+    if bf16:
+        student, teacher = Float16Module(student.config, student), Float16Module(teacher.config, teacher)
+    ddp = DistributedDataParallel(student.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), student)
+    opt = get_staged_optimizer(StagedOptimizerConfig(residency=r.residency, clip_grad=1.0,
+                                                     adamw=AdamWConfig(lr=r.lr, weight_decay=0.0),
+                                                     slots=SlotConfig(slot_numel=r.slot_numel, num_slots=2,
+                                                                      pin_memory=cuda)), [ddp])
+    build_s = time.perf_counter() - t0
+    backend = _backend(cfg, device)
+    loss_cfg = MOPDLossConfig(is_cap=r.is_cap, adv_clip=r.adv_clip)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows = []
+    for step in range(r.steps):
+        seqs = make_rollouts(cfg, step=step)
+        sync()
+        t_start = time.perf_counter()
+        forest = build_forest(seqs).to(device)
+        params = _tree_params(cfg, forest, backend)
+        with torch.no_grad():
+            t_node, _ = tree_forward(teacher, forest, params=params, temperature=r.temperature,
+                                     chunk_size=r.head_chunk_size)
+            t_lp = sequence_logprobs(t_node.float(), forest)
+        sync()
+        t_teacher = time.perf_counter()
+        ddp.train()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        s_node, _ = tree_forward(ddp, forest, params=params, temperature=r.temperature, chunk_size=r.head_chunk_size)
+        lp = sequence_logprobs(s_node.float(), forest)
+        mask = response_mask(seqs, cfg.workload.prompt_len).to(device)
+        targets = TokenTargets(logp_sum=t_lp, weight_sum=torch.ones_like(t_lp))
+        out = mopd_pg_loss(lp, lp.detach(), targets, mask, config=loss_cfg)
+        out.loss.backward()
+        ddp.finish_grad_sync()
+        _, gnorm, _ = opt.step()
+        sync()
+        t_end = time.perf_counter()
+        st = sharing_stats(forest)
+        kl = float(((lp.detach() - t_lp) * mask).sum() / mask.sum())
+        rows.append({"step": step, "step_s": t_end - t_start, "teacher_s": t_teacher - t_start,
+                     "train_s": t_end - t_teacher, "tokens": st.total_tokens, "tree_tokens": st.tree_tokens,
+                     "sharing_ratio": st.sharing_ratio, "compression": st.compression,
+                     "tokens_per_s": st.total_tokens / (t_end - t_start), "loss": float(out.loss.detach()),
+                     "sampled_kl": kl, "gnorm": float(gnorm or 0.0)})
+    timed = rows[1:] or rows
+    mean_s = sum(x["step_s"] for x in timed) / len(timed)
+    return {"model": cfg.model.name, "params": sum(p.numel() for p in ddp.parameters()),
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "backend": backend,
+            "residency": r.residency, "build_s": build_s, "steps": rows,
+            "tokens_per_s": sum(x["tokens"] for x in timed) / sum(x["step_s"] for x in timed), "step_s": mean_s,
+            "peak_memory_GiB": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "estimated_resident_GiB": need / 2**30}
