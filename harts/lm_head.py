@@ -14,14 +14,29 @@ saved; backward recomputes each chunk's logits and forms::
 with ``G_u = Σ_c g_c``, then ``dh = dz W`` (summed over tensor-parallel ranks) and
 ``dW = dzᵀ h``. Under TP the max, sum-exp, Σ p z and target logits are all-reduced per chunk.
 Plain packed sequences use the same code with ``parent[v] = v − 1`` inside each sequence.
+
+Memory: one ``[chunk, V_local]`` buffer in the compute dtype (fp32 for bf16/fp16 inputs) is alive
+at a time. Forward turns it in place into ``e = exp(z − m)`` and then ``e · log e``; backward into
+``log p`` and then ``dz``. The entropy gradient needs ``p`` and ``log p`` together and runs over
+row blocks of ``chunk / 8`` (one ``[chunk/8, V]`` temporary). For bf16/fp16 weights ``dz`` is
+rounded to the model dtype (as Megatron's own head does) in vocabulary slices, so the rounded
+copy and the per-slice products stay a small fraction of the chunk. Besides the chunk, backward
+keeps an fp32 ``dW`` accumulator ``[V_local, H]`` (the size of Megatron's ``main_grad``) and an
+fp32 ``dh [T, H]``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["tree_lm_head", "TreeHeadOutput"]
+__all__ = ["tree_lm_head", "TreeHeadOutput", "HeadEdges", "head_edges"]
+
+_ENTROPY_ROW_BLOCKS = 8  # the entropy backward's temporary is [ceil(chunk / 8), V_local]
+_SLICE_FRACTION = 8  # vocab slices keep [slice, H] fp32 products ≤ 1/8 of a chunk
 
 
 class TreeHeadOutput(tuple):
@@ -34,6 +49,36 @@ class TreeHeadOutput(tuple):
     @property
     def entropy(self) -> torch.Tensor:
         return self[1]
+
+
+@dataclass(frozen=True, eq=False)
+class HeadEdges:
+    """Out-edges ``parent[c] → c`` of a packed row, sorted by parent row (build once per microbatch
+    with :func:`head_edges`; the head then needs no device-to-host synchronization)."""
+
+    child: torch.Tensor
+    """[E] child row of each edge (its log-prob slot)."""
+    parent: torch.Tensor
+    """[E] parent row (whose logits hold the edge's log-prob), non-decreasing."""
+    token: torch.Tensor
+    """[E] token id of the child."""
+    offsets: tuple[int, ...]
+    """T+1 host ints: edges of rows ``[r0, r1)`` are ``offsets[r0]:offsets[r1]``."""
+
+
+def head_edges(tokens: torch.Tensor, parent: torch.Tensor) -> HeadEdges:
+    """:class:`HeadEdges` of ``tokens, parent [T]`` (``parent < 0``: no incoming edge). One host copy."""
+    if tokens.shape != parent.shape or tokens.dim() != 1:
+        raise ValueError(f"tokens and parent must be [T], got {tuple(tokens.shape)}, {tuple(parent.shape)}")
+    p = parent.detach().cpu()
+    child = torch.nonzero(p >= 0).squeeze(1)
+    child = child[torch.argsort(p[child], stable=True)]
+    e_parent = p[child]
+    off = torch.searchsorted(e_parent, torch.arange(p.numel() + 1))
+    dev = parent.device
+    child_d = child.to(dev)
+    return HeadEdges(child=child_d, parent=e_parent.to(dev), token=tokens.index_select(0, child_d),
+                     offsets=tuple(off.tolist()))
 
 
 def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
@@ -54,9 +99,36 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
     return a.to(cdtype) @ b.to(cdtype)
 
 
+def _vocab_slice(n: int, vl: int, h: int) -> int:
+    """Columns per slice so that the ``[slice, H]`` fp32 product is ≤ 1/8 and the rounded
+    ``[n, slice]`` copy ≤ 1/16 of an ``[n, V_local]`` fp32 chunk (at least 128 columns)."""
+    s = max(128, min(math.ceil(n * vl / (_SLICE_FRACTION * max(h, 1))), math.ceil(vl / _SLICE_FRACTION)))
+    return min(vl, -(-s // 128) * 128)
+
+
+def _accumulate_grads(dz: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, dh: torch.Tensor,
+                      dw: torch.Tensor) -> None:
+    """``dh += dz W`` and ``dw += dzᵀ h`` without a second ``[n, V]`` or ``[V, H]`` temporary.
+
+    ``dz [n, V_local]`` (compute dtype), ``h [n, H]``, ``dh [n, H]`` and ``dw [V_local, H]`` are
+    accumulators in the compute dtype.
+    """
+    if h.dtype == weight.dtype == dz.dtype == dw.dtype:
+        dh.addmm_(dz, weight)
+        dw.addmm_(dz.T, h)
+        return
+    vl = weight.shape[0]
+    step = _vocab_slice(dz.shape[0], vl, h.shape[1])
+    for v0 in range(0, vl, step):
+        v1 = min(v0 + step, vl)
+        d = dz[:, v0:v1].to(h.dtype)  # logit gradients rounded to the model dtype, one slice at a time
+        dh.add_(_mm(d, weight[v0:v1], dh.dtype))
+        dw[v0:v1].add_(_mm(d.T, h, dw.dtype))
+
+
 class _TreeHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, e_child, e_parent, e_tok, e_off, chunk, inv_temp, group, vocab_start,
+    def forward(ctx, hidden, weight, e_child, e_parent, e_tok, off, chunk, inv_temp, group, vocab_start,
                 reduce_grad_input):
         t = hidden.shape[0]
         vl = weight.shape[0]
@@ -64,64 +136,69 @@ class _TreeHead(torch.autograd.Function):
         lse = torch.empty(t, dtype=cdtype, device=hidden.device)
         ent = torch.empty(t, dtype=cdtype, device=hidden.device)
         logp = torch.zeros(t, dtype=cdtype, device=hidden.device)
-        off = e_off.tolist()
+        zero = torch.zeros((), dtype=cdtype, device=hidden.device)
         for r0 in range(0, t, chunk):
             r1 = min(r0 + chunk, t)
-            z = _mm(hidden[r0:r1], weight.T, cdtype)  # [n, V_local]: chunk buffer 1
+            n = r1 - r0
+            z = _mm(hidden[r0:r1], weight.T, cdtype)  # [n, V_local]: the only chunk buffer
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
             a0, a1 = off[r0], off[r1]
             rows = e_parent[a0:a1] - r0
             tl = e_tok[a0:a1] - vocab_start
             own = (tl >= 0) & (tl < vl)
-            tgt = torch.where(own, z[rows, tl.clamp(0, vl - 1)], torch.zeros((), dtype=cdtype, device=z.device))
+            tgt = torch.where(own, z[rows, tl.clamp(0, vl - 1)], zero)
             m = _all_reduce(z.amax(-1), dist.ReduceOp.MAX, group)
-            z.sub_(m[:, None])  # s = z − m
-            e = torch.exp(z)  # chunk buffer 2
+            e = z.sub_(m[:, None]).exp_()  # e = exp(z − m), in place
             se = e.sum(-1)
-            es = e.mul_(z).sum(-1)  # Σ e·s
-            del e, z
-            n = r1 - r0
+            es = torch.xlogy(e, e, out=e).sum(-1)  # Σ e·log e = Σ e·(z − m), in place
+            del z, e
             red = _all_reduce(torch.cat([se, es, tgt]), dist.ReduceOp.SUM, group)
             se, es, tgt = red[:n], red[n:2 * n], red[2 * n:]
             lse[r0:r1] = m + torch.log(se)
             ent[r0:r1] = torch.log(se) - es / se  # H = lse − Σ p z
             logp[e_child[a0:a1]] = tgt - lse[e_parent[a0:a1]]
-        ctx.save_for_backward(hidden, weight, e_child, e_parent, e_tok, e_off, lse, ent)
-        ctx.cfg = (chunk, inv_temp, group, vocab_start, reduce_grad_input)
+        ctx.save_for_backward(hidden, weight, e_child, e_parent, e_tok, lse, ent)
+        ctx.cfg = (off, chunk, inv_temp, group, vocab_start, reduce_grad_input)
         ctx.set_materialize_grads(False)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, e_child, e_parent, e_tok, e_off, lse, ent = ctx.saved_tensors
-        chunk, inv_temp, group, vocab_start, reduce_grad_input = ctx.cfg
+        hidden, weight, e_child, e_parent, e_tok, lse, ent = ctx.saved_tensors
+        off, chunk, inv_temp, group, vocab_start, reduce_grad_input = ctx.cfg
         t, vl = hidden.shape[0], weight.shape[0]
         cdtype = lse.dtype
         dh = torch.zeros(hidden.shape, dtype=cdtype, device=hidden.device)
         dw = torch.zeros(weight.shape, dtype=cdtype, device=weight.device)
-        off = e_off.tolist()
         g_edge = g_logp[e_child].to(cdtype) if g_logp is not None else None
+        g_ent = g_ent.to(cdtype) if g_ent is not None else None
         for r0 in range(0, t, chunk):
             r1 = min(r0 + chunk, t)
             h = hidden[r0:r1]
             n = r1 - r0
-            z = _mm(h, weight.T, cdtype)  # chunk buffer 1
+            z = _mm(h, weight.T, cdtype)  # the only chunk buffer
             if inv_temp != 1.0:
                 z.mul_(inv_temp)
             z.sub_(lse[r0:r1, None])  # log p
-            p = torch.exp(z)  # chunk buffer 2
             gsum = torch.zeros(n, dtype=cdtype, device=z.device)
+            a0, a1 = off[r0], off[r1]
+            rows = e_parent[a0:a1] - r0
             if g_edge is not None:
-                a0, a1 = off[r0], off[r1]
-                rows = e_parent[a0:a1] - r0
                 g = g_edge[a0:a1]
                 gsum.index_add_(0, rows, g)
-            if g_ent is not None:  # dz = −p ⊙ (G + g^H (log p + H)), built in place
-                z.add_(ent[r0:r1, None]).mul_(g_ent[r0:r1, None].to(cdtype)).add_(gsum[:, None])
-                dz = p.mul_(z).neg_()
-            else:
-                dz = p.mul_(-gsum[:, None])
+            if g_ent is None:
+                dz = z.exp_().mul_(-gsum[:, None])  # −G p
+            else:  # dz = −p ⊙ (G + g^H (log p + H)): p and log p together, over row blocks
+                blk = -(-n // _ENTROPY_ROW_BLOCKS)
+                for b0 in range(0, n, blk):
+                    b1 = min(b0 + blk, n)
+                    q = z[b0:b1]
+                    p = torch.exp(q)  # [blk, V_local] temporary
+                    q.add_(ent[r0 + b0:r0 + b1, None]).mul_(g_ent[r0 + b0:r0 + b1, None])
+                    q.add_(gsum[b0:b1, None]).mul_(p).neg_()
+                    del p, q  # q views the chunk buffer: drop it before the next chunk
+                dz = z
             del z
             if g_edge is not None:
                 tl = e_tok[a0:a1] - vocab_start
@@ -129,10 +206,8 @@ class _TreeHead(torch.autograd.Function):
                 dz.index_put_((rows[own], tl[own]), g[own], accumulate=True)
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
-            if _low_precision_cuda(h, weight):
-                dz = dz.to(h.dtype)  # logit gradients in the model dtype, as Megatron's own head
-            dh[r0:r1] = _mm(dz, weight, cdtype)
-            dw += _mm(dz.T, h, cdtype)
+            _accumulate_grads(dz, h, weight, dh[r0:r1], dw)
+            del dz
         if reduce_grad_input:
             _all_reduce(dh, dist.ReduceOp.SUM, group)
         return (dh.to(hidden.dtype), dw.to(weight.dtype), None, None, None, None, None, None, None, None, None)
@@ -140,7 +215,8 @@ class _TreeHead(torch.autograd.Function):
 
 def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, *,
                  chunk_size: int = 1024, temperature: float = 1.0, tp_group=None, vocab_start: int | None = None,
-                 entropy_requires_grad: bool = False, reduce_grad_input: bool = True) -> TreeHeadOutput:
+                 entropy_requires_grad: bool = False, reduce_grad_input: bool = True,
+                 edges: HeadEdges | None = None) -> TreeHeadOutput:
     """Edge log-probs and entropies of a (tree-)packed row, chunked over rows.
 
     Args:
@@ -148,14 +224,16 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
         weight: ``[V_local, H]`` output-layer shard (vocab-parallel under TP).
         tokens, parent: ``[T]`` token id and parent row of each compact node (``parent < 0``:
             no incoming edge, log-prob 0).
-        chunk_size: rows per chunk; peak extra memory ≈ 2 · chunk_size · V_local fp32 values
-            (two chunk buffers, in forward and in backward).
+        chunk_size: rows per chunk; peak extra memory ≈ one ``[chunk_size, V_local]`` buffer in
+            fp32 (fp64 for fp64 inputs) plus, in backward, the fp32 ``dW`` accumulator.
         temperature: τ, logits are divided by it.
         tp_group: tensor-parallel group holding the vocab shards (None: unsharded).
         vocab_start: first vocab id of this shard (default ``rank · V_local``).
         entropy_requires_grad: let gradients flow through the entropy (else it is detached).
         reduce_grad_input: all-reduce ``dhidden`` over ``tp_group`` (set False when the caller's
             sequence-parallel gather already reduce-scatters it).
+        edges: :func:`head_edges` of ``(tokens, parent)`` built ahead (default: built here, one
+            device-to-host copy).
 
     Returns:
         ``(logp [T], entropy [T])`` in fp32 (fp64 for fp64 inputs).
@@ -170,15 +248,12 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if vocab_start is None:
         vocab_start = weight.shape[0] * (dist.get_rank(tp_group) if tp_group is not None else 0)
-    t = hidden.shape[0]
-    child = torch.nonzero(parent >= 0).squeeze(1)
-    order = torch.argsort(parent[child], stable=True)
-    e_child = child[order]
-    e_parent = parent[e_child]
-    e_tok = tokens[e_child]
-    e_off = torch.searchsorted(e_parent, torch.arange(t + 1, device=parent.device))
-    logp, ent = _TreeHead.apply(hidden, weight, e_child, e_parent, e_tok, e_off, chunk_size, 1.0 / temperature,
-                                tp_group, vocab_start, reduce_grad_input)
+    if edges is None:
+        edges = head_edges(tokens, parent)
+    elif len(edges.offsets) != hidden.shape[0] + 1:
+        raise ValueError(f"edges were built for {len(edges.offsets) - 1} rows, hidden has {hidden.shape[0]}")
+    logp, ent = _TreeHead.apply(hidden, weight, edges.child, edges.parent, edges.token, edges.offsets, chunk_size,
+                                1.0 / temperature, tp_group, vocab_start, reduce_grad_input)
     if not entropy_requires_grad:
         ent = ent.detach()
     return TreeHeadOutput((logp, ent))

@@ -106,3 +106,30 @@ def test_chunked_head_bf16_inputs():
     assert_close("dweight", wr.grad, w.grad, atol=2e-2, rtol=8e-3)
     rel = ((w.grad.double() - wr.grad).norm() / wr.grad.norm()).item()
     assert rel < 4e-3, f"dweight: relative Frobenius error {rel:.2e}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ent_grad", [False, True], ids=["logp", "logp+entropy"])
+def test_chunked_head_peak_memory_bf16(ent_grad):
+    """Memory bound (not timing): fwd+bwd of the bf16 chunked head allocates at most 1.25 fp32
+    [chunk, V] buffers beyond the gradients (bf16 dW, dh) and their fp32 accumulators."""
+    t, h, v, chunk = 8192, 1024, 65536, 1024
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hid = torch.randn(t, h, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    w = (0.02 * torch.randn(v, h, device="cuda", generator=g)).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, v, (t,), device="cuda", generator=g)
+    parent = torch.arange(-1, t - 1, device="cuda")
+    from harts.lm_head import head_edges
+
+    edges = head_edges(tokens, parent)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    lp, ent = tree_lm_head(hid, w, tokens, parent, chunk_size=chunk, entropy_requires_grad=ent_grad, edges=edges)
+    (lp.sum() + (ent.sum() if ent_grad else 0.0)).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = (v * h + t * h) * (2 + 4)  # bf16 dW, dh and their fp32 accumulators
+    chunk_bytes = chunk * v * 4
+    extra = (peak - grads) / chunk_bytes
+    assert extra <= 1.25, f"peak extra {extra:.2f} chunks of fp32 logits (peak {peak / 2**20:.0f} MiB)"
