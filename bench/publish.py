@@ -1,15 +1,21 @@
 """Weight publication: colocated CUDA IPC publish vs a device copy; SGLang publish vs naive loops.
 
 Cases:
-* ``ipc``: an 8B-class bf16 parameter set (Qwen3-8B shapes, 16.4 GB) published by
-  :class:`colocate.publish.Publisher` (1 GiB buckets, ≤ 2 in flight) from this (trainer) process
-  to a receiver process on the same GPU that copies every tensor into its own parameters.
-  Baselines in the same run: one device-to-device copy of the same bytes inside one process
-  (``d2d_flat``, the copy floor) and a per-tensor ``copy_`` loop (``d2d_per_tensor``). Also
-  reported: IPC handles opened, peak extra memory on the trainer side, per-phase times.
-* ``--sglang``: a ≥ 1 GB Qwen3 published into a real ``sglang.Engine`` by our publisher
-  (512 MiB buckets) vs a naive per-tensor ``update_weights_from_tensor`` loop and a single call
-  with every tensor (one IPC handle per tensor); SGLang's checksum must agree across methods.
+* ``ipc``: an 8B-class bf16 parameter set (Qwen3-8B shapes, 16.4 GB) held, as a Megatron DDP
+  param buffer holds it, in one contiguous buffer in Megatron layout; the converter's HF stream
+  (views of that buffer, fresh tensors only for the GQA q/k/v split) is published by
+  :class:`colocate.publish.Publisher` from this (trainer) process to a receiver process on the
+  same GPU that copies every tensor into its own parameters. Variants: ``packed`` (everything
+  copied into 1 GiB buckets, ≤ 2 in flight: the old path), ``inplace`` (the buffer is shared as
+  one IPC handle and only q/k/v are packed; the receiver unmaps it after each publish) and
+  ``inplace_keep_mapped`` (mapped across publishes: no handle after the first). Baselines in the
+  same run: one device-to-device copy of the same bytes (``d2d_flat``, the copy floor) and a
+  per-tensor ``copy_`` loop (``d2d_per_tensor``). Reported: payload GB/s, IPC handles, peak extra
+  trainer memory, per-phase times.
+* ``--sglang``: a ≈ 1.9 GB Qwen3 published into a real ``sglang.Engine`` by our publisher (packed,
+  512 MiB buckets; in place, views of one storage) vs a naive per-tensor
+  ``update_weights_from_tensor`` loop and one call with every tensor; SGLang's checksum must
+  agree across methods and differ from the initial weights.
   Needs SGLang: ``bash .sgl/scripts/go.sh bench/publish.py --sglang``.
 
 Run: ``python bench/publish.py`` (H200, ~1 min), ``python bench/publish.py --quick`` (CPU smoke:
@@ -20,6 +26,7 @@ shared-memory transport, small set). Writes ``publish.json`` / ``publish.png`` (
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -32,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
 from colocate import HFModelSpec, PublishConfig  # noqa: E402
-from colocate.buckets import unpack_bucket  # noqa: E402
-from colocate.convert import hf_param_specs  # noqa: E402
+from colocate.buckets import tensor_checksum, unpack_bucket  # noqa: E402
+from colocate.convert import hf_param_specs, megatron_to_hf  # noqa: E402
 from colocate.publish import Publisher  # noqa: E402
 from colocate.transports import spawn_receiver  # noqa: E402
 
@@ -84,17 +91,51 @@ class CopyReceiver:
         return self.version
 
     def checksums(self, names=None):
-        from colocate.buckets import tensor_checksum
-
         return {n: tensor_checksum(self.params[n]) for n in (names or self.params)}
 
     def extra_peak(self):
         return torch.cuda.max_memory_allocated() - self.base if self.device.type == "cuda" else 0
 
 
-def _make_weights(specs: dict, device: str) -> dict[str, torch.Tensor]:
+def _megatron_params(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
+    """Megatron-Core parameter names and shapes (TP=1, local layer norms) of a dense Qwen3."""
+    H, Q, G, D, F = spec.hidden_size, spec.num_attention_heads, spec.num_query_groups, spec.head_dim, spec.ffn_hidden_size
+    out = {"embedding.word_embeddings.weight": (spec.vocab_size, H)}
+    for i in range(spec.num_layers):
+        p = f"decoder.layers.{i}."
+        out.update({p + "input_layernorm.weight": (H,), p + "self_attention.linear_qkv.weight": ((Q + 2 * G) * D, H),
+                    p + "self_attention.q_layernorm.weight": (D,), p + "self_attention.k_layernorm.weight": (D,),
+                    p + "self_attention.linear_proj.weight": (H, Q * D), p + "pre_mlp_layernorm.weight": (H,),
+                    p + "mlp.linear_fc1.weight": (2 * F, H), p + "mlp.linear_fc2.weight": (H, F)})
+    out["decoder.final_layernorm.weight"] = (H,)
+    if not spec.tie_embeddings:
+        out["output_layer.weight"] = (spec.vocab_size, H)
+    return out
+
+
+def param_buffer(spec: HFModelSpec, device: str, dtype: torch.dtype = torch.bfloat16
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One contiguous buffer holding every Megatron parameter (as a DDP param buffer does) and
+    the parameters as views into it, filled with random values."""
+    shapes = _megatron_params(spec)
+    total = sum(math.prod(s) for s in shapes.values())
+    flat = torch.empty(total, dtype=dtype, device=device)
     g = torch.Generator(device=device).manual_seed(0)
-    return {n: torch.randn(s, generator=g, device=device, dtype=torch.float32).to(d) for n, (s, d) in specs.items()}
+    for start in range(0, total, 1 << 28):
+        n = min(1 << 28, total - start)
+        flat[start: start + n] = torch.randn(n, generator=g, device=device, dtype=torch.float32).to(dtype)
+    params, off = {}, 0
+    for n, s in shapes.items():
+        params[n] = flat[off: off + math.prod(s)].view(s)
+        off += math.prod(s)
+    return flat, params
+
+
+def hf_stream(params: dict[str, torch.Tensor], spec: HFModelSpec):
+    """The converter's HF-name stream: views of the buffer where the layout allows (norms,
+    o/down projections, gate/up halves, embeddings), fresh tensors for the GQA q/k/v split."""
+    for n, t in params.items():
+        yield from megatron_to_hf(n, t, spec=spec)
 
 
 def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
@@ -103,62 +144,81 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
     spec = QWEN3_8B if cuda else SMALL
     dtype = torch.bfloat16
     specs = hf_param_specs(spec, dtype=dtype)
-    weights = _make_weights(specs, dev)
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    flat, params = param_buffer(spec, dev)
+    if not cuda:
+        flat.share_memory_()  # the shm transport shares storages that live in shared memory
+    meta = {n: (tuple(t.shape), t.dtype) for n, t in hf_stream(params, spec)}
+    nbytes = sum(math.prod(s) * 2 for s, _ in meta.values())
     timer = time_cuda if cuda else time_cpu
     rows: list[dict] = []
 
     def flat_copy() -> dict:
-        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        dst = torch.empty_like(src)
-        return timer(lambda: dst.copy_(src))
+        dst = torch.empty_like(flat)
+        return timer(lambda: dst.copy_(flat))
 
     def per_tensor_copy() -> dict:
-        dst = {n: torch.empty_like(w) for n, w in weights.items()}
-        return timer(lambda: [dst[n].copy_(w) for n, w in weights.items()])
+        src = dict(hf_stream(params, spec))
+        dst = {n: torch.empty_like(w) for n, w in src.items()}
+        return timer(lambda: [dst[n].copy_(w) for n, w in src.items()])
 
     for provider, fn in (("d2d_flat", flat_copy), ("d2d_per_tensor", per_tensor_copy)):
         t = fn()
         rows.append({"case": "ipc", "provider": provider, "ms": t["p50"], "GBps": nbytes / t["p50"] / 1e6})
-    if cuda:
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
 
     bucket = (1 * GiB) if cuda else (256 << 10)
+    share = (64 << 20) if cuda else (1 << 20)
     recv = spawn_receiver(CopyReceiver, specs, dev, timeout_s=300)
-    extra: dict = {"nbytes": nbytes, "num_tensors": len(weights), "bucket_bytes": bucket, "model": "Qwen3-8B shapes"
-                   if cuda else "small"}
+    extra: dict = {"nbytes": nbytes, "num_tensors": len(meta), "bucket_bytes": bucket, "share_min_bytes": share,
+                   "model": "Qwen3-8B shapes" if cuda else "small", "phases_ms_median": {}}
+    version = iter(range(1, 10_000))
     try:
-        pub = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=bucket, max_in_flight=2, verify="none"))
-        if cuda:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        version = iter(range(1, 10_000))
-        first = pub.publish(weights, version=next(version))
-        extra["handles_first_publish"] = first.handles
-        extra["num_buckets"] = first.num_buckets
-        reports = []
+        variants = (("publisher_packed", {"share_min_bytes": None}),
+                    ("publisher_inplace", {"share_min_bytes": share}),
+                    ("publisher_inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True}))
+        for provider, kw in variants:
+            pub = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=bucket, max_in_flight=2,
+                                                verify="none"), **kw)
+            pub.last_good = next(version)
+            if cuda:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            reports = []
 
-        def once():
-            reports.append(pub.publish(weights, version=next(version)))
-        t = time_cpu(once, warmup=1, iters=5 if cuda else 3)
-        extra["handles_later_publishes"] = reports[-1].handles
+            def once(pub=pub, reports=reports):
+                reports.append(pub.publish(hf_stream(params, spec), version=next(version), meta=meta))
+            t = time_cpu(once, warmup=1, iters=5 if cuda else 3)
+            last = reports[-1]
+            phases = {k: sorted(r.timings[k] for r in reports)[len(reports) // 2] * 1e3 for k in last.timings}
+            extra["phases_ms_median"][provider] = phases
+            rows.append({"case": "ipc", "provider": f"{provider}_{pub.transport}", "ms": t["p50"],
+                         "GBps": nbytes / t["p50"] / 1e6, "handles_first": reports[0].handles,
+                         "handles_later": last.handles, "buckets": last.num_buckets,
+                         "shared_storages": last.num_shared,
+                         "trainer_peak_extra_MiB": ((torch.cuda.max_memory_allocated() - base) / 2**20) if cuda else 0.0,
+                         **{f"{k}_ms": v for k, v in phases.items()}})
+            pub.release_staging()
+            if cuda:
+                torch.cuda.empty_cache()
+        ver = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=bucket, verify="checksum"),
+                        share_min_bytes=share)
+        ver.last_good = next(version)
+        tv = time_cpu(lambda: ver.publish(hf_stream(params, spec), version=next(version), meta=meta),
+                      warmup=0, iters=1)
+        rows.append({"case": "ipc", "provider": f"publisher_inplace_{ver.transport}+sender_checksums",
+                     "ms": tv["p50"], "GBps": nbytes / tv["p50"] / 1e6})
+        ver.release_staging()
         if cuda:
-            extra["trainer_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-            extra["receiver_peak_extra_bytes"] = recv.call("extra_peak")
-        phases = {k: sorted(r.timings[k] for r in reports)[len(reports) // 2] * 1e3 for k in reports[-1].timings}
-        extra["phases_ms_median"] = phases
-        rows.append({"case": "ipc", "provider": f"publisher_{pub.transport}", "ms": t["p50"],
-                     "GBps": nbytes / t["p50"] / 1e6, **{f"{k}_ms": v for k, v in phases.items()}})
-        ver = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=bucket, verify="checksum"))
-        ver.last_good = pub.last_good
-        tv = time_cpu(lambda: ver.publish(weights, version=next(version)), warmup=0, iters=1)
-        rows.append({"case": "ipc", "provider": f"publisher_{pub.transport}+sender_checksums", "ms": tv["p50"],
-                     "GBps": nbytes / tv["p50"] / 1e6})
-        got = recv.checksums(list(weights)[:3])
-        from colocate.buckets import tensor_checksum
-
-        assert got == {n: tensor_checksum(weights[n]) for n in got}, "receiver holds different bytes"
+            extra["receiver_peak_extra_MiB"] = recv.call("extra_peak") / 2**20
+        # the receiver holds the converted bytes: a converted (q) and an in-place (o_proj) tensor
+        hf = dict(hf_stream(params, spec))
+        names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                 "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"]
+        got = recv.checksums(names)
+        if got != {n: tensor_checksum(hf[n]) for n in names}:
+            raise RuntimeError("receiver holds different bytes than the trainer sent")
     finally:
         recv.close()
     base = rows[0]["ms"]
@@ -168,62 +228,74 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
 
 
 def bench_sglang() -> tuple[list[dict], dict]:
-    import json
+    from safetensors.torch import save_file
 
-    from colocate.engines import build_hf_model, hf_checkpoint_views
-    from colocate.sglang_engine import SGLangEngine, sglang_checksum
+    from colocate.engines import hf_config
+    from colocate.sglang_engine import SGLangEngine, sglang_engine_args
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     spec = SGL_1GB
+    specs = hf_param_specs(spec, dtype=torch.bfloat16)
     d = tempfile.mkdtemp(prefix="sgl-bench-")
-    torch.manual_seed(0)
-    model = build_hf_model(spec, dtype=torch.bfloat16, device="cuda")
-    model.save_pretrained(d, safe_serialization=True)
-    cfg = json.load(open(os.path.join(d, "config.json")))
-    cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
-    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    torch.manual_seed(1)
-    weights = {n: (0.02 * torch.randn_like(v, dtype=torch.float32)).to(torch.bfloat16)
-               for n, v in hf_checkpoint_views(model).items()}
-    del model
-    torch.cuda.empty_cache()
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    eng = SGLangEngine.launch(spec=spec, model_path=d, skip_tokenizer_init=True, attention_backend="triton",
-                              sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.3,
-                              max_total_tokens=65536, dtype="bfloat16", random_seed=0, log_level="error",
-                              disable_cuda_graph=True)
+    hf_config(spec, dtype=torch.bfloat16).save_pretrained(d)
+    g = torch.Generator().manual_seed(0)
+    save_file({n: (0.02 * torch.randn(s, generator=g)).to(dt) for n, (s, dt) in specs.items()},
+              os.path.join(d, "model.safetensors"))
+    # the published weights: views of one CUDA storage (in place) and separate tensors (packed, naive)
+    total = sum(math.prod(s) for s, _ in specs.values())
+    flat = (0.02 * torch.randn(total, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+            ).to(torch.bfloat16)
+    inplace, off = {}, 0
+    for n, (s, _) in specs.items():
+        inplace[n] = flat[off: off + math.prod(s)].view(s)
+        off += math.prod(s)
+    weights = {n: t.clone() for n, t in inplace.items()}
+    nbytes = total * 2
+    eng = SGLangEngine.launch(spec=spec, **sglang_engine_args(d, cuda_graph=False, memory_saver=False))
     rows: list[dict] = []
     sums = {}
     try:
         e = eng.engine
+        initial = eng.checksum()
 
         def naive_loop():
             for n, t in weights.items():
                 e.update_weights_from_tensor(named_tensors=[(n, t)], load_format=None, flush_cache=False)
             e.flush_cache()
+            eng.checksum()  # SGLang acks before its copies finish: the checker synchronizes
 
         def one_call():
             e.update_weights_from_tensor(named_tensors=list(weights.items()), load_format=None, flush_cache=True)
+            eng.checksum()
 
-        pub = Publisher(eng, PublishConfig(transport="auto", bucket_bytes=512 << 20))
+        packed = Publisher(eng, PublishConfig(transport="auto", bucket_bytes=512 << 20), share_min_bytes=None)
+        direct = Publisher(eng, PublishConfig(transport="auto", bucket_bytes=512 << 20))
         version = iter(range(1, 10_000))
 
-        def ours():
-            pub.publish(weights, version=next(version))
+        def ours_packed():
+            packed.publish(weights, version=next(version))
+
+        def ours_inplace():
+            direct.last_good = packed.last_good
+            direct.publish(inplace, version=next(version))
+            packed.last_good = direct.last_good
 
         for name, fn in (("naive_per_tensor_loop", naive_loop), ("single_call_all_tensors", one_call),
-                         ("publisher_buckets", ours)):
+                         ("publisher_packed", ours_packed), ("publisher_inplace", ours_inplace)):
+            eng.restore_from_disk(d)  # start from other weights, so every method must change them
             t = time_cpu(fn, warmup=1, iters=3)
-            sums[name] = sglang_checksum(e)
+            sums[name] = eng.checksum()
             rows.append({"case": "sglang", "provider": name, "ms": t["p50"], "GBps": nbytes / t["p50"] / 1e6})
     finally:
         eng.shutdown()
     base = rows[0]["ms"]
     for r in rows:
         r["x_vs_naive"] = r["ms"] / base
-    if len(set(sums.values())) != 1:
-        raise RuntimeError(f"SGLang checksums differ between methods: {sums}")
-    return rows, {"nbytes": nbytes, "num_tensors": len(weights), "checksum": next(iter(sums.values()))}
+    if len(set(sums.values())) != 1 or initial in sums.values():
+        raise RuntimeError(f"SGLang checksums differ between methods or equal the initial weights: {sums}, "
+                           f"initial {initial}")
+    return rows, {"nbytes": nbytes, "num_tensors": len(weights), "checksum": next(iter(sums.values())),
+                  "note": "every method includes SGLang's weight checksum (the end-of-update device sync)"}
 
 
 def _plot(rows: list[dict], name: str) -> None:
@@ -255,14 +327,16 @@ def main() -> None:
         name, cols = "publish_sglang", ["case", "provider", "ms", "GBps", "x_vs_naive"]
     else:
         rows, extra = bench_ipc(args.quick)
-        name, cols = "publish", ["case", "provider", "ms", "GBps", "x_vs_d2d_flat"]
+        name, cols = "publish", ["case", "provider", "ms", "GBps", "x_vs_d2d_flat", "handles_first", "handles_later",
+                                 "shared_storages", "buckets", "trainer_peak_extra_MiB"]
     extra["wall_s"] = time.time() - t0
     path = write_results(name, rows, extra)
     _plot(rows, name)
     print(f"wrote {path}")
     print({k: v for k, v in extra.items() if k != "phases_ms_median"})
     if "phases_ms_median" in extra:
-        print("phases (ms, median):", {k: round(v, 3) for k, v in extra["phases_ms_median"].items()})
+        for provider, ph in extra["phases_ms_median"].items():
+            print(f"phases (ms, median) {provider}:", {k: round(v, 3) for k, v in ph.items()})
     print_table(rows, cols)
 
 

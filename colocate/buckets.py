@@ -3,6 +3,8 @@
 A bucket is a ``uint8`` buffer plus :class:`Entry` records ``(name, dtype, shape, offset)``;
 offsets are aligned to 256 bytes so every entry can be viewed in place with its own dtype.
 One bucket means one IPC handle / shared-memory segment / file, however many tensors it holds.
+The same records describe tensors that already live in one large storage (the publisher's
+in-place path): the "buffer" is then that storage viewed as bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Entry", "plan_buckets", "pack_bucket", "unpack_bucket", "tensor_checksum", "ALIGN"]
+__all__ = ["Entry", "align", "bucket_nbytes", "plan_buckets", "pack_bucket", "unpack_bucket", "tensor_checksum", "ALIGN"]
 
 ALIGN = 256
 
@@ -34,7 +36,8 @@ class Entry:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -47,7 +50,7 @@ def plan_buckets(meta: Iterable[tuple[str, tuple[int, ...], torch.dtype]], *, bu
     used = 0
     for name, shape, dtype in meta:
         e = Entry(name, dtype, tuple(int(s) for s in shape), 0)
-        size = _align(e.nbytes)
+        size = align(e.nbytes)
         if cur and used + size > bucket_bytes:
             buckets.append(cur)
             cur, used = [], 0
@@ -61,7 +64,7 @@ def plan_buckets(meta: Iterable[tuple[str, tuple[int, ...], torch.dtype]], *, bu
 def bucket_nbytes(entries: list[Entry]) -> int:
     """Bytes a buffer needs to hold ``entries``."""
     last = entries[-1]
-    return _align(last.offset + last.nbytes)
+    return align(last.offset + last.nbytes)
 
 
 def pack_bucket(tensors: dict[str, torch.Tensor], entries: list[Entry], buffer: torch.Tensor) -> None:

@@ -4,9 +4,16 @@ Per publish (one ``weight_version``):
 
 1. name/shape/dtype check of everything to be sent against ``receiver.param_specs()``
    (:class:`~colocate.convert.ParamMismatchError` lists the first 10 with both sides);
-2. ``begin_update(version)``; tensors are packed into at most ``max_in_flight`` (≤ 2) staging
-   buffers of ``bucket_bytes``, a buffer being reused only after the receiver acknowledged its
-   previous bucket and the device synchronized;
+2. ``begin_update(version)``; then, in iterator order, each tensor goes one of two ways:
+
+   * **in place**: a contiguous view into a storage of at least ``share_min_bytes`` (a Megatron
+     DDP param buffer, a converter output that is a view of it) is not copied: the storage is
+     handed over once (one IPC/shm handle) with the byte offsets of its tensors, and the
+     receiver copies straight from it into its weights;
+   * **packed**: everything else (converted tensors such as the GQA-split q/k/v, small
+     storages) is packed into flattened buckets of at most ``bucket_bytes`` in at most
+     ``max_in_flight`` (≤ 2) staging buffers, a buffer being reused only after the receiver
+     acknowledged its previous bucket and the device synchronized;
 3. ``end_update(version, checksums)``: the receiver verifies the staged data (bit-exact
    checksums, ``verify="checksum"``) and commits atomically;
 4. the version is read back; ``verify="sampled"`` compares sampled elements after commit.
@@ -14,8 +21,10 @@ Per publish (one ``weight_version``):
 Any failure aborts the update on the receiver (previous weights stay; a failure after the
 commit rolls back receivers that have ``rollback``), marks the version poisoned (it can never
 be published again) and raises :class:`PublishError` with the cause.
-Timings per phase: convert (pulling tensors from the iterator), bucket (packing copies),
-transfer (hand-over until ack), load (verify + commit), verify (read-back).
+Timings per phase: convert (pulling tensors from the iterator), bucket (packing copies and
+sender checksums), transfer (hand-over until ack), load (verify + commit), verify (read-back).
+Storages shared in place are unmapped by the receiver at the end of each publish (so the trainer
+can release them) unless ``keep_shared``; then :meth:`Publisher.release_staging` unmaps them.
 """
 
 from __future__ import annotations
@@ -29,14 +38,21 @@ from pathlib import Path
 
 import torch
 
-from colocate.buckets import bucket_nbytes, pack_bucket, plan_buckets, tensor_checksum
+from colocate.buckets import Entry, align, bucket_nbytes, pack_bucket, tensor_checksum
 from colocate.config import PublishConfig
 from colocate.convert import check_params
-from colocate.transports import RemoteReceiver, choose_transport, write_bucket_file
+from colocate.transports import RemoteReceiver, choose_transport, read_bucket_file, write_bucket_file
 
 __all__ = ["PublishError", "PoisonedVersionError", "PublishReport", "Publisher"]
 
 log = logging.getLogger(__name__)
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n * torch.empty((), dtype=dtype).element_size()
 
 
 class PublishError(RuntimeError):
@@ -62,6 +78,8 @@ class PublishReport:
     num_buckets: int
     handles: int
     """Distinct buffers that crossed the process boundary (IPC / shm handles, files)."""
+    num_shared: int = 0
+    """Storages sent in place (no packing copy): their tensors are views the receiver copies from."""
     timings: dict[str, float] = field(default_factory=dict)
     verify: str = "none"
 
@@ -76,10 +94,14 @@ class Publisher:
 
     ``receiver``: an in-process engine (:class:`~colocate.engines.HFEngine`, SGLang adapter) or
     a :class:`~colocate.transports.RemoteReceiver`. ``device``: where staging buffers live
-    (defaults to CUDA for ``cuda_ipc``, CPU otherwise).
+    (defaults to CUDA for ``cuda_ipc``, CPU otherwise). ``share_min_bytes``: contiguous tensors
+    whose storage has at least this many bytes are sent in place instead of packed (``None``:
+    always pack). ``keep_shared``: keep such storages mapped in the receiver between publishes
+    (no new handles next time; call :meth:`release_staging` before the trainer frees them).
     """
 
-    def __init__(self, receiver, config: PublishConfig | None = None, *, device: str | torch.device | None = None):
+    def __init__(self, receiver, config: PublishConfig | None = None, *, device: str | torch.device | None = None,
+                 share_min_bytes: int | None = 64 << 20, keep_shared: bool = False):
         self.receiver = receiver
         self.config = config or PublishConfig()
         local = not isinstance(receiver, RemoteReceiver)
@@ -100,6 +122,14 @@ class Publisher:
             raise ConfigError(f"PublishConfig.verify='sampled': receiver {type(receiver).__name__} cannot sample")
         self._staging: list[torch.Tensor | None] = [None] * self.config.max_in_flight
         self._disk: Path | None = Path(self.config.disk_dir) if self.config.disk_dir else None
+        if share_min_bytes is not None and share_min_bytes < 1:
+            from colocate.config import ConfigError
+
+            raise ConfigError(f"Publisher share_min_bytes must be >= 1 or None, got {share_min_bytes!r}")
+        self.share_min_bytes = share_min_bytes
+        self.keep_shared = keep_shared
+        self._shared_slots: set[tuple] = set()
+        self._cap = 0
 
     # ----- staging buffers --------------------------------------------------------------------
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -116,8 +146,11 @@ class Publisher:
         """Free the staging buffers (returns bytes); they are re-allocated on the next publish."""
         freed = sum(b.numel() for b in self._staging if b is not None)
         self._staging = [None] * self.config.max_in_flight
+        self._shared_slots.clear()
         if isinstance(self.receiver, RemoteReceiver) and self.receiver.process.is_alive():
-            self.receiver.detach_buffers()
+            self.receiver.detach_buffers()  # staging slots and storages kept shared (keep_shared)
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
         return freed
 
     # ----- publish ----------------------------------------------------------------------------
@@ -146,21 +179,24 @@ class Publisher:
                 timings["convert"] += time.perf_counter() - t0
                 meta = {n: (tuple(t.shape), t.dtype) for n, t in items}
             check_params(meta, self.receiver.param_specs(), require_all=require_all)
-            plan = plan_buckets(((n, s, d) for n, (s, d) in meta.items()), bucket_bytes=self.config.bucket_bytes)
+            self._cap = sum(align(_nbytes(s, d)) for s, d in meta.values())
             phase = "begin"
             self.receiver.begin_update(version)
             began = True
             phase = "transfer"
-            report = self._send(iter(items), plan, version, timings)
+            report = self._send(iter(items), meta, version, timings)
             phase = "load"
             t0 = time.perf_counter()
             self.receiver.end_update(version, report.pop("checksums"))
             timings["load"] = time.perf_counter() - t0
+            if not self.keep_shared:
+                self._drop_shared()
             if self._fresh:
                 self._staging = [None] * self.config.max_in_flight
-                report.pop("fresh", None)
+            report.pop("fresh", None)
+            if self._fresh or not self.keep_shared:
                 if torch.cuda.is_available():
-                    torch.cuda.ipc_collect()
+                    torch.cuda.ipc_collect()  # free the IPC-limbo blocks the receiver has let go
             phase = "verify"
             t0 = time.perf_counter()
             got = self.receiver.weight_version()
@@ -183,99 +219,174 @@ class Publisher:
             raise PublishError(version, phase, e) from e
         self.last_good = version
         rep = PublishReport(version=version, transport=self.transport, num_tensors=len(meta),
-                            nbytes=report["nbytes"], num_buckets=len(plan), handles=report["handles"],
+                            nbytes=report["nbytes"], num_buckets=report["buckets"], handles=report["handles"],
+                            num_shared=report["shared"],
                             timings=timings, verify=self.config.verify if self._verifies else "version-only")
         self.reports.append(rep)
-        log.info("published v%s via %s: %d tensors, %.1f MiB, %d buckets, %s", version, self.transport, len(meta),
-                 rep.nbytes / 2**20, len(plan), {k: round(v * 1e3, 2) for k, v in timings.items()})
+        log.info("published v%s via %s: %d tensors, %.1f MiB, %d buckets, %d shared storages, %s", version,
+                 self.transport, len(meta), rep.nbytes / 2**20, rep.num_buckets, rep.num_shared,
+                 {k: round(v * 1e3, 2) for k, v in timings.items()})
         return rep
 
-    def _send(self, items, plan, version: int, timings: dict[str, float]) -> dict:
+    # ----- sending -----------------------------------------------------------------------------
+    def _shareable(self, t: torch.Tensor) -> bool:
+        """True when ``t`` is sent in place: a contiguous view into a storage of at least
+        ``share_min_bytes`` that the transport can hand over as it is (no packing copy)."""
+        if self.share_min_bytes is None or self.transport == "disk" or not t.is_contiguous():
+            return False
+        if t.untyped_storage().nbytes() < self.share_min_bytes:
+            return False
+        if self.transport == "cuda_ipc":
+            return t.is_cuda
+        if self.transport == "shm":
+            return t.device.type == "cpu" and t.is_shared()
+        return True  # inprocess: handed over by reference
+
+    def _send(self, items, meta, version: int, timings: dict[str, float]) -> dict:
         cfg = self.config
-        want = {e.name: b for b, entries in enumerate(plan) for e in entries}
-        pending: dict[str, torch.Tensor] = {}
+        remote = isinstance(self.receiver, RemoteReceiver)
         checksums: dict[str, int] | None = {} if cfg.verify == "checksum" and self._verifies else None
         samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         gen = torch.Generator().manual_seed(version)
-        nbytes = handles = 0
-        remote = isinstance(self.receiver, RemoteReceiver)
-        cap = max(bucket_nbytes(entries) for entries in plan)
+        st = {"nbytes": 0, "handles": 0, "buckets": 0, "shared": 0}
         fresh: list[torch.Tensor] = []
-        for b, entries in enumerate(plan):
-            while any(e.name not in pending for e in entries):
-                t0 = time.perf_counter()
-                try:
-                    name, t = next(items)
-                except StopIteration:
-                    missing = [e.name for e in entries if e.name not in pending]
-                    raise ValueError(f"weights ended before {len(missing)} planned tensor(s): {missing[:10]}") from None
-                timings["convert"] += time.perf_counter() - t0
-                if name not in want:
-                    raise ValueError(f"weights yielded {name!r}, which is not in meta")
-                pending[name] = t
-            slot = b % cfg.max_in_flight
-            size = bucket_nbytes(entries)
+        cur: list[Entry] = []
+        cur_t: dict[str, torch.Tensor] = {}
+        used = 0
+        group: tuple[tuple[int, int], torch.Tensor, list[Entry]] | None = None  # (key, storage bytes, entries)
+        seen: set[str] = set()
+
+        def wait_slot() -> None:
             t0 = time.perf_counter()
-            if remote and self.receiver.in_flight >= cfg.max_in_flight:
-                self.receiver.wait_one(cfg.timeout_s)  # slot's previous bucket acked (receiver synced)
+            while remote and self.receiver.in_flight >= cfg.max_in_flight:
+                self.receiver.wait_one(cfg.timeout_s)  # that bucket was acked (receiver synced)
             timings["transfer"] += time.perf_counter() - t0
+
+        def hand_over(slot, entries: list[Entry], buf: torch.Tensor, size: int) -> None:
             t0 = time.perf_counter()
+            if self.transport == "disk":
+                self._send_file(entries, buf, size, version, st, remote)
+            elif remote:
+                st["handles"] += self.receiver.attach_buffer(slot, buf)
+                self.receiver.submit_slot(slot, entries)
+            else:
+                self.receiver.load_bucket(entries, buf[:size])
+            timings["transfer"] += time.perf_counter() - t0
+            st["nbytes"] += sum(e.nbytes for e in entries)
+
+        def flush_bucket() -> None:
+            nonlocal cur, cur_t, used
+            if not cur:
+                return
+            wait_slot()
+            t0 = time.perf_counter()
+            size = bucket_nbytes(cur)
             if self._fresh:
                 buf = torch.empty(size, dtype=torch.uint8, device=self.device)
                 fresh.append(buf)  # alive until the receiver's end_update synchronized
             else:
-                buf = self._buffer(slot, cap)
-            tensors = {e.name: pending.pop(e.name) for e in entries}
-            pack_bucket(tensors, entries, buf)
-            for e in entries:
-                if checksums is not None:
-                    checksums[e.name] = tensor_checksum(tensors[e.name])
-                if cfg.verify == "sampled":
-                    n = tensors[e.name].numel()
-                    idx = torch.randint(0, n, (min(cfg.sample_count, n),), generator=gen)
-                    samples[e.name] = (idx, tensors[e.name].reshape(-1)[idx.to(tensors[e.name].device)].cpu())
-            del tensors
+                buf = self._buffer(st["buckets"] % cfg.max_in_flight, max(size, min(cfg.bucket_bytes, self._cap)))
+            pack_bucket(cur_t, cur, buf)
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
             timings["bucket"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            if self.transport == "inprocess":
-                self.receiver.load_bucket(entries, buf[:size])
-            elif self.transport in ("shm", "cuda_ipc"):
-                if remote:
-                    handles += self.receiver.attach_buffer(slot, buf)
-                    self.receiver.submit_slot(slot, entries)
-                else:
-                    self.receiver.load_bucket(entries, buf[:size])
-            elif self.transport == "disk":
-                while remote and self.receiver.in_flight:
-                    self.receiver.wait_one(cfg.timeout_s)
-                if self._disk is None:
-                    self._disk = Path(tempfile.mkdtemp(prefix="colocate-publish-"))
-                path = self._disk / f"v{version}-b{b}.bin"
-                write_bucket_file(buf, size, path)
-                handles += 1
-                try:
-                    if remote:
-                        self.receiver.load_file(entries, str(path), size)
-                    else:
-                        from colocate.transports import read_bucket_file
+            hand_over(st["buckets"] % cfg.max_in_flight, cur, buf, size)
+            st["buckets"] += 1
+            cur, cur_t, used = [], {}, 0
 
-                        self.receiver.load_bucket(entries, read_bucket_file(path, size))
-                finally:
-                    path.unlink(missing_ok=True)
-            timings["transfer"] += time.perf_counter() - t0
-            nbytes += sum(e.nbytes for e in entries)
+        def flush_group() -> None:
+            nonlocal group
+            if group is None:
+                return
+            key, storage, entries = group
+            group = None
+            wait_slot()
+            if storage.is_cuda:
+                torch.cuda.current_stream(storage.device).synchronize()  # producer writes done
+            slot = ("shared", *key)
+            self._shared_slots.add(slot)
+            hand_over(slot, entries, storage, storage.numel())
+            st["shared"] += 1
+
+        while True:
+            t0 = time.perf_counter()
+            try:
+                name, t = next(items)
+            except StopIteration:
+                break
+            finally:
+                timings["convert"] += time.perf_counter() - t0
+            if name not in meta:
+                raise ValueError(f"weights yielded {name!r}, which is not in meta")
+            if name in seen:
+                raise ValueError(f"weights yielded {name!r} twice")
+            seen.add(name)
+            shape, dtype = meta[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"weights yielded {name!r} as {tuple(t.shape)} {t.dtype}, meta says {tuple(shape)} "
+                                 f"{dtype}")
+            t0 = time.perf_counter()
+            if checksums is not None:
+                checksums[name] = tensor_checksum(t)
+            if cfg.verify == "sampled":
+                n = t.numel()
+                idx = torch.randint(0, n, (min(cfg.sample_count, n),), generator=gen)
+                samples[name] = (idx, t.reshape(-1)[idx.to(t.device)].cpu())
+            timings["bucket"] += time.perf_counter() - t0
+            if self._shareable(t):
+                s = t.untyped_storage()
+                key = (s.data_ptr(), s.nbytes())
+                if group is not None and group[0] != key:
+                    flush_group()
+                if group is None:
+                    group = (key, torch.empty(0, dtype=torch.uint8, device=t.device).set_(s), [])
+                group[2].append(Entry(name, t.dtype, tuple(int(x) for x in t.shape),
+                                      t.storage_offset() * t.element_size()))
+                continue
+            e = Entry(name, t.dtype, tuple(int(x) for x in t.shape), 0)
+            size = align(e.nbytes)
+            if cur and used + size > cfg.bucket_bytes:
+                flush_bucket()
+            cur.append(Entry(name, e.dtype, e.shape, used))
+            cur_t[name] = t
+            used += size
+        flush_bucket()
+        flush_group()
         t0 = time.perf_counter()
         while remote and self.receiver.in_flight:
             self.receiver.wait_one(cfg.timeout_s)
         timings["transfer"] += time.perf_counter() - t0
-        if pending:
-            raise ValueError(f"weights yielded {len(pending)} tensor(s) twice or unplanned: {sorted(pending)[:10]}")
+        missing = [n for n in meta if n not in seen]
+        if missing:
+            raise ValueError(f"weights ended before {len(missing)} planned tensor(s): {missing[:10]}")
         if self._fresh:
-            handles = len(fresh)
-        return {"nbytes": nbytes, "handles": int(handles), "checksums": checksums, "samples": samples,
-                "fresh": fresh}
+            st["handles"] = len(fresh) + st["shared"]
+        return {"nbytes": st["nbytes"], "handles": int(st["handles"]), "buckets": st["buckets"],
+                "shared": st["shared"], "checksums": checksums, "samples": samples, "fresh": fresh}
+
+    def _send_file(self, entries: list[Entry], buf: torch.Tensor, size: int, version: int, st: dict,
+                   remote: bool) -> None:
+        cfg = self.config
+        while remote and self.receiver.in_flight:
+            self.receiver.wait_one(cfg.timeout_s)
+        if self._disk is None:
+            self._disk = Path(tempfile.mkdtemp(prefix="colocate-publish-"))
+        path = self._disk / f"v{version}-b{st['buckets']}.bin"
+        write_bucket_file(buf, size, path)
+        st["handles"] += 1
+        try:
+            if remote:
+                self.receiver.load_file(entries, str(path), size)
+            else:
+                self.receiver.load_bucket(entries, read_bucket_file(path, size))
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _drop_shared(self) -> None:
+        """Make the receiver unmap storages shared in place (so the trainer can free them)."""
+        if self._shared_slots and isinstance(self.receiver, RemoteReceiver) and self.receiver.process.is_alive():
+            self.receiver.detach_slots(sorted(self._shared_slots))
+        self._shared_slots.clear()
 
     def _verify_sampled(self, samples: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         got = self.receiver.sample({n: idx for n, (idx, _) in samples.items()})

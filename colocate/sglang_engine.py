@@ -32,7 +32,27 @@ from colocate.convert import check_params, hf_param_specs
 from colocate.engines import UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
 
-__all__ = ["SGLangEngine", "sglang_checksum"]
+__all__ = ["SGLangEngine", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args"]
+
+
+def sglang_engine_args(model_path: str, *, cuda_graph: bool = True, memory_saver: bool = True,
+                       **overrides: Any) -> dict[str, Any]:
+    """``sglang.Engine`` keyword arguments that run SGLang 0.5.17 from the GPU lane's trimmed
+    carry (Triton attention, no tokenizer: token ids in and out). With ``cuda_graph`` the decode
+    graphs for batch sizes 1, 2, 4 are captured (prefill graphs off); pausing them with the memory
+    saver needs ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in the environment before the engine starts
+    and a process where Megatron was never imported (it switches torch_memory_saver's hook
+    mode). ``overrides`` replace or add arguments."""
+    kw: dict[str, Any] = dict(model_path=model_path, skip_tokenizer_init=True, attention_backend="triton",
+                              sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.3,
+                              max_total_tokens=65536, dtype="bfloat16", random_seed=0, log_level="error",
+                              enable_memory_saver=memory_saver)
+    if cuda_graph:
+        kw.update(disable_cuda_graph=False, cuda_graph_bs_decode=[1, 2, 4], disable_prefill_cuda_graph=True)
+    else:
+        kw.update(disable_cuda_graph=True)
+    kw.update(overrides)
+    return kw
 
 
 def _ok(result: Any) -> tuple[bool, str]:
@@ -50,6 +70,20 @@ def sglang_checksum(engine: Any) -> str:
     r = engine.loop.run_until_complete(
         engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
     return str(r[-1] if isinstance(r, tuple | list) else r)
+
+
+def logprobs_of_prompt(rows: Sequence[Sequence[Any]], prompt: Sequence[int]) -> list[float]:
+    """SGLang's ``input_token_logprobs`` rows ``(logprob, token_id, text)`` for a prompt scored
+    from position 0 → log-probs of tokens 1..T-1. Raises :class:`UpdateError` when the rows do
+    not line up with ``prompt`` (count or token ids)."""
+    if len(rows) != len(prompt):
+        raise UpdateError(f"SGLang returned {len(rows)} input log-prob rows for a {len(prompt)}-token prompt")
+    for i, (row, tok) in enumerate(zip(rows, prompt, strict=True)):
+        if row[1] is not None and int(row[1]) != int(tok):
+            raise UpdateError(f"input log-prob row {i}: token {row[1]} != prompt token {tok} (misaligned)")
+    if any(r[0] is None for r in rows[1:]):
+        raise UpdateError("SGLang returned no log-prob for a prompt position after the first")
+    return [float(r[0]) for r in rows[1:]]
 
 
 class SGLangEngine:
@@ -93,6 +127,10 @@ class SGLangEngine:
         import sglang
 
         return cls(sglang.Engine(**engine_kwargs), spec=spec, dtype=dtype)
+
+    def checksum(self) -> str:
+        """The engine's current weight checksum (SGLang's weight checker)."""
+        return self._checksum(self.engine)
 
     # ----- receiver surface ----------------------------------------------------------------
     def capabilities(self) -> frozenset[str]:
@@ -176,7 +214,7 @@ class SGLangEngine:
                                                                                   "temperature": 0.0},
                                        return_logprob=True, logprob_start_len=0)
         rows = out[0]["meta_info"]["input_token_logprobs"]
-        return [float(r[0]) for r in rows if r[0] is not None]
+        return logprobs_of_prompt(rows, prompt)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -100,7 +100,7 @@ def serve_receiver(conn: Any, receiver: Any) -> None:
     Requests are ``(seq, op, args)``; ``buffer``/``bucket`` ops address staging buffers by
     slot; every request gets ``(seq, "ok", result)`` or ``(seq, "err", type name, message)``.
     """
-    slots: dict[int, torch.Tensor] = {}
+    slots: dict[Any, torch.Tensor] = {}
     while True:
         try:
             seq, op, args = conn.recv()
@@ -116,6 +116,10 @@ def serve_receiver(conn: Any, receiver: Any) -> None:
                 result = None
             elif op == "drop_buffers":
                 slots.clear()
+                result = None
+            elif op == "drop":
+                for key in args[0]:
+                    slots.pop(key, None)
                 result = None
             elif op == "bucket":
                 slot, entries = args
@@ -209,10 +213,11 @@ class RemoteReceiver:
     def begin_update(self, version: int) -> None:
         self._call("begin_update", version)
 
-    def attach_buffer(self, slot: int, buffer: torch.Tensor) -> bool:
-        """Share staging ``buffer`` (shared-memory CPU or CUDA) with the receiver under ``slot``;
-        True when a new handle crossed (the first time this buffer fills this slot)."""
-        key = buffer.untyped_storage().data_ptr()
+    def attach_buffer(self, slot: Any, buffer: torch.Tensor) -> bool:
+        """Share ``buffer`` (shared-memory CPU or CUDA; a staging buffer or a whole storage viewed
+        as bytes) with the receiver under ``slot`` (any picklable key); True when a new handle
+        crossed (the first time this buffer fills this slot)."""
+        key = (buffer.untyped_storage().data_ptr(), buffer.untyped_storage().nbytes())
         if self._attached.get(slot) == key:
             return False
         self._call("buffer", slot, buffer)
@@ -224,7 +229,13 @@ class RemoteReceiver:
         self._call("drop_buffers")
         self._attached.clear()
 
-    def submit_slot(self, slot: int, entries: list[Entry]) -> None:
+    def detach_slots(self, slots: list) -> None:
+        """Make the receiver drop the buffers attached under ``slots`` (unmapping their storages)."""
+        self._call("drop", list(slots))
+        for k in slots:
+            self._attached.pop(k, None)
+
+    def submit_slot(self, slot: Any, entries: list[Entry]) -> None:
         """Ask the receiver to load ``entries`` from ``slot`` without waiting; acknowledgements
         come back in order through :meth:`wait_one`."""
         self._outstanding.append((self._submit("bucket", slot, entries), "bucket"))
