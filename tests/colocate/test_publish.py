@@ -116,6 +116,18 @@ def test_shared_memory_zero_copy_across_processes():
         recv.close()
 
 
+def _in_one_storage(w: dict[str, torch.Tensor], *, separate: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``w`` rebuilt as views of one shared-memory buffer, except the first ``separate`` tensors."""
+    names = list(w)
+    flat = torch.empty(sum(w[n].numel() for n in names[separate:]), dtype=torch.float32).share_memory_()
+    out, off = {n: w[n].clone() for n in names[:separate]}, 0
+    for n in names[separate:]:
+        out[n] = flat[off: off + w[n].numel()].view(w[n].shape)
+        out[n].copy_(w[n])
+        off += w[n].numel()
+    return out, flat
+
+
 @pytest.mark.timeout(180)
 def test_remote_engine_shm_disk_sampled_and_death():
     recv = spawn_receiver(HFEngine, DENSE, timeout_s=60)
@@ -136,6 +148,27 @@ def test_remote_engine_shm_disk_sampled_and_death():
         out = recv.call("generate", [[1, 2, 3]], timeout=60)
         assert len(out.tokens[0]) == 16
 
+        # in place: every tensor but two lives in one shared-memory storage (a DDP-like buffer);
+        # that storage crosses once, unpacked, and only the two separate tensors are packed
+        inplace = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=24 << 10), share_min_bytes=4096)
+        inplace.last_good = 3
+        for version, seed in ((4, 5), (5, 6)):
+            w, views = _in_one_storage(_weights(DENSE, seed), separate=2)
+            rep = inplace.publish(w, version=version)
+            assert rep.num_shared == 1 and rep.num_buckets == 1 and rep.verify == "checksum", rep
+            # the storage is unmapped after each publish (the trainer may free it), so it crosses again
+            assert rep.handles == (2 if version == 4 else 1) and not inplace._shared_slots  # + 1 staging buffer
+            assert recv.checksums() == {n: tensor_checksum(t) for n, t in w.items()}
+        keep = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=24 << 10), share_min_bytes=4096,
+                         keep_shared=True)
+        keep.last_good = 5
+        assert [keep.publish(w, version=v).handles for v in (6, 7)] == [2, 0]
+        views.add_(1)  # in place: the next publish sends the trainer's current values
+        assert keep.publish(w, version=8).handles == 0
+        assert recv.checksums() == {n: tensor_checksum(t) for n, t in w.items()}
+        keep.release_staging()
+        pub.last_good = 8
+
         def dying():
             for i, item in enumerate(_weights(DENSE, 4).items()):
                 if i == 5:
@@ -143,8 +176,8 @@ def test_remote_engine_shm_disk_sampled_and_death():
                 yield item
 
         with pytest.raises(PublishError) as ei:
-            pub.publish(dying(), version=4, meta={n: (tuple(t.shape), t.dtype) for n, t in w3.items()})
-        assert isinstance(ei.value.cause, ReceiverDied) and 4 in pub.poisoned and ei.value.phase == "transfer"
+            pub.publish(dying(), version=9, meta={n: (tuple(t.shape), t.dtype) for n, t in w3.items()})
+        assert isinstance(ei.value.cause, ReceiverDied) and 9 in pub.poisoned and ei.value.phase == "transfer"
         with pytest.raises(TransportError):
             recv.weight_version()
     finally:
