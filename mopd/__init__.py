@@ -13,6 +13,7 @@ from mopd.config import (
     RoutingSpec,
     TeacherPoolConfig,
     TeacherSpec,
+    TeacherTreeConfig,
 )
 from mopd.divergences import full_vocab_divergence, topk_divergence
 from mopd.errors import (
@@ -48,7 +49,7 @@ __all__ = [
     "ROUTE_KEY", "ConfigError", "DivergenceConfig", "DrainError", "DrainReceipt", "FingerprintMismatchError",
     "HTTPTeacher", "MOPDConfig", "MOPDError", "MOPDLossConfig", "NonFiniteInputError", "PGOutput", "RouteMutationError",
     "RoutingError", "RoutingSpec", "TargetAccumulator", "TeacherBackend", "TeacherBrokenError", "TeacherPool",
-    "TeacherPoolConfig", "TeacherServerError", "TeacherSpec", "TeacherState", "TeacherStateError",
+    "TeacherPoolConfig", "TeacherServerError", "TeacherSpec", "TeacherState", "TeacherTreeConfig", "TeacherStateError",
     "TeacherTimeoutError", "TokenBatch", "TokenTargets", "TransformersTeacher", "compose_losses", "derive",
     "fingerprint_hf", "full_vocab_divergence", "mopd_pg_loss", "required_teachers", "run_preflight", "score_routed",
     "stamp_routes", "teacher_assignments", "topk_divergence", "verify_routes", *_MEGATRON,

@@ -26,6 +26,7 @@ __all__ = [
     "RoutingSpec",
     "TeacherPoolConfig",
     "TeacherSpec",
+    "TeacherTreeConfig",
     "check_teacher_id",
 ]
 
@@ -33,6 +34,7 @@ AGGREGATIONS = ("geometric", "arithmetic", "mean")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TOPK_TAILS = ("bucket", "renorm")
 BACKENDS = ("megatron", "http")
+TREE_BACKENDS = ("flex", "varlen", "dense")
 RESERVED_TEACHER_IDS = frozenset({"actor", "student", "rl"})
 ROUTE_KEY = "mopd_route"
 """Reserved sample key holding the stamped route (a ``str``)."""
@@ -233,6 +235,40 @@ class TeacherSpec:
 
 
 @dataclass(kw_only=True, slots=True)
+class TeacherTreeConfig:
+    """Megatron teachers score harts tree batches: the rows of a scoring batch are packed as a
+    prefix forest (shared prompts and duplicate rollouts computed once), run through the frozen
+    model with tree attention and RoPE by trie depth, and read through harts' chunked LM head
+    (see ``docs/harts.md``); per-row log-probs are restored by index. Same values as plain
+    scoring up to float reduction order (tested at 1e-10 in fp64)."""
+
+    enabled: bool = False
+    """Score Megatron teachers with harts tree batches instead of padded ``[B, L]`` micro-batches."""
+    backend: str = "flex"
+    """Tree attention: ``flex`` (FlexAttention), ``varlen`` (FlashAttention-2 per trie segment,
+    bf16/fp16 on CUDA) or ``dense`` (a [T, T] mask; CPU tests)."""
+    chunk_size: int = 1024
+    """Rows per chunk of the LM head (extra memory ≈ 2 · chunk_size · V/TP fp32 values)."""
+    token_cap: int = 8192
+    """Most compact rows per tree micro-batch, alignment padding included (harts planner)."""
+    align: int = 128
+    """Compact rows of each micro-batch are padded to a multiple of this; divides ``token_cap``."""
+    fallback_compression: float = 1.15
+    """Micro-batches compressing less than this (C = ΣL / T) run as plain packed sequences
+    through the same kernels."""
+
+    def __post_init__(self) -> None:
+        _choice("teacher_tree.backend", self.backend, TREE_BACKENDS)
+        for name in ("chunk_size", "token_cap", "align"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"teacher_tree.{name} must be a positive int, got {v!r}")
+        if self.token_cap % self.align:
+            raise ConfigError(f"teacher_tree.align={self.align!r} must divide teacher_tree.token_cap={self.token_cap!r}")
+        _finite("teacher_tree.fallback_compression", self.fallback_compression, nonneg=True)
+
+
+@dataclass(kw_only=True, slots=True)
 class TeacherPoolConfig:
     """Lifecycle of teachers (see :class:`mopd.teachers.TeacherPool`)."""
 
@@ -261,6 +297,8 @@ class MOPDConfig:
     """Full-vocab / top-k divergences, when teacher logits are available."""
     pool: TeacherPoolConfig = dataclasses.field(default_factory=TeacherPoolConfig)
     """Teacher lifecycle."""
+    teacher_tree: TeacherTreeConfig = dataclasses.field(default_factory=TeacherTreeConfig)
+    """harts tree scoring of Megatron teachers (off by default)."""
     rollout_temperature: float = 1.0
     """Sampling temperature of the rollouts; teachers score at this same temperature."""
     student_hf_path: str | None = None

@@ -7,8 +7,11 @@
   next teacher's weights into it in place (shard files checked key/shape/dtype, or a Megatron
   ``dist_checkpointing`` folder). Scoring runs Megatron's forward-only schedule, so TP/PP work
   as in training; log-probs exist on the last pipeline stage (zeros elsewhere), where the
-  student's loss is computed too. ``logprob_fn`` is the seam for other batch layouts (harts
-  tree batches): it maps (model output, micro-batch) to per-token log-probs.
+  student's loss is computed too. With a :class:`~mopd.config.TeacherTreeConfig` enabled, a
+  teacher scores harts tree batches instead (prefix forest → compact row → tree attention →
+  harts' chunked LM head → per-row log-probs restored by index), the student's kernels when it
+  trains on tree batches. ``logprob_fn`` maps (model output, micro-batch) to per-token
+  log-probs for other custom layouts.
 * :func:`mopd_loss_func` — the loss for a Megatron ``forward_step_func``: returns
   ``(loss_sum, num_tokens, metrics)`` (the per-token-loss convention), metrics per route.
 """
@@ -25,7 +28,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mopd.backends import HTTPTeacher, TokenBatch, read_teacher_shard, write_teacher_shard
-from mopd.config import MOPDConfig, MOPDLossConfig
+from mopd.config import MOPDConfig, MOPDLossConfig, TeacherTreeConfig
 from mopd.errors import TeacherStateError
 from mopd.objectives import TokenTargets, compose_losses, mopd_pg_loss
 from mopd.teachers import TeacherPool
@@ -111,6 +114,16 @@ class MegatronTeacherHost:
         self.layout = {k: (tuple(v.shape), v.dtype) for k, v in self._targets.items()}
         self.device = next(iter(self._targets.values())).device
         self.owner: str | None = None
+        self.harts_handle: Any = None
+
+    def enable_tree(self) -> None:
+        """Make the model tree-capable (:func:`harts.megatron.apply_harts`, once; plain batches
+        run unchanged afterwards). Raises ``TreeIncompatibleError`` for configurations harts
+        cannot run exactly (context parallelism, MTP, token-dropping MoE, MLA)."""
+        if self.harts_handle is None:
+            from harts.megatron import apply_harts
+
+            self.harts_handle = apply_harts(self.chunks[0])
 
     def free(self) -> None:
         for v in self._targets.values():
@@ -158,14 +171,21 @@ class MegatronTeacher:
 
     ``checkpoint`` is a folder of teacher shards (:func:`save_teacher_checkpoint`; prefetchable
     on a host thread, memory-mapped) or a ``dist_checkpointing`` folder (loaded in ``load``).
-    ``logprob_fn(output, micro)`` replaces :func:`token_logprobs` for other batch layouts.
+    ``tree`` (enabled) scores harts tree batches (:meth:`_score_tree`); ``logprob_fn(output,
+    micro)`` replaces :func:`token_logprobs` for other batch layouts (not with ``tree``).
     """
 
     def __init__(self, teacher_id: str, host: MegatronTeacherHost, checkpoint: str, *, temperature: float = 1.0,
-                 logprob_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None) -> None:
+                 logprob_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
+                 tree: TeacherTreeConfig | None = None) -> None:
+        if tree is not None and tree.enabled and logprob_fn is not None:
+            raise ValueError(f"teacher {teacher_id!r}: logprob_fn and an enabled tree config both define the "
+                             "scoring layout; pass one")
         self.teacher_id, self.host, self.checkpoint = teacher_id, host, checkpoint
         self.temperature = temperature
         self.logprob_fn = logprob_fn
+        self.tree = tree if tree is not None and tree.enabled else None
+        self.last_tree_stats: dict[str, float] | None = None
         self._staged: dict[str, torch.Tensor] | None = None
         self._offloaded: dict[str, torch.Tensor] | None = None
 
@@ -203,10 +223,13 @@ class MegatronTeacher:
 
     @torch.no_grad()
     def score(self, batch: TokenBatch) -> torch.Tensor:
-        """``logp [B, L]`` fp32 on the last pipeline stage (zeros on other stages)."""
+        """``logp [B, L]`` on the last pipeline stage (zeros on other stages): fp32 (Megatron's
+        cross-entropy kernel computes in fp32); tree scoring keeps an fp64 model's fp64."""
         if self.host.owner != self.teacher_id:
             raise TeacherStateError(f"teacher {self.teacher_id!r} is not the host's resident teacher "
                                     f"(owner: {self.host.owner!r})")
+        if self.tree is not None:
+            return self._score_tree(batch)
         ids = batch.input_ids.to(self.host.device)
         B, L = ids.shape
         mbs = self.host.micro_batch_size
@@ -239,13 +262,71 @@ class MegatronTeacher:
         logp = torch.cat([r.float() for r in res])[:B]
         return torch.where(batch.label_mask().to(logp.device), logp, torch.zeros_like(logp))
 
+    def _score_tree(self, batch: TokenBatch) -> torch.Tensor:
+        """harts tree scoring. Rows ``input_ids[b, :lengths[b]]`` are planned into micro-batches
+        of at most ``token_cap`` compact rows (:func:`harts.plan_step`; sequences sorted, shared
+        prefixes once, THD fallback for micro-batches that barely compress), each run as one
+        packed row through Megatron's forward-only schedule with tree attention and harts'
+        chunked LM head at the teacher temperature. Edge log-probs come back per sequence
+        (:func:`harts.sequence_logprobs`) and are written to their rows:
+        ``logp[b, t] = lp_b[t]`` for ``t < lengths[b] − 1``. Under pipeline parallelism without
+        ``variable_seq_lengths`` every micro-batch is padded to the longest one."""
+        from harts import PlannerConfig, plan_step, sequence_logprobs
+        from harts.megatron import make_tree_params, tree_forward
+
+        cfg = self.tree
+        self.host.enable_tree()
+        model = self.host.chunks[0]
+        dev = self.host.device
+        B, L = batch.input_ids.shape
+        ids_cpu, lens = batch.input_ids.cpu(), batch.lengths.cpu().tolist()
+        seqs = [ids_cpu[b, : lens[b]] for b in range(B)]
+        plan = plan_step(seqs, PlannerConfig(token_cap=cfg.token_cap, align=cfg.align,
+                                             fallback_compression=cfg.fallback_compression, dp_size=1))
+        micro = plan.ranks[0]
+        forests = [mb.build(seqs, device=dev) for mb in micro]  # token ids are checked by tree_forward
+        rows = max(f.num_nodes for f in forests)
+        _, pp_group = _groups(self.host.pg_collection)
+        variable = getattr(getattr(model, "config", None), "variable_seq_lengths", False)
+        if torch.distributed.get_world_size(pp_group) > 1 and not variable:
+            forests = [f.padded(rows) for f in forests]  # 0 < T <= rows: pads to exactly ``rows``
+        self.last_tree_stats = {"compression": plan.stats.compression, "micro_batches": float(len(forests)),
+                                "rows": float(sum(f.num_nodes for f in forests)), "tokens": float(sum(lens))}
+        temperature, backend, chunk = self.temperature, cfg.backend, cfg.chunk_size
+
+        def step(data_iterator, model_):
+            f = next(data_iterator)
+            params = make_tree_params(f, backend=backend)
+            output = tree_forward(model_, f, params=params, temperature=temperature, chunk_size=chunk)
+
+            def collect(output_tensor, non_loss_data=True):
+                return sequence_logprobs(output_tensor[0], f)
+
+            return output, collect
+
+        fb = get_forward_backward_func()
+        kw = {} if self.host.pg_collection is None else {"pg_collection": self.host.pg_collection}
+        res = fb(forward_step_func=step, data_iterator=iter(forests), model=model, num_microbatches=len(forests),
+                 seq_length=rows, micro_batch_size=1, forward_only=True, collect_non_loss_data=True, **kw)
+        if not res:  # not the last pipeline stage
+            return torch.zeros(B, L, dtype=torch.float32, device=batch.input_ids.device)
+        dtype = torch.promote_types(res[0].dtype, torch.float32)
+        out = torch.zeros(B, L, dtype=dtype, device=dev)
+        for mb, f, flat in zip(micro, forests, res):
+            offsets = f.pred_offsets().tolist()
+            for k, b in enumerate(mb.seq_ids):
+                out[b, : offsets[k + 1] - offsets[k]] = flat[offsets[k]: offsets[k + 1]]
+        out = out.to(batch.input_ids.device)
+        return torch.where(batch.label_mask().to(out.device), out, torch.zeros_like(out))
+
 
 def build_teacher_pool(config: MOPDConfig, *, host: MegatronTeacherHost | None = None,
                        logprob_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
                        on_event: Callable[[str, str], None] | None = None) -> TeacherPool:
     """A :class:`TeacherPool` for every teacher of ``config`` (nothing is loaded yet).
 
-    Megatron teachers share ``host`` (required if any is configured); every teacher scores at
+    Megatron teachers share ``host`` (required if any is configured) and score harts tree
+    batches when ``config.teacher_tree.enabled``; every teacher scores at
     ``config.rollout_temperature``; HTTP teachers take their timeouts, retries, batch size and
     temperature capability from their :class:`~mopd.config.TeacherSpec`.
     """
@@ -259,7 +340,7 @@ def build_teacher_pool(config: MOPDConfig, *, host: MegatronTeacherHost | None =
             if not spec.checkpoint:
                 raise ValueError(f"teacher {tid!r}: backend='megatron' needs teachers.{tid}.checkpoint")
             backends[tid] = MegatronTeacher(tid, host, spec.checkpoint, temperature=config.rollout_temperature,
-                                            logprob_fn=logprob_fn)
+                                            logprob_fn=logprob_fn, tree=config.teacher_tree)
     return TeacherPool(backends, config=config.pool, on_event=on_event)
 
 

@@ -1,4 +1,5 @@
-"""Megatron teacher under TP=2 and PP=2 (two spawned gloo ranks, one run for both layouts)."""
+"""Megatron teacher under TP=2 and PP=2 (two spawned gloo ranks, one run for both layouts), plain
+and harts tree scoring."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _batch():
 
 
 def _score(tp: int, pp: int, folder: str):
-    from mopd.config import TeacherPoolConfig
+    from mopd.config import TeacherPoolConfig, TeacherTreeConfig
     from mopd.megatron import MegatronTeacher, MegatronTeacherHost, save_teacher_checkpoint
     from mopd.teachers import TeacherPool
 
@@ -41,18 +42,27 @@ def _score(tp: int, pp: int, folder: str):
     save_teacher_checkpoint(teacher_model, folder)
     seed_all(12)
     host = MegatronTeacherHost(build_tiny_gpt(_cfg(tp, pp)), micro_batch_size=2)
-    pool = TeacherPool({"t": MegatronTeacher("t", host, folder, temperature=0.9)}, config=TeacherPoolConfig())
+    # the same weights scored as harts tree batches (several variable-size micro-batches, so
+    # PP pads them to one length; TP runs the vocab-parallel chunked head)
+    tree = TeacherTreeConfig(enabled=True, backend="dense", chunk_size=3, token_cap=24, align=2,
+                             fallback_compression=1.0)
+    pool = TeacherPool({"t": MegatronTeacher("t", host, folder, temperature=0.9),
+                        "tree": MegatronTeacher("tree", host, folder, temperature=0.9, tree=tree)},
+                       config=TeacherPoolConfig())
     with pool.acquire("t") as lease:
         logp = lease.score(_batch()).take().clone()
+    with pool.acquire("tree") as lease:
+        logp_tree = lease.score(_batch()).take().clone()
     pool.close()
-    return teacher_model, logp
+    tree_err = (logp_tree.double() - logp.double()).abs().max().item()
+    return teacher_model, logp, tree_err
 
 
 def _tp_case(rank: int, folder: str):
     """TP=2: teacher log-probs vs log_softmax of the TP-gathered full logits (fp64)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    model, logp = _score(2, 1, folder)
+    model, logp, tree_err = _score(2, 1, folder)
     batch = _batch()
     with torch.no_grad():
         shard = model(batch.input_ids, torch.arange(L).expand(B, L), None)
@@ -61,7 +71,7 @@ def _tp_case(rank: int, folder: str):
     ref = torch.log_softmax(full.double() / 0.9, -1).gather(-1, labels[..., None])[..., 0]
     ref = torch.where(batch.label_mask(), ref, torch.zeros_like(ref))
     destroy_megatron()
-    return (logp.double() - ref).abs().max().item(), full.shape[-1], shard.shape[-1]
+    return (logp.double() - ref).abs().max().item(), full.shape[-1], shard.shape[-1], tree_err
 
 
 def _pp_case(rank: int, folder: str):
@@ -69,7 +79,7 @@ def _pp_case(rank: int, folder: str):
     from mopd.hf_weights import QwenShape, hf_qwen3_config, megatron_to_hf_qwen3
     from tests.mopd.mopd_helpers import reference_logp
 
-    model, logp = _score(1, 2, folder)
+    model, logp, tree_err = _score(1, 2, folder)
     local = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     offset = rank * 1  # one layer per stage
     renamed = {}
@@ -82,7 +92,7 @@ def _pp_case(rank: int, folder: str):
     torch.distributed.all_gather_object(parts, renamed)
     destroy_megatron()
     if rank == 0:
-        return None, float(logp.abs().sum())
+        return None, float(logp.abs().sum()), tree_err
     full = {k: v for p in parts for k, v in p.items()}
     from transformers import Qwen3ForCausalLM
 
@@ -91,7 +101,7 @@ def _pp_case(rank: int, folder: str):
                                           max_position_embeddings=32))
     hf.load_state_dict(megatron_to_hf_qwen3(full, shape), strict=True)
     ref = reference_logp(hf.eval(), _batch(), 0.9)
-    return (logp.double() - ref).abs().max().item(), float(ref.abs().sum())
+    return (logp.double() - ref).abs().max().item(), float(ref.abs().sum()), tree_err
 
 
 def _both(rank: int, world_size: int, folder_tp: str, folder_pp: str):
@@ -103,9 +113,11 @@ def _both(rank: int, world_size: int, folder_tp: str, folder_pp: str):
 def test_megatron_teacher_tp2_and_pp2():
     with tempfile.TemporaryDirectory() as d:
         results = run_ranks(_both, 2, f"{d}/tp", f"{d}/pp", timeout=200)
-    for rank, ((tp_err, vocab, vocab_shard), (pp_err, mass)) in enumerate(results):
+    for rank, ((tp_err, vocab, vocab_shard, tp_tree_err), (pp_err, mass, pp_tree_err)) in enumerate(results):
         assert vocab == 64 and vocab_shard == 32  # really vocab-parallel
         assert tp_err < 2e-5, f"rank {rank}: TP=2 teacher log-probs off by {tp_err}"
+        # fp32 model: tree vs plain scoring agree to float reduction order
+        assert tp_tree_err < 2e-5 and pp_tree_err < 2e-5, f"rank {rank}: tree scoring off by {tp_tree_err}, {pp_tree_err}"
         if rank == 0:
             assert mass == 0.0  # first stage has no log-probs
         else:
