@@ -44,8 +44,10 @@ class VarlenPlan:
     """[S+1] int32 query offsets (= segment offsets)."""
     cu_k: torch.Tensor
     """[S+1] int32 key offsets into ``kv_index``."""
-    kv_index: torch.Tensor
-    """[K] int64 compact row of every gathered key, K = Σ_s (depth of the segment's last node + 1)."""
+    kv_index: torch.Tensor | None
+    """[K] int64 compact row of every gathered key, K = Σ_s (depth of the segment's last node + 1);
+    None when every segment is a root (plain THD packing): keys are then the rows themselves and
+    no gather runs."""
     max_q: int
     max_k: int
 
@@ -54,6 +56,10 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor) -> Va
     """:class:`VarlenPlan` from a forest's segments (``keys(s) = keys(parent(s)) ++ rows(s)``)."""
     so = seg_offsets.cpu().numpy()
     sp = seg_parent.cpu().numpy()
+    if (sp < 0).all():  # no sharing: exactly the THD varlen call, without gathers
+        cu = seg_offsets.to(torch.int32)
+        mq = int(np.diff(so).max())
+        return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq)
     keys: list[np.ndarray] = []
     for s in range(sp.size):
         own = np.arange(so[s], so[s + 1], dtype=np.int64)
@@ -89,8 +95,11 @@ def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                           scale: float) -> torch.Tensor:
     """Tree attention as one varlen causal attention per segment. ``q [T, Hq, D]``,
     ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``. CUDA needs bf16/fp16 (FlashAttention-2)."""
-    kk = _GatherRows.apply(k, plan.kv_index)
-    vv = _GatherRows.apply(v, plan.kv_index)
+    if plan.kv_index is None:
+        kk, vv = k, v
+    else:
+        kk = _GatherRows.apply(k, plan.kv_index)
+        vv = _GatherRows.apply(v, plan.kv_index)
     if not q.is_cuda:
         return segment_attention_reference(q, kk, vv, cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)
     if q.dtype not in (torch.bfloat16, torch.float16):

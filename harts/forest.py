@@ -132,22 +132,26 @@ class Forest:
         n = (self.lengths - 1).cumsum(0)
         return torch.cat([n.new_zeros(1), n])
 
+    def _pred_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """CSR position ``j + seq(j)`` of the row of prediction ``j`` and ``seq(j)``, without a
+        device-to-host synchronization (all sizes are known on the host)."""
+        m = self.total_tokens - self.num_seqs
+        j = torch.arange(m, device=self.index.device)
+        sid = torch.searchsorted(self.pred_offsets()[1:], j, right=True)
+        return j + sid, sid
+
     def label_index(self) -> torch.Tensor:
         """[Σ(L_i-1)] compact node of positions ``1..L_i-1``: the edge whose log-prob is
         ``log p(x_t | x_<t)``, read from the parent's logits row."""
-        keep = torch.ones_like(self.index, dtype=torch.bool)
-        keep[self.seq_offsets[:-1]] = False
-        return self.index[keep]
+        return self.index.index_select(0, self._pred_positions()[0] + 1)
 
     def row_index(self) -> torch.Tensor:
         """[Σ(L_i-1)] compact node of positions ``0..L_i-2``: the row predicting position t+1."""
-        keep = torch.ones_like(self.index, dtype=torch.bool)
-        keep[self.seq_offsets[1:] - 1] = False
-        return self.index[keep]
+        return self.index.index_select(0, self._pred_positions()[0])
 
     def pred_seq_ids(self) -> torch.Tensor:
         """[Σ(L_i-1)] sequence id of every prediction position."""
-        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.index.device), self.lengths - 1)
+        return self._pred_positions()[1]
 
     def sequence(self, i: int) -> torch.Tensor:
         """[L_i] tokens of sequence ``i`` rebuilt from the forest."""

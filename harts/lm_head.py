@@ -203,7 +203,8 @@ class _TreeHead(torch.autograd.Function):
             if g_edge is not None:
                 tl = e_tok[a0:a1] - vocab_start
                 own = (tl >= 0) & (tl < vl)
-                dz.index_put_((rows[own], tl[own]), g[own], accumulate=True)
+                # edges of other vocab shards add an exact 0 (no boolean indexing: no host sync)
+                dz.index_put_((rows, tl.clamp(0, vl - 1)), torch.where(own, g, 0.0), accumulate=True)
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
             _accumulate_grads(dz, h, weight, dh[r0:r1], dw)

@@ -35,7 +35,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from harts.attention import Backend, build_block_mask, build_varlen_plan, tree_attention
 from harts.config import HeadConfig
 from harts.forest import Forest, TokenOutOfRangeError
-from harts.lm_head import TreeHeadOutput, tree_lm_head
+from harts.lm_head import HeadEdges, TreeHeadOutput, head_edges, tree_lm_head
 
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
            "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward"]
@@ -59,6 +59,10 @@ class TreePackedSeqParams(PackedSeqParams):
     """FlexAttention BlockMask, built once per microbatch."""
     varlen_plan: object = None
     """:class:`harts.attention.VarlenPlan` (varlen backend), built once per microbatch."""
+    head_edges: HeadEdges | None = None
+    """Out-edges for the tree LM head (:func:`harts.lm_head.head_edges`), built once per microbatch."""
+    max_token: int | None = None
+    """Largest token id of the microbatch (host int; checked against the vocabulary without a sync)."""
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -196,17 +200,21 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
 
 
 def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128) -> TreePackedSeqParams:
-    """Per-microbatch tree metadata; the flex BlockMask or varlen gather plan is built here, once."""
+    """Per-microbatch tree metadata, built once (ahead of the step, e.g. in the data loader): the
+    flex BlockMask or varlen gather plan, the LM head's edge list and host-side sizes, so the
+    forward/backward itself needs no device-to-host synchronization."""
     if backend not in ("flex", "varlen", "dense"):
         raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
     vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent) if backend == "varlen" else None
     rope_len = int(forest.depth.max()) + 1  # the RoPE table only needs positions 0..max depth
     return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
-                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len)
+                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len,
+                               head_edges=head_edges(forest.tokens, forest.parent), max_token=int(forest.tokens.max()))
 
 
-def _head_processor(forest: Forest, chunk_size: int, temperature: float, entropy_requires_grad: bool):
+def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, temperature: float,
+                    entropy_requires_grad: bool):
     def processor(*, hidden_states, output_layer, output_weight, config, **_):
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -222,7 +230,7 @@ def _head_processor(forest: Forest, chunk_size: int, temperature: float, entropy
             raise ValueError(f"tree forward expects one packed row (b = 1), got hidden {tuple(h.shape)}")
         return tree_lm_head(h[:, 0], weight, forest.tokens, forest.parent, chunk_size=chunk_size,
                             temperature=temperature, tp_group=group if group is not None and group.size() > 1 else None,
-                            entropy_requires_grad=entropy_requires_grad, reduce_grad_input=not sp)
+                            entropy_requires_grad=entropy_requires_grad, reduce_grad_input=not sp, edges=edges)
 
     return processor
 
@@ -243,11 +251,13 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     gpts = _gpt_models(model)
     if not gpts:
         raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")
-    vocab = getattr(gpts[0], "vocab_size", None)
-    if vocab is not None and forest.num_nodes and int(forest.tokens.max()) >= vocab:
-        raise TokenOutOfRangeError(f"forest holds token id {int(forest.tokens.max())} >= model vocab_size {vocab}")
     params = params or make_tree_params(forest, backend=backend)
+    vocab = getattr(gpts[0], "vocab_size", None)
+    top = params.max_token if params.max_token is not None else int(forest.tokens.max())
+    if vocab is not None and forest.num_nodes and top >= vocab:
+        raise TokenOutOfRangeError(f"forest holds token id {top} >= model vocab_size {vocab}")
     depth = forest.depth[None]
     pos = depth.expand(3, 1, -1) if gpts[0].position_embedding_type == "mrope" else depth
     return model(forest.tokens[None], pos, None, packed_seq_params=params,
-                 output_processor=_head_processor(forest, chunk_size, temperature, entropy_requires_grad))
+                 output_processor=_head_processor(forest, params.head_edges, chunk_size, temperature,
+                                                  entropy_requires_grad))

@@ -109,7 +109,10 @@ def test_varlen_plan_equals_dense(seqs):
     gradients summed into shared key/value rows by the gather's backward."""
     f = build_forest(seqs).padded(4)
     plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
-    assert plan.kv_index.numel() == int((f.depth[f.seg_offsets[1:] - 1] + 1).sum())
+    if bool((f.seg_parent < 0).all()):  # a forest of chains: keys are the rows themselves, no gather
+        assert plan.kv_index is None and torch.equal(plan.cu_k, plan.cu_q)
+    else:
+        assert plan.kv_index.numel() == int((f.depth[f.seg_offsets[1:] - 1] + 1).sum())
     q, k, v = (x.requires_grad_(True) for x in _qkv(f.num_nodes, seed=5))
     out = tree_attention(q, k, v, last=f.last, backend="varlen", varlen_plan=plan, scale=0.4)
     do = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
