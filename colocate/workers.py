@@ -40,7 +40,8 @@ from pathlib import Path
 
 from colocate.config import WorkerSpec
 
-__all__ = ["WorkerError", "WorkerStartTimeout", "ForkedWorker", "LocalScheduler", "SlurmScheduler", "merge_env",
+__all__ = ["WorkerError", "WorkerStartTimeout", "ForkedWorker", "LocalScheduler", "SlurmScheduler", "RayScheduler",
+           "RayWorker", "merge_env",
            "physical_gpu_ids", "ipc_key", "mark_ready", "READY_ENV"]
 
 READY_ENV = "COLOCATE_READY_FILE"
@@ -103,14 +104,31 @@ def mark_ready(**extra: object) -> None:
 
 # The guard sits between owner and worker, leads the worker's process group, and dies with the
 # owner (PR_SET_PDEATHSIG → SIGTERM); on SIGTERM it forwards SIGTERM to the worker, waits the
-# grace period, then SIGKILLs the whole group, grandchildren included. Stdlib only: it starts
-# in milliseconds.
+# grace period, then SIGKILLs the whole group, grandchildren included. A forked watcher in the
+# group covers the case where the guard itself is SIGKILLed (Ray's raylet SIGKILLs the direct
+# children of a dead actor): it gets PR_SET_PDEATHSIG from the guard and then stops the group.
+# Stdlib only: it starts in milliseconds.
 _GUARD = r"""
-import ctypes, os, signal, subprocess, sys
+import ctypes, os, signal, subprocess, sys, time
 owner, grace = int(sys.argv[1]), float(sys.argv[2])
-ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+prctl(1, signal.SIGTERM)
 if os.getppid() != owner:
     os.killpg(0, signal.SIGKILL)
+guard = os.getpid()
+if os.fork() == 0:
+    def reap(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+        time.sleep(grace)
+        os.killpg(0, signal.SIGKILL)
+    signal.signal(signal.SIGTERM, reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    prctl(1, signal.SIGTERM)
+    if os.getppid() != guard:
+        reap(0, None)
+    while True:
+        signal.pause()
 child = subprocess.Popen(sys.argv[3:])
 def stop(signum, frame):
     try:
@@ -265,3 +283,226 @@ class SlurmScheduler(LocalScheduler):
         if step is not None:
             subprocess.run([self.scancel, "--signal=KILL", f"{self.job_id}.{step}"], env=worker.env,
                            capture_output=True, timeout=30)
+
+
+# ----- Ray --------------------------------------------------------------------------------------
+def _role_actor_class() -> type:
+    """The Ray actor class, defined in a function so that cloudpickle ships it *by value*: the
+    actor process then needs only the standard library and ``ray`` (importing ``colocate``
+    would pull in torch and add seconds to every actor start)."""
+
+    class _RoleActor:
+        """Body of the Ray actor (``ray`` imported lazily, so this module loads without it).
+
+        It runs the role's command under :data:`_GUARD` bound to *this* actor process, so when Ray
+        kills the actor (``ray.kill``, owner death, ``ray.shutdown``) the guard's parent-death signal
+        takes the whole command group down with it.
+        """
+
+        def __init__(self, argv: list[str], env: dict[str, str], ready_file: str, kill_grace_s: float):
+            self.ready_file = Path(ready_file)
+            self.grace = kill_grace_s
+            self.proc = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(kill_grace_s), *argv],
+                                         env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+
+        def status(self) -> dict:
+            """``{"code": exit code or None, "info": ready info or None}``."""
+            code = self.proc.poll()
+            info = json.loads(self.ready_file.read_text()) if self.ready_file.exists() else None
+            return {"code": code, "info": info}
+
+        def probe(self, keys: list[str]) -> dict:
+            """Where the actor itself runs and what it sees: node id, pid, ``keys`` of its env."""
+            import ray
+
+            return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "guard_pid": self.proc.pid,
+                    "env": {k: os.environ.get(k) for k in keys}}
+
+        def stop(self) -> int | None:
+            """SIGTERM the guard (forwarded to the command), then SIGKILL the group."""
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(self.grace + 2)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            if self.proc.poll() is None:
+                self.proc.wait(10)
+            return self.proc.returncode
+
+    return _RoleActor
+
+
+class RayWorker:
+    """A role running as a Ray actor pinned to its owner's node (same surface as :class:`ForkedWorker`).
+
+    ``actor`` is the Ray actor handle; ``pid`` the role command's pid once ready (the guard's
+    before); ``node_id`` the Ray node the actor was placed on.
+    """
+
+    def __init__(self, spec: WorkerSpec, actor, ready_dir: Path, env: dict[str, str], node_id: str):
+        self.spec, self.actor, self.ready_dir, self.env, self.node_id = spec, actor, ready_dir, env, node_id
+        self.info: dict | None = None
+        self._returncode: int | None = None
+        self._dead = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.info is None else self.info["pid"]
+
+    def _status(self, timeout: float) -> dict:
+        import ray
+
+        try:
+            return ray.get(self.actor.status.remote(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WorkerStartTimeout(f"ray worker {self.spec.role!r}: actor gave no status within {timeout:.1f}s") from e
+        except ray.exceptions.RayActorError as e:
+            self._dead = True
+            raise WorkerError(f"ray worker {self.spec.role!r}: actor died: {e}") from e
+
+    def wait_ready(self, timeout: float | None = None) -> dict:
+        """Block until the command called :func:`mark_ready`; raises :class:`WorkerError` if it
+        (or the actor) dies first, :class:`WorkerStartTimeout` after ``timeout`` (then kills)."""
+        limit = self.spec.health_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                st = self._status(max(left, 1.0))
+            except WorkerStartTimeout:
+                self.kill()
+                raise WorkerStartTimeout(f"worker {self.spec.role!r} (ray actor) not ready within {limit:.1f}s") from None
+            if st["info"] is not None:
+                self.info = st["info"]
+                return self.info
+            if st["code"] is not None:
+                self.kill()
+                raise WorkerError(f"worker {self.spec.role!r} (ray actor) exited with {st['code']} before ready")
+            if left <= 0:
+                self.kill()
+                raise WorkerStartTimeout(f"worker {self.spec.role!r} (ray actor) not ready within {limit:.1f}s")
+            time.sleep(0.05)
+
+    def probe(self, keys: list[str] = ()) -> dict:
+        """The actor's node id, pid and the values of ``keys`` in the actor's own environment."""
+        import ray
+
+        return ray.get(self.actor.probe.remote(list(keys)), timeout=60)
+
+    def alive(self) -> bool:
+        """The actor answers and its command runs."""
+        if self._dead:
+            return False
+        try:
+            return self._status(30.0)["code"] is None
+        except WorkerError:
+            return False
+
+    def healthy(self) -> bool:
+        """Alive and ready."""
+        if self._dead:
+            return False
+        try:
+            st = self._status(30.0)
+        except WorkerError:
+            return False
+        return st["code"] is None and st["info"] is not None
+
+    def kill(self) -> int | None:
+        """Stop the command (SIGTERM, then SIGKILL of its group), then ``ray.kill`` the actor;
+        idempotent. Returns the command's exit code (None if the actor was already gone)."""
+        import ray
+
+        if not self._dead:
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self._returncode = ray.get(self.actor.stop.remote(), timeout=self.spec.kill_grace_s + 20)
+            with contextlib.suppress(Exception):
+                ray.kill(self.actor, no_restart=True)
+            self._dead = True
+        shutil.rmtree(self.ready_dir, ignore_errors=True)
+        return self._returncode
+
+
+class RayScheduler:
+    """Starts workers as Ray actors on the owner's node (``NodeAffinitySchedulingStrategy``,
+    ``soft=False``), fate-sharing with the owner.
+
+    * Environment: the command gets ``merge_env(owner_env, spec.env)`` exactly (removals
+      included); the actor process itself gets the non-empty overrides through
+      ``runtime_env={"env_vars": ...}``, so Python code in the actor sees them too.
+    * GPUs: the actor requests none (it shares the owner's devices, like ``srun --overlap``);
+      ``CUDA_VISIBLE_DEVICES`` is set to the owner's physical ids (or the subset
+      ``spec.devices``) and ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` keeps Ray from
+      rewriting it.
+    * Lifecycle: :meth:`RayWorker.kill`, :meth:`shutdown` (also at owner exit) and, when the
+      owner dies hard, Ray's owner fate-sharing kill the actor; the guard then kills the
+      command's whole process group.
+
+    Needs ``ray`` (imported lazily) and a connected Ray runtime (``ray.init`` called by the
+    owner). ``num_cpus``: CPUs each actor reserves (default 0: it runs on the owner's share).
+    """
+
+    def __init__(self, *, owner_env: Mapping[str, str] | None = None, num_cpus: float = 0.0,
+                 namespace_prefix: str = "colocate"):
+        try:
+            import ray
+        except ImportError as e:
+            raise WorkerError("RayScheduler needs the 'ray' package (pip install ray)") from e
+        if not ray.is_initialized():
+            raise WorkerError("RayScheduler: ray is not initialized in the owner (call ray.init first)")
+        if num_cpus < 0:
+            raise WorkerError(f"RayScheduler: num_cpus must be >= 0, got {num_cpus!r}")
+        self.owner_env = dict(os.environ if owner_env is None else owner_env)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.num_cpus = num_cpus
+        self.prefix = namespace_prefix
+        self.workers: list[RayWorker] = []
+        self._lock = threading.Lock()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
+
+    def fork(self, spec: WorkerSpec, *, wait: bool = True) -> RayWorker:
+        """Start ``spec`` in an actor on the owner's node; wait for ready unless ``wait=False``."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        tmp = Path(tempfile.mkdtemp(prefix=f"colocate-{spec.role}-"))
+        env = merge_env(self.owner_env, spec.env)
+        actor_env = {k: v for k, v in spec.env.items() if v != ""}
+        if spec.devices is not None:
+            phys = physical_gpu_ids(self.owner_env)
+            if phys is not None and max(spec.devices) >= len(phys):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise WorkerError(f"WorkerSpec.devices={spec.devices} outside the owner's "
+                                  f"CUDA_VISIBLE_DEVICES={','.join(phys)!r}")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(phys[d] if phys is not None else str(d) for d in spec.devices)
+        if "CUDA_VISIBLE_DEVICES" in env:
+            actor_env["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
+        actor_env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        env[READY_ENV] = str(tmp / "ready.json")
+        env["COLOCATE_ROLE"] = spec.role
+        env["COLOCATE_OWNER_PID"] = str(os.getpid())
+        if shutil.which(spec.command[0], path=env.get("PATH")) is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise WorkerError(f"cannot start worker {spec.role!r}: {spec.command[0]!r} not found or not executable")
+        cls = ray.remote(_role_actor_class()).options(
+            num_cpus=self.num_cpus, num_gpus=0, max_restarts=0, name=f"{self.prefix}-{spec.role}-{tmp.name}",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self.node_id, soft=False),
+            runtime_env={"env_vars": actor_env})
+        actor = cls.remote(list(spec.command), env, str(tmp / "ready.json"), spec.kill_grace_s)
+        worker = RayWorker(spec, actor, tmp, env, self.node_id)
+        with self._lock:
+            self.workers.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
+
+    def shutdown(self) -> None:
+        """Kill every worker started here (idempotent)."""
+        with self._lock:
+            workers, self.workers = self.workers, []
+        for w in workers:
+            with contextlib.suppress(Exception):
+                w.kill()
