@@ -13,8 +13,12 @@ failed post-commit check can swap back. The SGLang adapter lives in
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -26,13 +30,35 @@ from colocate.convert import check_params, hf_param_specs
 from colocate.residency import ENGINE_TAGS, NotResidentError, Residency, TensorOffload
 
 __all__ = ["WeightReceiver", "UpdateError", "HFEngine", "GenerateResult", "hf_config", "build_hf_model",
-           "hf_checkpoint_views"]
+           "hf_checkpoint_views", "ControlTimeoutError", "GenerationAbortedError", "EngineDestroyedError",
+           "AsyncEngine", "off_loop"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class UpdateError(RuntimeError):
     """A weight update was refused or failed on the receiver; the previous weights stay."""
+
+
+class ControlTimeoutError(TimeoutError):
+    """A control request (pause / abort / destroy) did not take effect within its timeout."""
+
+    def __init__(self, op: str, timeout: float, detail: str = ""):
+        super().__init__(f"{op}: not done within timeout={timeout}s{': ' + detail if detail else ''}")
+        self.op, self.timeout = op, timeout
+
+
+class GenerationAbortedError(RuntimeError):
+    """``generate`` was stopped by :meth:`HFEngine.abort` / :meth:`HFEngine.destroy`; ``partial``
+    holds the tokens and log-probs sampled before the stop (full rows of finished chunks)."""
+
+    def __init__(self, msg: str, partial: GenerateResult):
+        super().__init__(msg)
+        self.partial = partial
+
+
+class EngineDestroyedError(RuntimeError):
+    """The engine was destroyed; build a new one."""
 
 
 @runtime_checkable
@@ -146,6 +172,13 @@ class HFEngine:
         self._version: int | None = None
         self._valid = True
         self._lock = threading.RLock()
+        # control plane: flags are set without the lock; generation checks them between decode steps
+        self._cond = threading.Condition(self._lock)
+        self._pause = threading.Event()
+        self._abort_epoch = 0
+        self._destroyed = False
+        self.tokens_generated = 0
+        """Decode steps run by this engine (all rows of one step count 1); progress for monitors."""
         weights = TensorOffload(lambda: self._params, keep_contents=False)
 
         def release_weights() -> int:
@@ -181,6 +214,7 @@ class HFEngine:
 
     def begin_update(self, version: int) -> None:
         with self._lock:
+            self._alive()
             self.residency.require("weights")
             if self._pending is not None:
                 if version <= self._pending[0]:
@@ -272,7 +306,12 @@ class HFEngine:
         return hf_checkpoint_views(self.model)[name].detach().clone()
 
     # ----- inference ----------------------------------------------------------------------
+    def _alive(self) -> None:
+        if self._destroyed:
+            raise EngineDestroyedError("hf_engine: destroyed; build a new engine")
+
     def _ready(self) -> None:
+        self._alive()
         self.residency.require(*ENGINE_TAGS)
         if not self._valid:
             raise NotResidentError("hf_engine: weights were released and not re-published since")
@@ -285,13 +324,88 @@ class HFEngine:
             out = self.model(input_ids=input_ids.to(self.device), use_cache=False)
             return out.logits.float()
 
+    # ----- control plane --------------------------------------------------------------------
+    def _acquire(self, op: str, deadline: float, timeout: float) -> None:
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ControlTimeoutError(op, timeout, "the engine is inside one forward or a weight update longer "
+                                      "than that; lower generate(chunk_rows=...) to shorten the longest step")
+
+    def pause(self, *, timeout: float = 30.0) -> None:
+        """Stop generation at the next decode step (in place: KV cache and sampled tokens kept) and
+        return once the engine is quiescent. New ``generate`` calls wait at their first step. While
+        paused, weight updates and :meth:`abort` / :meth:`destroy` proceed; :meth:`resume` continues
+        (tokens sampled after it use the weights then current). Raises :class:`ControlTimeoutError`."""
+        deadline = time.monotonic() + timeout
+        self._pause.set()
+        self._acquire("pause", deadline, timeout)  # held by a generation only between checkpoints
+        self._lock.release()
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`; parked generations continue."""
+        self._pause.clear()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._pause.is_set()
+
+    def abort(self, *, timeout: float = 30.0) -> None:
+        """Make every in-flight ``generate`` raise :class:`GenerationAbortedError` (with its partial
+        result) at its next decode step, and return once none is left. The pause state is unchanged.
+        Raises :class:`ControlTimeoutError`."""
+        deadline = time.monotonic() + timeout
+        self._abort_epoch += 1
+        self._acquire("abort", deadline, timeout)
+        try:
+            self._cond.notify_all()  # wake parked generations so they see the abort
+        finally:
+            self._lock.release()
+        self._acquire("abort", deadline, timeout)  # they have raised and let go of the lock
+        self._lock.release()
+
+    def destroy(self, *, timeout: float = 30.0) -> None:
+        """Abort in-flight generation (bounded by ``timeout``), then free the weights and the staging
+        shadow. Later calls raise :class:`EngineDestroyedError`. Idempotent."""
+        if self._destroyed:
+            return
+        deadline = time.monotonic() + timeout
+        self._destroyed = True
+        self.abort(timeout=max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            for p in self._params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._shadow = self._shadow_views = None
+            self._views = {}
+            self._pending = None
+            self._pause.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _checkpoint(self, epoch: int, partial: Callable[[], GenerateResult]) -> None:
+        """Between decode steps (lock held): park while paused, raise on abort / destroy."""
+        while True:
+            if self._abort_epoch != epoch or self._destroyed:
+                raise GenerationAbortedError(
+                    f"hf_engine: generation {'destroyed' if self._destroyed else 'aborted'} after "
+                    f"{sum(map(len, partial().tokens))} sampled tokens", partial())
+            if not self._pause.is_set():
+                return
+            self._cond.wait(timeout=0.5)  # releases the lock while parked
+
+    # ----- inference ----------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, seed: int = 0,
-                 eos_token_id: int | None = None) -> GenerateResult:
+                 eos_token_id: int | None = None, chunk_rows: int | None = None) -> GenerateResult:
         """Batched sampling with per-token logprobs. Prompts are left-padded; each sequence
         samples from its own generator seeded ``seed + i``, so a sequence's tokens do not
-        depend on the other prompts' sampling. ``temperature=0`` is greedy."""
+        depend on the other prompts' sampling (nor on ``chunk_rows``). ``temperature=0`` is greedy.
+
+        ``chunk_rows`` runs the prompts in row chunks of that size, one after another: the longest
+        uninterruptible step (one forward) is then that of ``chunk_rows`` rows. Between decode steps
+        the engine honours :meth:`pause` (parks), :meth:`abort` and :meth:`destroy` (raise
+        :class:`GenerationAbortedError` carrying the partial result)."""
         n_new = max_new_tokens or self.config.max_new_tokens
         temp = self.config.temperature if temperature is None else temperature
         k = self.config.top_k if top_k is None else top_k
@@ -299,47 +413,117 @@ class HFEngine:
             raise ValueError(f"generate: every prompt needs >= 1 token, got lengths {[len(p) for p in prompts]}")
         if temp < 0:
             raise ValueError(f"generate: temperature must be >= 0, got {temp}")
+        if chunk_rows is not None and chunk_rows < 1:
+            raise ValueError(f"generate: chunk_rows must be >= 1 or None, got {chunk_rows}")
+        self._alive()
+        epoch = self._abort_epoch
+        B = len(prompts)
+        step = chunk_rows or B
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        partial = lambda: GenerateResult([list(t) for t in tokens], [list(x) for x in logps])  # noqa: E731
         with self._lock, self.residency.busy():
-            self._ready()
-            B, L = len(prompts), max(len(p) for p in prompts)
-            ids = torch.zeros(B, L, dtype=torch.long, device=self.device)
-            mask = torch.zeros(B, L, dtype=torch.long, device=self.device)
-            for i, p in enumerate(prompts):
-                ids[i, L - len(p):] = torch.tensor(list(p), device=self.device)
-                mask[i, L - len(p):] = 1
-            gens = [torch.Generator(device=self.device).manual_seed(seed + i) for i in range(B)]
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=self.model.config)
-            tokens: list[list[int]] = [[] for _ in range(B)]
-            logps: list[list[float]] = [[] for _ in range(B)]
-            done = torch.zeros(B, dtype=torch.bool, device=self.device)
-            step_ids = ids
-            for _ in range(n_new):
-                pos = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1]:]
-                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
-                                 past_key_values=cache, use_cache=True)
-                logits = out.logits[:, -1].float()
-                if temp == 0:
-                    lp = torch.log_softmax(logits, -1)
-                    nxt = lp.argmax(-1)
-                else:
-                    scaled = logits / temp
-                    if k > 0:
-                        kth = scaled.topk(min(k, scaled.shape[-1]), -1).values[:, -1:]
-                        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-                    lp = torch.log_softmax(scaled, -1)
-                    probs = lp.exp()
-                    nxt = torch.stack([torch.multinomial(probs[i], 1, generator=gens[i])[0] for i in range(B)])
-                for i in range(B):
-                    if not done[i]:
-                        tokens[i].append(int(nxt[i]))
-                        logps[i].append(float(lp[i, nxt[i]]))
-                if eos_token_id is not None:
-                    done |= nxt == eos_token_id
-                    if bool(done.all()):
-                        break
-                step_ids = nxt[:, None]
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            for lo in range(0, B, step):
+                hi = min(B, lo + step)
+                self._checkpoint(epoch, partial)
+                self._ready()
+                self._generate_rows(prompts[lo:hi], tokens[lo:hi], logps[lo:hi], n_new=n_new, temp=temp, k=k,
+                                    seed=seed + lo, eos_token_id=eos_token_id, epoch=epoch, partial=partial)
             return GenerateResult(tokens, logps)
 
+    def _generate_rows(self, prompts, tokens, logps, *, n_new, temp, k, seed, eos_token_id, epoch, partial) -> None:
+        """Sample rows ``prompts`` into ``tokens`` / ``logps`` (lists, filled in place)."""
+        B, L = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, L, dtype=torch.long, device=self.device)
+        mask = torch.zeros(B, L, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.tensor(list(p), device=self.device)
+            mask[i, L - len(p):] = 1
+        gens = [torch.Generator(device=self.device).manual_seed(seed + i) for i in range(B)]
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        done = torch.zeros(B, dtype=torch.bool, device=self.device)
+        step_ids = ids
+        for t in range(n_new):
+            if t:
+                self._checkpoint(epoch, partial)
+                self._ready()  # weights may have been released while parked
+            pos = (mask.cumsum(-1) - 1).clamp_min(0)[:, -step_ids.shape[1]:]
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()
+            if temp == 0:
+                lp = torch.log_softmax(logits, -1)
+                nxt = lp.argmax(-1)
+            else:
+                scaled = logits / temp
+                if k > 0:
+                    kth = scaled.topk(min(k, scaled.shape[-1]), -1).values[:, -1:]
+                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                lp = torch.log_softmax(scaled, -1)
+                probs = lp.exp()
+                nxt = torch.stack([torch.multinomial(probs[i], 1, generator=gens[i])[0] for i in range(B)])
+            for i in range(B):
+                if not done[i]:
+                    tokens[i].append(int(nxt[i]))
+                    logps[i].append(float(lp[i, nxt[i]]))
+            self.tokens_generated += 1
+            if eos_token_id is not None:
+                done |= nxt == eos_token_id
+                if bool(done.all()):
+                    break
+            step_ids = nxt[:, None]
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
+
+
+async def off_loop(fn: Callable, /, *args, executor: Executor | None = None, **kwargs):
+    """Run blocking ``fn(*args, **kwargs)`` (tokenization, serialization, a generate call) in
+    ``executor`` (default: the loop's thread pool) so the event loop keeps serving requests."""
+    return await asyncio.get_running_loop().run_in_executor(executor, functools.partial(fn, *args, **kwargs))
+
+
+class AsyncEngine:
+    """asyncio front of an :class:`HFEngine` for a control-plane server: every blocking call (batch
+    tokenization, serialization, generation, pause / abort / destroy waits) runs off the event loop.
+
+    ``tokenizer`` needs ``encode(text, add_special_tokens=False) -> list[int]`` (transformers
+    tokenizers do)."""
+
+    def __init__(self, engine: HFEngine, *, tokenizer=None, executor: Executor | None = None):
+        self.engine, self.tokenizer, self.executor = engine, tokenizer, executor
+
+    def _encode_all(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    async def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of every text, computed in the executor."""
+        if self.tokenizer is None:
+            raise ValueError("AsyncEngine.encode: no tokenizer was given")
+        return await off_loop(self._encode_all, list(texts), executor=self.executor)
+
+    async def serialize(self, obj) -> bytes:
+        """``torch.save`` bytes of ``obj`` (e.g. a :class:`GenerateResult`), computed in the executor."""
+        import io
+
+        def dump():
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            return buf.getvalue()
+
+        return await off_loop(dump, executor=self.executor)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerateResult:
+        return await off_loop(self.engine.generate, prompts, executor=self.executor, **kwargs)
+
+    async def pause(self, *, timeout: float = 30.0) -> None:
+        await off_loop(self.engine.pause, timeout=timeout, executor=self.executor)
+
+    async def resume(self) -> None:
+        await off_loop(self.engine.resume, executor=self.executor)
+
+    async def abort(self, *, timeout: float = 30.0) -> None:
+        await off_loop(self.engine.abort, timeout=timeout, executor=self.executor)
+
+    async def destroy(self, *, timeout: float = 30.0) -> None:
+        await off_loop(self.engine.destroy, timeout=timeout, executor=self.executor)
