@@ -1,19 +1,23 @@
 """Staged optimizers: step time, achieved PCIe bandwidth and HBM, against baselines in one run.
 
-Sections (each row: case, provider, ms p50, ratio vs the case baseline, GB/s per direction):
+Sections (each row: case, provider, ms p50, ratio vs the case baseline):
 * ``bw``: pinned H2D, D2H and concurrent H2D+D2H (duplex) bandwidth, 1 GiB transfers.
 * ``adamw/N=<n>``: torch fused AdamW with everything on the GPU (baseline, fp32 params = master),
-  :class:`optim_staged.StagedAdamW` (bf16 params on the GPU, fp32 master/m/v in pinned host slabs),
-  Megatron ``HybridDeviceOptimizer`` (CPU AdamW for the offloaded part) at fraction 1.0 and 0.5.
+  :class:`optim_staged.StagedAdamW` over a slot sweep (``staged_<size>Mi_x<count>``, bf16 params and
+  fp32 ``decoupled_grad`` on the GPU, fp32 master/m/v in pinned host slabs; ``_nocache`` = slots
+  not kept as a write-back cache), Megatron ``HybridDeviceOptimizer`` at fraction 1.0 and 0.5.
+  ``ms`` = step + write-back of all state to the host; ``ms_loop`` = back-to-back steps.
   ``floor_ms`` = 12 B/param / measured duplex per-direction bandwidth; ``pct_floor`` = floor/ms.
-* ``muon/<shape>x<count>``: ``TensorParallelMuon`` (fp32 param + momentum on GPU; baseline) vs
-  :class:`optim_staged.muon.StagedMuon` (bf16 param on GPU), ``count`` matrices per step.
+* ``muon/<case>``: ``TensorParallelMuon`` (fp32 param, grad, momentum on the GPU; baseline) vs
+  :class:`optim_staged.muon.StagedMuon` (bf16 param, fp32 grad on the GPU), back-to-back steps;
+  ``slot_state_frac`` = slot bytes / native state bytes.
 * ``megatron``: one train step of a ~0.5B Megatron GPT (bf16, distributed optimizer, 1 GPU):
-  native Megatron Adam vs staged; peak HBM and step time.
+  native Megatron Adam vs staged; step time, peak HBM, optimizer-state HBM; allocator snapshots
+  ``optim_staged_snapshot_{gpu,staged}.pickle`` and ``optim_staged_memory.json``.
 
-Run: ``python bench/optim_staged.py`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds).
-Writes ``optim_staged.json`` / ``optim_staged.png`` into ``$OUT`` (or ``outputs/bench``).
-"""
+Run: ``python bench/optim_staged.py`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds);
+``--only adamw|muon|megatron`` runs one section.
+Writes ``optim_staged.json`` / ``optim_staged.png`` into ``$OUT`` (or ``outputs/bench``)."""
 
 from __future__ import annotations
 
@@ -70,106 +74,154 @@ def _step_and_drain(opt) -> None:
     opt.drain(release=False)
 
 
-def _grads(ps):
+def _grads(ps, *, fp32: bool = False):
+    """Random gradients; ``fp32`` puts fp32 ones in ``decoupled_grad`` (what Megatron's distributed
+    optimizer hands a precision-aware inner optimizer) instead of ``.grad``."""
     for p in ps:
-        p.grad = torch.randn_like(p) * 1e-3
+        if fp32:
+            p.decoupled_grad = torch.randn(p.shape, device=p.device, dtype=torch.float32) * 1e-3
+        else:
+            p.grad = torch.randn_like(p) * 1e-3
 
 
-def adamw_rows(n: int, duplex: float | None, iters: int) -> list[dict]:
-    rows = []
+def _error_row(case, provider, e):
+    traceback.print_exc()
+    return {"case": case, "provider": provider, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _free():
+    gc.collect()  # free (and unregister) host slabs before the next provider allocates its own
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def adamw_rows(n: int, duplex: float | None, iters: int, sweep) -> list[dict]:
+    """torch fused AdamW (GPU state) vs StagedAdamW over a slot sweep (one set of host slabs,
+    re-sliced per config) vs Megatron's HybridDeviceOptimizer."""
+    rows: list[dict] = []
     case = f"adamw/N={n / 1e6:.0f}M"
     chunk = 1 << 24
     sizes = [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
+    floor = 12 * n / (duplex * 1e6) if duplex else None
 
-    def run(provider, make):
-        try:
-            ps, opt = make()
-            _grads(ps)
-            if hasattr(opt, "drain"):  # conservative: each step includes its own D2H tail
-                ms = _timer(functools.partial(_step_and_drain, opt), iters)
-            else:
-                ms = _timer(opt.step, iters)
-            row = {"case": case, "provider": provider, "ms": ms, "params": n}
-            if duplex:
-                row["floor_ms"] = 12 * n / (duplex * 1e6)
-                row["GBps_dir"] = 12 * n / ms / 1e6 if provider.startswith("staged") else None
-                row["pct_floor"] = row["floor_ms"] / ms if provider.startswith("staged") else None
-            if hasattr(opt, "residency"):
-                row["pinned_host_bytes"] = opt.residency["host_bytes"]
-                row["slot_bytes"] = opt.gpu_state_bytes
-            rows.append(row)
-            del ps, opt
-        except Exception as e:  # noqa: BLE001 - one provider failing must not hide the others
-            rows.append({"case": case, "provider": provider, "error": f"{type(e).__name__}: {e}"[:300]})
-            traceback.print_exc()
-        gc.collect()  # free (and unregister) host slabs before the next provider allocates its own
-        if CUDA:
-            torch.cuda.empty_cache()
-
-    def fused():
+    try:
         ps = [torch.zeros(s, device=DEV, requires_grad=True) for s in sizes]
-        return ps, torch.optim.AdamW(ps, lr=1e-4, fused=True)
+        opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+        _grads(ps)
+        rows.append({"case": case, "provider": "torch_fused_gpu", "ms": _timer(opt.step, iters), "params": n})
+        del ps, opt
+    except Exception as e:  # noqa: BLE001 - one provider failing must not hide the others
+        rows.append(_error_row(case, "torch_fused_gpu", e))
+    _free()
 
-    run("torch_fused_gpu", fused)
-    sweep = ((4, 2), (4, 3), (16, 2)) if n < 500_000_000 else ((4, 2),)  # keep the 1B run short
-    for slot_mi, nslots in sweep:
-        def staged(slot_mi=slot_mi, nslots=nslots):
-            ps = [torch.zeros(s, device=DEV, dtype=torch.bfloat16, requires_grad=True) for s in sizes]
-            opt = StagedAdamW(ps, lr=1e-4, slots=SlotConfig(slot_numel=slot_mi << 20, num_slots=nslots))
-            opt.initialize_state()
-            return ps, opt
-        run(f"staged_{slot_mi}Mi_x{nslots}", staged)
+    try:  # one optimizer, one set of pinned slabs; set_slot_config re-slices the ring per config
+        ps = [torch.zeros(s, device=DEV, dtype=torch.bfloat16, requires_grad=True) for s in sizes]
+        opt = StagedAdamW(ps, lr=1e-4)
+        opt.initialize_state()
+        _grads(ps, fp32=True)
+        for slot_mi, nslots, keep in sweep:
+            provider = f"staged_{slot_mi}Mi_x{nslots}" + ("" if keep else "_nocache")
+            try:
+                opt.set_slot_config(SlotConfig(slot_numel=slot_mi << 20, num_slots=nslots, keep_resident=keep))
+                # ms: step + write-back of everything to the host (conservative, host authoritative);
+                # ms_loop: back-to-back steps as in a training loop (the D2H tail overlaps what follows).
+                ms = _timer(functools.partial(_step_and_drain, opt), iters)
+                ms_loop = _timer(opt.step, iters)
+                row = {"case": case, "provider": provider, "ms": ms, "ms_loop": ms_loop, "params": n,
+                       "pinned_host_bytes": opt.residency["host_bytes"], "slot_bytes": opt.gpu_state_bytes}
+                if floor:
+                    row.update(floor_ms=floor, GBps_dir=12 * n / ms / 1e6, pct_floor=floor / ms,
+                               pct_floor_loop=floor / ms_loop)
+                rows.append(row)
+            except Exception as e:  # noqa: BLE001
+                rows.append(_error_row(case, provider, e))
+        del ps, opt
+    except Exception as e:  # noqa: BLE001
+        rows.append(_error_row(case, "staged", e))
+    _free()
+
     if CUDA:
         from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
         for frac in (1.0, 0.5):
-            def hdo(frac=frac):
+            try:
                 ps = [torch.zeros(s, device=DEV, dtype=torch.bfloat16, requires_grad=True) for s in sizes]
                 opt = HybridDeviceOptimizer(ps, offload_fraction=frac, cpu_optimizer_cls=torch.optim.AdamW,
                                             gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True,
                                             overlap_cpu_optimizer_d2h_h2d=False, lr=1e-4, fused=True)
-                return ps, opt
-            run(f"megatron_hdo_{frac}", hdo)
+                _grads(ps)
+                rows.append({"case": case, "provider": f"megatron_hdo_{frac}", "ms": _timer(opt.step, iters),
+                             "params": n})
+                del ps, opt
+            except Exception as e:  # noqa: BLE001
+                rows.append(_error_row(case, f"megatron_hdo_{frac}", e))
+            _free()
     base = next((r["ms"] for r in rows if r.get("provider") == "torch_fused_gpu" and "ms" in r), None)
+    staged = [r for r in rows if r.get("provider", "").startswith("staged") and "ms" in r]
+    if staged:
+        min(staged, key=lambda r: r["ms"])["best"] = True
     for r in rows:
         if base and "ms" in r:
             r["ratio"] = r["ms"] / base
     return rows
 
 
-def muon_rows(shape: tuple[int, int], count: int, iters: int) -> list[dict]:
+# Qwen/Llama-like matrix stacks: (case, shapes). Counts are layer-stack sized; the x4 rows keep the
+# earlier bench's case for comparison.
+LLAMA8B_LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096),
+                 (4096, 14336)]
+MUON_CASES = [
+    ("4096x4096x4", [(4096, 4096)] * 4),
+    ("4096x4096x32", [(4096, 4096)] * 32),
+    ("4096x14336x4", [(4096, 14336)] * 4),
+    ("4096x14336x12", [(4096, 14336)] * 12),
+    ("8192x28672x6", [(8192, 28672)] * 6),
+    ("llama8b_4layers", LLAMA8B_LAYER * 4),
+]
+MUON_QUICK = [("256x512x6", [(256, 512)] * 6), ("mixed_quick", [(256, 512), (64, 512), (512, 256)] * 2)]
+
+
+def muon_rows(case: str, shapes: list[tuple[int, int]], iters: int, num_slots: int = 3) -> list[dict]:
+    """Native TensorParallelMuon (fp32 params, momentum and grads on the GPU) vs StagedMuon (bf16
+    params on the GPU, fp32 grads as Megatron's main grads, fp32 master + momentum in host slabs)."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
 
     from optim_staged.muon import StagedMuon
 
-    case = f"muon/{shape[0]}x{shape[1]}x{count}"
-    rows = []
-    numel = shape[0] * shape[1]
+    case = f"muon/{case}"
+    rows: list[dict] = []
+    numel = sum(a * b for a, b in shapes)
     try:
-        ps = [torch.randn(shape, device=DEV, requires_grad=True) for _ in range(count)]
+        ps = [torch.randn(s, device=DEV, requires_grad=True) for s in shapes]
         opt = TensorParallelMuon(ps, lr=1e-3)
         _grads(ps)
-        rows.append({"case": case, "provider": "native_muon", "ms": _timer(opt.step, iters), "params": numel * count})
+        rows.append({"case": case, "provider": "native_muon", "ms": _timer(opt.step, iters), "params": numel,
+                     "gpu_state_bytes": 8 * numel})
         del ps, opt
-        if CUDA:
-            torch.cuda.empty_cache()
-        ps = [torch.randn(shape, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(count)]
-        opt = StagedMuon.from_tensor_parallel_muon(TensorParallelMuon(ps, lr=1e-3),
-                                                   slots=SlotConfig(slot_numel=numel, num_slots=2))
-        opt.initialize_state()
-        _grads(ps)
-        rows.append({"case": case, "provider": "staged_muon", "ms": _timer(opt.step, iters), "params": numel * count,
-                     "slot_bytes": opt.gpu_state_bytes, "pinned_host_bytes": opt.residency["host_bytes"]})
-        del ps, opt
-        gc.collect()
     except Exception as e:  # noqa: BLE001
-        rows.append({"case": case, "provider": "error", "error": f"{type(e).__name__}: {e}"[:300]})
-        traceback.print_exc()
-    if CUDA:
-        torch.cuda.empty_cache()
-    if len(rows) == 2:
-        rows[1]["ratio"] = rows[1]["ms"] / rows[0]["ms"]
-        rows[0]["ratio"] = 1.0
+        rows.append(_error_row(case, "native_muon", e))
+    _free()
+    try:
+        ps = [torch.randn(s, device=DEV, dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+        opt = StagedMuon.from_tensor_parallel_muon(TensorParallelMuon(ps, lr=1e-3), slots=SlotConfig(
+            slot_numel=max(a * b for a, b in shapes), num_slots=num_slots))
+        opt.initialize_state()
+        _grads(ps, fp32=True)
+        for provider, keep in (("staged_muon", True), ("staged_muon_nocache", False)):
+            opt.set_slot_config(SlotConfig(slot_numel=opt.slot_config.slot_numel, num_slots=num_slots,
+                                           keep_resident=keep))
+            ms = _timer(opt.step, iters)
+            rows.append({"case": case, "provider": provider, "ms": ms, "params": numel, "num_slots": num_slots,
+                         "gpu_state_bytes": opt.gpu_state_bytes, "pinned_host_bytes": opt.residency["host_bytes"],
+                         "slot_state_frac": opt.gpu_state_bytes / (8 * numel)})
+        del ps, opt
+    except Exception as e:  # noqa: BLE001
+        rows.append(_error_row(case, "staged_muon", e))
+    _free()
+    base = next((r["ms"] for r in rows if r.get("provider") == "native_muon" and "ms" in r), None)
+    for r in rows:
+        if base and "ms" in r:
+            r["ratio"] = r["ms"] / base
     return rows
 
 
@@ -192,8 +244,11 @@ def _megatron_step_fn(model, opt, tokens):
     return step
 
 
-def megatron_rows(quick: bool, snapshot: bool = False) -> list[dict]:
-    """One train step of a Megatron GPT on 1 GPU: native distributed Adam vs staged."""
+def megatron_rows(quick: bool, snapshot: bool = True) -> list[dict]:
+    """One train step of a Megatron GPT on 1 GPU: native distributed Adam vs staged, with peak HBM,
+    optimizer-state HBM and (``snapshot``) a CUDA caching-allocator snapshot of one step each."""
+    import json
+
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
@@ -213,34 +268,48 @@ def megatron_rows(quick: bool, snapshot: bool = False) -> list[dict]:
                          num_attention_heads=16, num_query_groups=4, params_dtype=torch.bfloat16,
                          max_sequence_length=1024))
     B, S = (2, 128) if quick else (4, 1024)
-    rows = []
+    rows, summary = [], {}
+    gib = 2**30
     for residency in ("gpu", "staged"):
-        torch.cuda.empty_cache()
+        _free()
         model = build_tiny_gpt(cfg).cuda()
         model = Float16Module(model.config, model)
         model = DDP(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                 use_distributed_optimizer=True), model)
         model.config.finalize_model_grads_func = finalize_model_grads
+        torch.cuda.synchronize()
+        before_opt = torch.cuda.memory_allocated()
         opt = get_staged_optimizer(StagedOptimizerConfig(residency=residency, adamw=AdamWConfig(lr=1e-4)), [model])
         step = _megatron_step_fn(model, opt, torch.randint(0, cfg.vocab_size, (B, S), device="cuda"))
-        step()
+        step()  # native Adam allocates its state lazily here
         torch.cuda.synchronize()
+        opt_state = torch.cuda.memory_allocated() - before_opt
         torch.cuda.reset_peak_memory_stats()
-        if snapshot:  # CUDA caching-allocator history of the timed steps (view at pytorch.org/memory_viz)
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-        ms = time_cuda(step, warmup=1, iters=3)["p50"]
-        nparams = sum(p.numel() for p in model.parameters())
-        if snapshot:
-            torch.cuda.memory._dump_snapshot(str(out_dir() / f"optim_staged_snapshot_{residency}.pickle"))
+        snap = None
+        if snapshot:  # one step's allocator history (view at pytorch.org/memory_viz)
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            step()
+            torch.cuda.synchronize()
+            snap = out_dir() / f"optim_staged_snapshot_{residency}.pickle"
+            torch.cuda.memory._dump_snapshot(str(snap))
             torch.cuda.memory._record_memory_history(enabled=None)
+        ms = time_cuda(step, warmup=1, iters=3)["p50"]
+        peak = torch.cuda.max_memory_allocated()
+        nparams = sum(p.numel() for p in model.parameters())
         t_opt = time_cuda(opt.step, warmup=1, iters=3)["p50"]
         rows.append({"case": f"megatron/{nparams / 1e6:.0f}M", "provider": f"mcore_{residency}", "ms": ms,
-                     "opt_step_ms": t_opt, "peak_hbm_GiB": torch.cuda.max_memory_allocated() / 2**30,
+                     "opt_step_ms": t_opt, "peak_hbm_GiB": peak / gib, "opt_state_hbm_GiB": opt_state / gib,
                      "params": nparams})
-        del model, opt
-        gc.collect()
-    rows[1]["ratio"] = rows[1]["ms"] / rows[0]["ms"]
-    rows[0]["ratio"] = 1.0
+        summary[residency] = {"params": nparams, "step_ms": ms, "optimizer_step_ms": t_opt,
+                              "peak_allocated_GiB": peak / gib, "optimizer_state_allocated_GiB": opt_state / gib,
+                              "allocated_before_optimizer_GiB": before_opt / gib,
+                              "snapshot": None if snap is None else snap.name}
+        del model, opt, step
+    if len(rows) == 2:
+        rows[1]["ratio"] = rows[1]["ms"] / rows[0]["ms"]
+        rows[0]["ratio"] = 1.0
+        summary["peak_saved_GiB"] = summary["gpu"]["peak_allocated_GiB"] - summary["staged"]["peak_allocated_GiB"]
+    (out_dir() / "optim_staged_memory.json").write_text(json.dumps(summary, indent=1))
     return rows
 
 
@@ -248,33 +317,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
     ap.add_argument("--no-megatron", action="store_true", help="skip the Megatron model step")
-    ap.add_argument("--snapshot", action="store_true", help="dump CUDA allocator snapshots of the Megatron steps")
+    ap.add_argument("--no-snapshot", action="store_true", help="skip the CUDA allocator snapshots")
+    ap.add_argument("--only", choices=("adamw", "muon", "megatron"), default=None, help="run one section")
     args = ap.parse_args()
     rows: list[dict] = []
     extra: dict = {}
     duplex = None
-    if CUDA:
+    if CUDA and args.only in (None, "adamw"):
         bw = bandwidth((64 << 20) if args.quick else (1 << 30))
         extra["bandwidth_GBps"] = bw
         duplex = bw["duplex_per_dir"]
         rows += [{"case": "bw", "provider": k, "GBps_dir": v} for k, v in bw.items()]
-    sizes = [1 << 20] if args.quick else [134_000_000, 1_000_000_000]
-    for n in sizes:
-        rows += adamw_rows(n, duplex, iters=3 if args.quick else 5)
-    shapes = [(256, 512)] if args.quick else [(4096, 4096), (4096, 14336), (8192, 28672)]
-    for shape in shapes:
-        rows += muon_rows(shape, count=2 if args.quick else 4, iters=3)
-    if CUDA and not args.no_megatron:
+    if args.only in (None, "adamw"):
+        if args.quick:
+            plan = [(1 << 20, [(1, 2, True), (1, 3, True), (1, 3, False)])]
+        else:
+            plan = [(134_000_000, [(2, 3, True), (4, 2, True), (4, 3, True), (4, 4, True), (8, 3, True),
+                                   (16, 3, True), (4, 3, False)]),
+                    (1_000_000_000, [(4, 3, True), (8, 3, True), (4, 2, True), (4, 3, False)])]
+        for n, sweep in plan:
+            rows += adamw_rows(n, duplex, iters=3 if args.quick else 5, sweep=sweep)
+        best = {r["case"]: r["provider"] for r in rows if r.get("best")}
+        extra["adamw_best_config"] = best
+    if args.only in (None, "muon"):
+        for case, shapes in (MUON_QUICK if args.quick else MUON_CASES):
+            rows += muon_rows(case, shapes, iters=3 if args.quick else 4)
+    if CUDA and not args.no_megatron and args.only in (None, "megatron"):
         try:
-            rows += megatron_rows(args.quick, args.snapshot)
+            rows += megatron_rows(args.quick, snapshot=not args.no_snapshot)
         except Exception as e:  # noqa: BLE001
-            rows.append({"case": "megatron", "provider": "error", "error": f"{type(e).__name__}: {e}"[:300]})
-            traceback.print_exc()
+            rows.append(_error_row("megatron", "error", e))
     path = write_results("optim_staged", rows, extra)
     _plot(rows)
     print(f"wrote {path}")
-    print_table(rows, ["case", "provider", "ms", "ratio", "floor_ms", "pct_floor", "GBps_dir", "peak_hbm_GiB",
-                       "opt_step_ms", "error"])
+    print_table(rows, ["case", "provider", "ms", "ratio", "ms_loop", "pct_floor", "pct_floor_loop", "GBps_dir",
+                       "gpu_state_bytes", "peak_hbm_GiB", "opt_state_hbm_GiB", "best", "error"])
 
 
 def _plot(rows: list[dict]) -> None:

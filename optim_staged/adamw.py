@@ -1,10 +1,10 @@
 """``StagedAdamW``: AdamW whose fp32 master, exp_avg and exp_avg_sq live in host slabs.
 
 Each ``step()`` streams contiguous slab ranges ("units", at most ``slot_numel`` elements, which
-may split parameters) through the slot ring: H2D of (master, m, v) -> gather the gradient pieces
-into the slot's fp32 grad buffer -> one PyTorch AdamW kernel call over the unit's pieces ->
-write the parameter pieces from the master (cast to the parameter dtype, e.g. bf16) -> D2H.
-"""
+may split parameters) through the slot ring: H2D of (master, m, v) -> one PyTorch AdamW kernel
+call over the unit's pieces (fp32 gradients are read in place, others are cast into one fp32
+scratch buffer) -> write the parameter pieces from the master (cast to the parameter dtype,
+e.g. bf16) -> D2H."""
 
 from __future__ import annotations
 
@@ -78,21 +78,24 @@ class StagedAdamW(StagedOptimizerBase):
                 t = self._step_tensors[key] = torch.zeros((), dtype=torch.float32, device=dev)
             t.fill_(float(g["step"]))
 
-    def _compute(self, unit: Unit, views: dict[str, torch.Tensor], params: list[torch.Tensor]) -> None:
+    def _compute(self, unit: Unit, views: dict[str, torch.Tensor], params: list[torch.Tensor], phases) -> None:
         g = self.param_groups[unit.group]
-        gbuf = views["grad"]
-        if gbuf is None:
-            gbuf = torch.empty(unit.numel, dtype=torch.float32, device=views["master_param"].device)
         masters, grads, ms, vs, live = [], [], [], [], []
+        scratch = None
         for pc in unit.pieces:
             p = params[pc.param_index]
             grad = grad_of(p)
             if grad is None:
                 continue
             sl = slice(pc.unit_offset, pc.unit_offset + pc.numel)
-            gbuf[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
+            piece = grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel] if grad.is_contiguous() else None
+            if piece is None or piece.dtype != torch.float32:  # e.g. bf16 grads: fp32 copy on the device
+                if scratch is None:
+                    scratch = self._scratch(unit.numel)
+                scratch[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
+                piece = scratch[sl]
             masters.append(views["master_param"][sl])
-            grads.append(gbuf[sl])
+            grads.append(piece)
             ms.append(views["exp_avg"][sl])
             vs.append(views["exp_avg_sq"][sl])
             live.append(pc)

@@ -33,7 +33,8 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
 
 class StagedOptimizerBase(torch.optim.Optimizer):
     """Base class; subclasses set ``state_keys`` and define ``_units(entries, whole=)`` (slab ranges
-    to stream) and ``_compute(unit, views, params)`` (the update of one unit on its slot views).
+    to stream) and ``_compute(unit, views, params, phases)`` (the update of one unit on its slot views;
+    ``phases`` is None for device-resident units).
 
     NOTE: deviates from ``torch.optim.Optimizer`` in three places: state tensors live in host slabs
     (never moved to the parameter's device by ``load_state_dict``), step counters are per group,
@@ -41,6 +42,8 @@ class StagedOptimizerBase(torch.optim.Optimizer):
     """
 
     state_keys: tuple[str, ...] = ()
+    late_keys: tuple[str, ...] = ()
+    """State keys the update needs only at its end (their H2D may overlap the compute)."""
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, slots: SlotConfig | None = None,
                  staged_fraction: float = 1.0, device: torch.device | str | None = None) -> None:
@@ -107,10 +110,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             self._offsets[i] = roff
             roff += numels[i]
         self.resident = StateSlabs(self.state_keys, roff, device=dev) if resident else None
-        self._ring = SlotRing(self.state_keys, slot_numel=cfg.slot_numel, num_slots=cfg.num_slots, device=dev)
-        self._staged_units = self._units([(i, plist[i][0], plist[i][1], self._offsets[i]) for i in staged])
-        self._resident_units = self._units([(i, plist[i][0], plist[i][1], self._offsets[i]) for i in resident],
-                                           whole=True)
+        self._build_ring()
         # state[p] = views into the slabs; master initialised from the (possibly bf16) parameter.
         self.state.clear()
         staged_set = set(staged)
@@ -126,7 +126,30 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             self.state[p] = views
         self._layout_key = key
 
+    def _build_ring(self) -> None:
+        cfg, plist = self.slot_config, self._plist
+        self._ring = SlotRing(self.state_keys, slot_numel=cfg.slot_numel, num_slots=cfg.num_slots, device=self._dev,
+                              late_keys=self.late_keys, keep_resident=cfg.keep_resident)
+        self._staged_units = self._units([(i, plist[i][0], plist[i][1], self._offsets[i]) for i in self._staged_idx])
+        self._resident_units = self._units(
+            [(i, plist[i][0], plist[i][1], self._offsets[i]) for i in self._resident_idx], whole=True)
+
     # -------------------------------------------------------------- public API
+    def set_slot_config(self, slots: SlotConfig) -> None:
+        """Switch slot size/count/caching between steps: writes back and frees the current slots,
+        keeps the host slabs (no reallocation, no re-pinning). ``pin_memory`` and
+        ``host_memory_margin`` apply to the next slab allocation only."""
+        self._ensure_layout()
+        self._ring.drain(release=True)
+        old = self.slot_config
+        self.slot_config = slots
+        try:
+            self._build_ring()
+        except Exception:
+            self.slot_config = old
+            self._build_ring()
+            raise
+
     def initialize_state(self, p: torch.Tensor | None = None) -> None:
         """Allocate slabs (if needed) and initialise ``state[p]``; ``master_param`` <- fp32(p)."""
         self._ensure_layout()
@@ -136,7 +159,15 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         while gradients are still being reduced."""
         self._ensure_layout()
         if self._staged_units:
-            self._ring.prefetch(self._staged_units, self.slabs)
+            self._ring.prefetch(self._staged_units, self.slabs, reverse=self._reverse_at(self._step_count() + 1))
+
+    def _step_count(self) -> int:
+        return int(self.param_groups[0].get("step", 0)) if self.param_groups else 0
+
+    @staticmethod
+    def _reverse_at(step: int) -> bool:
+        # Walk order alternates per step (slot cache); from the step counter, so ranks agree.
+        return step % 2 == 0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -145,20 +176,25 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         self._ensure_layout()
         self._begin_step()
         params = [p for _, p in self._plist]
-        self._ring.run(self._staged_units, self.slabs, lambda u, v: self._compute(u, v, params))
+        self._ring.run(self._staged_units, self.slabs, lambda u, v, ph: self._compute(u, v, params, ph),
+                       reverse=self._reverse_at(self._step_count()))
         if self._resident_units:
             for u in self._resident_units:
                 views = {k: self.resident[k][u.start:u.end] for k in self.state_keys}
-                views["grad"] = None
-                self._compute(u, views, params)
+                self._compute(u, views, params, None)
         return None
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        """fp32 device scratch of ``numel`` elements for the unit being computed."""
+        return self._ring.scratch(numel)
 
     def _begin_step(self) -> None:
         for g in self.param_groups:
             g["step"] = int(g.get("step", 0)) + 1
 
     def drain(self, *, release: bool = True) -> None:
-        """Wait until all state is back in the host slabs; with ``release`` free the slots, so
+        """Write back the state cached in slots and wait until all of it is in the host slabs
+        (``state[p]`` views are current only after this); with ``release`` free the slots, so
         ``gpu_state_bytes`` is 0 when everything is staged."""
         if self._ring is not None:
             self._ring.drain(release=release)
@@ -206,6 +242,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
                 f"elements, expected {dst.numel()}"
             )
         dst.copy_(value.reshape(dst.shape).to(dst.dtype))
+        self._ring.forget()  # slot copies of this range are stale now
 
     # ------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:
@@ -298,4 +335,4 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             store = self.slabs if i in staged else self.resident
             o = self._offsets[i]
             self.state[p] = {k: store[k][o:o + p.numel()].view(p.shape) for k in self.state_keys}
-        self._ring._prefetched.clear()
+        self._ring.forget()

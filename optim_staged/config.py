@@ -53,8 +53,13 @@ class SlotConfig:
     slot_numel: int = 4 * 1024 * 1024
     """Elements per state tensor in one slot (fp32: 4 Mi elements = 16 MiB per tensor). AdamW units
     are contiguous ranges of this many elements; a Muon unit is one whole matrix and must fit."""
-    num_slots: int = 2
-    """Slots in the ring; >= 2 overlaps H2D(n+1), compute(n) and D2H(n-1)."""
+    num_slots: int = 3
+    """Slots in the ring. 3 lets H2D(n+1), compute(n) and D2H(n-1) run at once without a slot
+    waiting for its own write-back; 2 already overlaps, but stalls briefly per unit."""
+    keep_resident: bool = True
+    """Use the slots as a write-back cache: the last ``num_slots`` units of a step stay on the
+    device and the next step walks units in reverse, starting on them with no transfer. Host
+    ``state[p]`` views are then current after ``drain()`` (which ``state_dict()`` calls)."""
     pin_memory: bool = True
     """Pin host slabs (CUDA only) by registering exactly-sized host memory with the driver, so
     the pinned host allocator's power-of-two rounding never applies."""

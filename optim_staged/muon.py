@@ -5,8 +5,13 @@ split. A matrix larger than ``slot_numel`` raises :class:`SlotTooSmallError` (no
 NS of a row block is not the row block of NS). Orthogonalization is delegated to a callable,
 normally Megatron's ``TensorParallelMuon.orthogonalize`` (QKV split, TP ``duplicated`` /
 ``distributed`` modes, spectral/shape scaling), so results match the official Muon. Every unit
-runs on the ring's single compute stream in parameter order, identical on all TP ranks, so the
-TP collectives inside orthogonalization line up with any number of slots.
+runs on the ring's single compute stream in parameter order (reversed on every other step, from
+the step counter, for the slot cache), identical on all TP ranks, so the TP collectives inside
+orthogonalization line up with any number of slots.
+
+Per unit the momentum is copied in first; the master's H2D overlaps the momentum update and
+Newton-Schulz, and the momentum's D2H starts as soon as it is final. Only 4 B/param has to arrive
+before a unit's compute can start, and only 4 B/param leaves after it ends.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from optim_staged.base import StagedOptimizerBase, grad_of
 from optim_staged.config import MuonConfig, SlotConfig, SlotTooSmallError
 from optim_staged.slabs import Piece, Unit
-from optim_staged.update import muon_update_
+from optim_staged.update import muon_apply_, muon_momentum_
 
 __all__ = ["StagedMuon", "newton_schulz_orthogonalize"]
 
@@ -55,6 +60,7 @@ class StagedMuon(StagedOptimizerBase):
     """
 
     state_keys = ("master_param", "momentum_buffer")
+    late_keys = ("master_param",)  # needed only after Newton-Schulz: its H2D overlaps the NS
 
     def __init__(self, params: Iterable[Any], lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = False,
                  weight_decay: float = 0.01, *, orthogonalize: Orthogonalize | None = None,
@@ -70,6 +76,12 @@ class StagedMuon(StagedOptimizerBase):
                                      "StagedMuon takes 2-D matrices (use StagedAdamW for the rest)")
         self.orthogonalize = orthogonalize or newton_schulz_orthogonalize()
         self.fp32_matmul_prec = fp32_matmul_prec
+        try:
+            from emerging_optimizers.utils import fp32_matmul_precision
+
+            self._precision_ctx = fp32_matmul_precision
+        except ImportError:  # pragma: no cover - emerging-optimizers is a dependency
+            self._precision_ctx = None
 
     @classmethod
     def from_tensor_parallel_muon(cls, tpm: torch.optim.Optimizer, *, slots: SlotConfig | None = None) -> StagedMuon:
@@ -92,28 +104,34 @@ class StagedMuon(StagedOptimizerBase):
                 units.append(Unit(g, o, o + p.numel(), (Piece(i, 0, p.numel(), 0),), tuple(p.shape)))
         return units
 
-    def _compute(self, unit: Unit, views: dict[str, torch.Tensor], params: list[torch.Tensor]) -> None:
+    def _compute(self, unit: Unit, views: dict[str, torch.Tensor], params: list[torch.Tensor], phases) -> None:
+        """Momentum (early key) -> its D2H may start -> orthogonalize -> wait for the master's H2D
+        (late key) -> master update -> model param <- cast(master), all on the compute stream."""
         p = params[unit.pieces[0].param_index]
         grad = grad_of(p)
         if grad is None:
             return
         group = self.param_groups[unit.group]
         shape = p.shape
-        gbuf = views["grad"]
-        gbuf = (torch.empty(shape, dtype=torch.float32, device=views["master_param"].device) if gbuf is None
-                else gbuf.view(shape))
-        gbuf.copy_(grad.view(shape), non_blocking=True)
-        master = views["master_param"].view(shape)
+        if grad.dtype == torch.float32 and grad.is_contiguous():
+            g = grad.view(shape)
+        else:  # bf16 grads: one fp32 copy in the ring's scratch buffer
+            g = self._scratch(p.numel()).view(shape)
+            g.copy_(grad.view(shape), non_blocking=True)
+        update = muon_momentum_(g, views["momentum_buffer"].view(shape), momentum=group["momentum"],
+                                nesterov=group["nesterov"])
+        if phases is not None:
+            phases.early_done()
         group_kwargs = {k: v for k, v in group.items() if k != "params"}
-        try:
-            from emerging_optimizers.utils import fp32_matmul_precision
-
-            prec = fp32_matmul_precision(self.fp32_matmul_prec)
-        except ImportError:  # pragma: no cover - emerging-optimizers is a dependency
-            prec = contextlib.nullcontext()
-        with prec:
-            muon_update_(master, gbuf, views["momentum_buffer"].view(shape), lr=float(group["lr"]),
-                         momentum=group["momentum"], nesterov=group["nesterov"],
-                         weight_decay=group["weight_decay"],
-                         orthogonalize=lambda u: self.orthogonalize(p, u, **group_kwargs))
+        with self._matmul_precision():
+            orth = self.orthogonalize(p, update, **group_kwargs)
+        if phases is not None:
+            phases.wait_late()
+        master = views["master_param"].view(shape)
+        muon_apply_(master, orth, lr=float(group["lr"]), weight_decay=group["weight_decay"])
         p.detach().copy_(master)
+
+    def _matmul_precision(self):
+        if self._precision_ctx is None:
+            return contextlib.nullcontext()
+        return self._precision_ctx(self.fp32_matmul_prec)

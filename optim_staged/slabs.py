@@ -7,17 +7,26 @@
   checked before allocating.
 * :class:`Unit` — a contiguous element range ``[start, end)`` of the slabs plus the parameter
   pieces it covers. AdamW units may split parameters; Muon units are one whole matrix.
-* :class:`SlotRing` — ``num_slots`` device buffers per key (plus a grad buffer) and three streams
-  (H2D, compute, D2H) with one event of each kind per slot. Ordering points:
+* :class:`SlotRing` — ``num_slots`` device buffers per key, one fp32 scratch buffer, and three
+  streams (H2D, compute, D2H) with per-slot events. Ordering points:
 
-  1. H2D into a slot waits on that slot's previous D2H event (reuse only after drain-out).
-  2. Compute waits on the slot's H2D event and, once per step, on an event recorded on the
-     caller's stream at ``step()`` entry (gradients written there, or joined into it, are ready).
-  3. D2H waits on the slot's compute event.
-  4. The caller's stream waits on the last compute event only: the parameter all-gather can
-     start while state drains back to the host. ``drain()`` waits for the last D2H.
+  1. H2D into a slot waits on that slot's previous D2H (reuse only after drain-out); once per
+     step the H2D stream also waits for the D2H stream, so a host range is read only after its
+     last write-back.
+  2. Compute waits on the slot's H2D event (late keys: inside the compute, before they are used)
+     and, once per step, on an event recorded on the caller's stream at ``step()`` entry
+     (gradients written there, or joined into it, are ready).
+  3. D2H of the early keys waits on the compute's early-done event, D2H of the late keys on the
+     compute event.
+  4. The caller's stream waits on compute only: the parameter all-gather can start while state
+     drains. ``drain()`` writes back cached slots and waits for the last D2H.
 
-  Without CUDA the ring uses CPU buffers and runs every copy synchronously (same code path).
+  Slots double as a write-back cache (``keep_resident``): the last ``num_slots`` units of a step
+  stay in their slots and the next step walks the units in reverse, starting on them without any
+  transfer (and without waiting for the previous step's D2H tail).
+
+  Without CUDA the ring uses CPU buffers and runs every copy synchronously (same code path, same
+  cache, so CPU tests cover its logic).
 """
 
 from __future__ import annotations
@@ -25,13 +34,13 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from optim_staged.config import HostMemoryError
 
-__all__ = ["StateSlabs", "Piece", "Unit", "SlotRing", "available_host_bytes", "build_units"]
+__all__ = ["StateSlabs", "Piece", "Unit", "SlotRing", "Phases", "available_host_bytes", "build_units"]
 
 
 def available_host_bytes() -> int:
@@ -174,116 +183,235 @@ def build_units(param_numels: Sequence[int], param_offsets: Sequence[int], param
 @dataclass
 class _Slot:
     buffers: dict[str, torch.Tensor]
-    h2d: object = None
+    h2d_early: object = None
+    h2d_late: object = None
+    compute_early: object = None
     compute: object = None
     d2h: object = None
-    used: bool = field(default=False)
+
+
+class Phases:
+    """Handed to the per-unit compute: ``early_done()`` marks the early keys final (their D2H may
+    start while the compute goes on), ``wait_late()`` makes the compute wait for the late keys' H2D."""
+
+    __slots__ = ("_ring", "_slot", "early_marked")
+
+    def __init__(self, ring: SlotRing, slot: _Slot) -> None:
+        self._ring, self._slot, self.early_marked = ring, slot, False
+
+    def early_done(self) -> None:
+        if self._ring.cuda:
+            self._slot.compute_early.record(self._ring.compute_stream)
+        self.early_marked = True
+
+    def wait_late(self) -> None:
+        if self._ring.cuda and self._ring.late_keys:
+            self._ring.compute_stream.wait_event(self._slot.h2d_late)
 
 
 class SlotRing:
-    """``num_slots`` device buffers per key and the H2D / compute / D2H streams that move them."""
+    """``num_slots`` device buffers per key, the H2D / compute / D2H streams that move them, and a
+    small write-back cache: with ``keep_resident`` the last ``num_slots`` units of a step stay in
+    their slots (not copied back), and the next step walks the units in the opposite order so it
+    starts on them with no transfer. Host slabs are current after :meth:`drain`.
 
-    def __init__(self, keys: Sequence[str], *, slot_numel: int, num_slots: int, device: torch.device | str) -> None:
+    ``late_keys`` are needed only at the end of a unit's compute (Muon's master weight): their H2D
+    is queued after the early keys' and awaited by the compute through :class:`Phases`.
+    """
+
+    def __init__(self, keys: Sequence[str], *, slot_numel: int, num_slots: int, device: torch.device | str,
+                 late_keys: Sequence[str] = (), keep_resident: bool = True) -> None:
         self.keys = tuple(keys)
+        self.late_keys = tuple(k for k in self.keys if k in late_keys)
+        self.early_keys = tuple(k for k in self.keys if k not in late_keys)
         self.slot_numel = int(slot_numel)
         self.num_slots = int(num_slots)
+        self.keep_resident = bool(keep_resident)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.slots: list[_Slot] = []
+        self._scratch: torch.Tensor | None = None
         if self.cuda:
             # Streams are created once per ring (fresh streams per step grow allocator pools).
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
-        self._prefetched: dict[int, int] = {}  # slot index -> slab start of the prefetched unit
+        self._reset_cache()
+
+    def _reset_cache(self) -> None:
+        n = self.num_slots
+        self._held: list[int | None] = [None] * n  # slab start of the unit whose current state a slot holds
+        self._dirty: list[Unit | None] = [None] * n  # unit whose slot copy is newer than the host slab
+        self._lru: list[int] = list(range(n))  # least recently used first
+        self._slabs: StateSlabs | None = None  # slabs the cache refers to
+        self._written_back: set[int] = set()
 
     # ----------------------------------------------------------------- memory
     @property
     def allocated_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for s in self.slots for b in s.buffers.values())
+        n = sum(b.numel() * b.element_size() for s in self.slots for b in s.buffers.values())
+        return n + (0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size())
 
     def ensure_allocated(self) -> None:
         if self.slots:
             return
         for _ in range(self.num_slots):
             bufs = {k: torch.empty(self.slot_numel, dtype=torch.float32, device=self.device) for k in self.keys}
-            bufs["grad"] = torch.empty(self.slot_numel, dtype=torch.float32, device=self.device)
             slot = _Slot(bufs)
             if self.cuda:
-                slot.h2d, slot.compute, slot.d2h = (torch.cuda.Event() for _ in range(3))
+                slot.h2d_early, slot.h2d_late, slot.compute_early, slot.compute, slot.d2h = (
+                    torch.cuda.Event() for _ in range(5))
             self.slots.append(slot)
 
+    def scratch(self, numel: int) -> torch.Tensor:
+        """An fp32 buffer of ``numel`` elements for the unit being computed (e.g. a gradient cast
+        to fp32). One buffer serves every slot: all compute runs on one stream. Allocated once."""
+        if self._scratch is None or self._scratch.numel() < numel:  # grows only for whole resident params
+            with self._stream(self.compute_stream if self.cuda else None):
+                self._scratch = torch.empty(max(numel, self.slot_numel), dtype=torch.float32, device=self.device)
+        return self._scratch[:numel]
+
     def drain(self, *, release: bool = True) -> None:
-        """Wait for every outstanding D2H; with ``release`` free the slot buffers."""
+        """Write back every slot that is newer than the host slabs and wait for all transfers; with
+        ``release`` free the slot buffers (the cache is dropped), else keep them and their content."""
+        for si in range(len(self.slots)):
+            if self._dirty[si] is not None:
+                self._write_back(si)
         if self.cuda:
             self.d2h_stream.synchronize()
             self.h2d_stream.synchronize()
             self.compute_stream.synchronize()
-        self._prefetched.clear()
+        self._written_back.clear()
         if release:
             self.slots = []
+            self._scratch = None
+            self._reset_cache()
+
+    def forget(self) -> None:
+        """Drop the cache after the host slabs were written or replaced (call after :meth:`drain`)."""
+        if any(d is not None for d in self._dirty):
+            raise RuntimeError("SlotRing.forget() with unwritten slots: call drain() first")
+        self._reset_cache()
 
     # --------------------------------------------------------------- pipeline
     def _stream(self, s):
         return torch.cuda.stream(s) if self.cuda else contextlib.nullcontext()
 
-    def _h2d(self, slot_index: int, unit: Unit, slabs: StateSlabs) -> None:
-        slot = self.slots[slot_index]
+    def _touch(self, si: int) -> None:
+        self._lru.remove(si)
+        self._lru.append(si)
+
+    def _bind(self, slabs: StateSlabs) -> None:
+        if self._slabs is not slabs:  # new slabs (load_state_dict): nothing cached refers to them
+            if any(d is not None for d in self._dirty):
+                raise RuntimeError("SlotRing: slabs replaced while slots hold unwritten state")
+            self._reset_cache()
+            self._slabs = slabs
+
+    def _write_back(self, si: int) -> None:
+        """D2H of the unit in slot ``si``: early keys after its early-done event, late keys after
+        its compute event."""
+        slot, unit, slabs = self.slots[si], self._dirty[si], self._slabs
+        with self._stream(self.d2h_stream if self.cuda else None):
+            if self.cuda and self.early_keys:
+                self.d2h_stream.wait_event(slot.compute_early)  # (3) state final on the device
+            for k in self.early_keys:
+                slabs[k][unit.start:unit.end].copy_(slot.buffers[k][: unit.numel], non_blocking=True)
+            if self.cuda and self.late_keys:
+                self.d2h_stream.wait_event(slot.compute)
+            for k in self.late_keys:
+                slabs[k][unit.start:unit.end].copy_(slot.buffers[k][: unit.numel], non_blocking=True)
+            if self.cuda:
+                slot.d2h.record(self.d2h_stream)
+        self._dirty[si] = None
+        self._written_back.add(unit.start)
+
+    def _load(self, unit: Unit, slabs: StateSlabs, *, protect: set[int]) -> int:
+        """H2D of ``unit`` into the least recently used slot not holding a unit in ``protect``."""
+        si = next((s for s in self._lru if self._held[s] is None or self._held[s] not in protect), self._lru[0])
+        if self._dirty[si] is not None:
+            self._write_back(si)
+        slot = self.slots[si]
         with self._stream(self.h2d_stream if self.cuda else None):
-            if self.cuda and slot.used:
-                self.h2d_stream.wait_event(slot.d2h)  # (1) reuse only after the slot drained out
-            for k in self.keys:
+            if self.cuda:
+                self.h2d_stream.wait_event(slot.d2h)  # (1) slot reused only after it drained out
+                if unit.start in self._written_back:  # host range written back this step: read after it
+                    self.h2d_stream.wait_stream(self.d2h_stream)
+            for k in self.early_keys:
                 slot.buffers[k][: unit.numel].copy_(slabs[k][unit.start:unit.end], non_blocking=True)
             if self.cuda:
-                slot.h2d.record(self.h2d_stream)
+                slot.h2d_early.record(self.h2d_stream)
+            for k in self.late_keys:
+                slot.buffers[k][: unit.numel].copy_(slabs[k][unit.start:unit.end], non_blocking=True)
+            if self.cuda and self.late_keys:
+                slot.h2d_late.record(self.h2d_stream)
+        self._held[si] = unit.start
+        self._touch(si)
+        return si
 
-    def prefetch(self, units: Sequence[Unit], slabs: StateSlabs) -> None:
-        """Start H2D of the first ``num_slots`` units; needs no gradients."""
+    def _begin(self, slabs: StateSlabs) -> None:
         self.ensure_allocated()
-        for i, unit in enumerate(units[: self.num_slots]):
-            if self._prefetched.get(i) == unit.start:
-                continue
-            self._h2d(i, unit, slabs)
-            self._prefetched[i] = unit.start
+        self._bind(slabs)
+        self._written_back.clear()
+        if self.cuda:  # host ranges written back by earlier steps are read only after that D2H
+            self.h2d_stream.wait_stream(self.d2h_stream)
+
+    def _order(self, units: Sequence[Unit], reverse: bool) -> list[Unit]:
+        return list(reversed(units)) if (self.keep_resident and reverse) else list(units)
+
+    def prefetch(self, units: Sequence[Unit], slabs: StateSlabs, *, reverse: bool = False) -> None:
+        """Start H2D of the next step's first ``num_slots`` units that are not already in a slot;
+        needs no gradients. ``reverse`` must be what the next :meth:`run` gets."""
+        if not units:
+            return
+        self._begin(slabs)
+        first = self._order(units, reverse)[: self.num_slots]
+        want = {u.start for u in first}
+        for unit in first:
+            if unit.start not in self._held:
+                self._load(unit, slabs, protect=want)
 
     def run(self, units: Sequence[Unit], slabs: StateSlabs,
-            compute: Callable[[Unit, dict[str, torch.Tensor]], None]) -> None:
-        """Stream every unit: H2D -> ``compute(unit, views)`` on the compute stream -> D2H.
+            compute: Callable[[Unit, dict[str, torch.Tensor], Phases], None], *, reverse: bool = False) -> None:
+        """Stream every unit: H2D (unless cached) -> ``compute(unit, views, phases)`` on the compute
+        stream -> D2H (the last ``num_slots`` units stay in their slots with ``keep_resident``).
 
-        ``views[k]`` are the slot buffers narrowed to the unit (``views['grad']`` is scratch for
-        the gathered gradient). Returns after enqueueing; the caller stream waits on compute.
+        ``views[k]`` are the slot buffers narrowed to the unit. Returns after enqueueing; the
+        caller stream waits on compute only. ``reverse`` walks the units last to first (with
+        ``keep_resident``); callers alternate it per step, identically on every rank (TP
+        collectives inside the compute follow this order).
         """
         if not units:
             return
-        self.ensure_allocated()
+        self._begin(slabs)
+        order = self._order(units, reverse)
+        keep = {u.start for u in order[-self.num_slots:]} if self.keep_resident else set()
         caller = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(caller)  # (2) grads written on (or joined into) the caller stream
             self.compute_stream.wait_event(ready)
-        n = self.num_slots
-        for i, unit in enumerate(units):
-            si = i % n
+        upcoming = [u.start for u in order]
+        for i, unit in enumerate(order):
+            try:
+                si = self._held.index(unit.start)
+                self._touch(si)
+            except ValueError:
+                si = self._load(unit, slabs, protect=set(upcoming[i:i + self.num_slots]))
             slot = self.slots[si]
-            if i < n and self._prefetched.get(si) == unit.start:
-                pass  # state already on its way
-            else:
-                self._h2d(si, unit, slabs)
             views = {k: b[: unit.numel] for k, b in slot.buffers.items()}
+            phases = Phases(self, slot)
             with self._stream(self.compute_stream if self.cuda else None):
                 if self.cuda:
-                    self.compute_stream.wait_event(slot.h2d)
-                compute(unit, views)
+                    self.compute_stream.wait_event(slot.h2d_early)
+                    self.compute_stream.wait_event(slot.d2h)  # an earlier write-back still reading it
+                compute(unit, views, phases)
                 if self.cuda:
                     slot.compute.record(self.compute_stream)
-            with self._stream(self.d2h_stream if self.cuda else None):
-                if self.cuda:
-                    self.d2h_stream.wait_event(slot.compute)  # (3)
-                for k in self.keys:
-                    slabs[k][unit.start:unit.end].copy_(views[k], non_blocking=True)
-                if self.cuda:
-                    slot.d2h.record(self.d2h_stream)
-            slot.used = True
-        self._prefetched.clear()
+                    if not phases.early_marked:
+                        slot.compute_early.record(self.compute_stream)
+            self._dirty[si] = unit
+            if unit.start not in keep:
+                self._write_back(si)
         if self.cuda:
             caller.wait_stream(self.compute_stream)  # (4) caller waits on compute only

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["adamw_update_", "fused_supported", "muon_update_"]
+__all__ = ["adamw_update_", "fused_supported", "muon_apply_", "muon_momentum_", "muon_update_"]
 
 
 def fused_supported(t: torch.Tensor) -> bool:
@@ -88,6 +88,24 @@ def adamw_update_(
 
 
 @torch.no_grad()
+def muon_momentum_(grad: torch.Tensor, momentum_buffer: torch.Tensor, *, momentum: float,
+                   nesterov: bool) -> torch.Tensor:
+    """First half of a Muon step on ``[M, K]``: ``buf <- lerp(buf, g, 1 - beta)`` in place; returns
+    the matrix to orthogonalize (``buf`` itself, or ``lerp(g, buf, beta)`` with Nesterov)."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+@torch.no_grad()
+def muon_apply_(param: torch.Tensor, orthogonalized: torch.Tensor, *, lr: float, weight_decay: float) -> None:
+    """Second half of a Muon step on the fp32 master ``[M, K]``:
+    ``p <- p - lr wd p; p <- p - lr O`` (decoupled weight decay, in emerging-optimizers' op order)."""
+    if weight_decay != 0.0:
+        param.add_(param, alpha=-weight_decay * lr)
+    param.add_(orthogonalized, alpha=-lr)
+
+
+@torch.no_grad()
 def muon_update_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -103,8 +121,5 @@ def muon_update_(
 
     ``orthogonalize(u) -> [M, K]`` includes the scale (spectral etc.) and any TP collectives.
     """
-    if weight_decay != 0.0:
-        param.add_(param, alpha=-weight_decay * lr)
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    param.add_(orthogonalize(update), alpha=-lr)
+    update = muon_momentum_(grad, momentum_buffer, momentum=momentum, nesterov=nesterov)
+    muon_apply_(param, orthogonalize(update), lr=lr, weight_decay=weight_decay)

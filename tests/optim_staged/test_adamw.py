@@ -35,13 +35,15 @@ def _run(staged_kwargs, torch_kwargs, *, steps=10, dtype=torch.float32, seed=0, 
                     grp["weight_decay"] = 0.05 * s
         o_ref.step()
         o_out.step()
+    o_out.drain(release=False)  # host state views are current after drain (slot cache written back)
     return ref, out, o_ref, o_out
 
 
 @pytest.mark.parametrize("slot_numel", [1024, 1500, 4096, 1 << 20], ids=lambda n: f"slot{n}")
 @pytest.mark.parametrize("num_slots", [1, 3])
-def test_staged_adamw_matches_torch_foreach(slot_numel, num_slots):
-    slots = SlotConfig(slot_numel=slot_numel, num_slots=num_slots)
+@pytest.mark.parametrize("keep_resident", [True, False], ids=["cache", "nocache"])
+def test_staged_adamw_matches_torch_foreach(slot_numel, num_slots, keep_resident):
+    slots = SlotConfig(slot_numel=slot_numel, num_slots=num_slots, keep_resident=keep_resident)
     ref, out, o_ref, o_out = _run(dict(slots=slots, impl="foreach"), dict(foreach=True))
     for i, (a, b) in enumerate(zip(ref, out)):
         assert_close(f"param{i}", a, b, atol=0, rtol=1e-6)
@@ -77,6 +79,7 @@ def test_staged_adamw_vs_fp64_reference():
         opt.step()
         reference_adamw_step(ref, grads, ref_state, step=t, lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6,
                              weight_decay=0.2)
+    opt.drain(release=False)
     for i, (a, b) in enumerate(zip(ref, out)):
         # state is fp32, the reference fp64: fp32 rounding over 7 steps
         assert_close(f"param{i}", a, b, atol=1e-6, rtol=1e-5)
@@ -95,6 +98,7 @@ def test_bf16_param_is_bf16_of_master():
         for p in ps:
             p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
         opt.step()
+    opt.drain(release=False)
     for i, p in enumerate(ps):
         assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16)), f"param{i}"
         assert opt.state[p]["master_param"].dtype == torch.float32
@@ -118,6 +122,7 @@ def test_none_grad_skipped_and_staged_fraction():
         o_out.step()
     # A parameter with no grad is skipped by both (params, moments untouched); the rest step on.
     ref[1].grad = out[1].grad = None
+    o_out.drain(release=False)
     before = [out[1].detach().clone(), o_out.state[out[1]]["exp_avg"].clone()]
     for i, (a, b) in enumerate(zip(ref, out)):
         if i != 1:
@@ -125,6 +130,7 @@ def test_none_grad_skipped_and_staged_fraction():
             a.grad, b.grad = gr.clone(), gr.clone()
     o_ref.step()
     o_out.step()
+    o_out.drain(release=False)
     assert torch.equal(out[1].detach(), before[0]) and torch.equal(o_out.state[out[1]]["exp_avg"], before[1])
     for i, (a, b) in enumerate(zip(ref, out)):
         assert_close(f"param{i}", a, b, atol=0, rtol=1e-6)
@@ -158,6 +164,7 @@ def test_load_rejects_missing_moment_and_keeps_state():
     opt = StagedAdamW([p], slots=SlotConfig(slot_numel=1024))
     p.grad = torch.ones_like(p)
     opt.step()
+    opt.drain(release=False)
     before = opt.state[p]["exp_avg"].clone()
     sd = opt.state_dict()
     bad = {"state": {0: {"master_param": sd["state"][0]["master_param"].clone(), "exp_avg": before.clone(),
@@ -202,6 +209,7 @@ def test_add_param_group_keeps_existing_state():
             x.grad, y.grad = gr.clone(), gr.clone()
         opt.step()
         ref.step()
+    opt.drain(release=False)
     assert_close("a", ref_a, a, atol=0, rtol=1e-6)
     assert_close("exp_avg_a", ref.state[ref_a]["exp_avg"], opt.state[a]["exp_avg"], atol=0, rtol=1e-6)
     # b joined at step 3: torch counts its steps from 1, the staged group counter too (new group)

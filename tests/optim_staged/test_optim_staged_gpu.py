@@ -13,20 +13,21 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(7, 13), (1031,), (3, 5, 11), (640, 333), (1,)]
 
 
-def _pair(slot_numel: int, num_slots: int, dtype=torch.float32):
+def _pair(slot_numel: int, num_slots: int, dtype=torch.float32, keep_resident: bool = True):
     g = torch.Generator(device="cuda").manual_seed(0)
     init = [torch.randn(s, generator=g, device="cuda", dtype=dtype) for s in SHAPES]
     ref = [p.clone().requires_grad_() for p in init]
     out = [p.clone().requires_grad_() for p in init]
     o_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
     o_out = StagedAdamW(out, lr=1e-2, weight_decay=0.1, impl="fused",
-                        slots=SlotConfig(slot_numel=slot_numel, num_slots=num_slots))
+                        slots=SlotConfig(slot_numel=slot_numel, num_slots=num_slots, keep_resident=keep_resident))
     return g, ref, out, o_ref, o_out
 
 
-@pytest.mark.parametrize("slot_numel,num_slots", [(1024, 2), (1500, 3), (1 << 20, 2), (4096, 1)])
-def test_bitwise_vs_fused_adamw(slot_numel, num_slots):
-    g, ref, out, o_ref, o_out = _pair(slot_numel, num_slots)
+@pytest.mark.parametrize("slot_numel,num_slots,keep", [(1024, 2, True), (1500, 3, True), (1500, 3, False),
+                                                        (1 << 20, 2, True), (4096, 1, True)])
+def test_bitwise_vs_fused_adamw(slot_numel, num_slots, keep):
+    g, ref, out, o_ref, o_out = _pair(slot_numel, num_slots, keep_resident=keep)
     for step in range(10):
         for a, b in zip(ref, out):
             gr = torch.randn(a.shape, generator=g, device="cuda")
@@ -98,7 +99,7 @@ def test_gpu_state_memory_bounded_by_slots(numel):
         opt.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    slot_bytes = 2 * 4 * (1 << 20) * 4  # slots x (master, m, v, grad) x slot_numel x fp32
+    slot_bytes = 2 * 3 * (1 << 20) * 4  # slots x (master, m, v) x slot_numel x fp32 (fp32 grads read in place)
     assert opt.gpu_state_bytes == slot_bytes
     assert peak <= slot_bytes + (1 << 20), f"peak {peak} bytes > slots {slot_bytes} (+1 MiB) for {numel} params"
     opt.drain()
@@ -129,3 +130,40 @@ def test_staged_muon_bf16_newton_schulz_vs_native():
         o_out.step()
     for i, (a, b) in enumerate(zip(ref, out)):
         assert_close(f"param{i}", a, b, atol=2e-3)
+
+
+@pytest.mark.parametrize("num_slots,keep", [(2, True), (3, False), (1, True)])
+def test_staged_muon_identity_exact_vs_native_streams(num_slots, keep):
+    """Identity orthogonalizer: the update is elementwise fp32 on both sides, so staged == native
+    bitwise. More matrices than slots and bf16 grads (scratch path): exercises the split H2D
+    (momentum first, master awaited after the orthogonalization), the early momentum D2H and the
+    slot cache across steps with alternating walk order."""
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
+
+    from optim_staged.muon import StagedMuon
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    shapes = [(512, 256), (256, 256), (1024, 128), (64, 512), (300, 200), (512, 512), (128, 96)]
+    init = [torch.randn(s, generator=g, device="cuda") for s in shapes]
+    ref = [w.clone().requires_grad_() for w in init]
+    out = [w.clone().requires_grad_() for w in init]
+    o_ref = TensorParallelMuon(ref, lr=0.02, momentum=0.9, weight_decay=0.1)
+    o_ref.scaled_orthogonalize_fn = lambda grad, tp_group, partition_dim=None: grad
+    o_out = StagedMuon(out, lr=0.02, momentum=0.9, weight_decay=0.1, orthogonalize=lambda p, u, **kw: u.clone(),
+                       slots=SlotConfig(slot_numel=512 * 512, num_slots=num_slots, keep_resident=keep))
+    for step in range(6):
+        for a, b in zip(ref, out):
+            gr = torch.randn(a.shape, generator=g, device="cuda").bfloat16().float()
+            a.grad = gr.clone()
+            b.grad = gr.clone() if step % 2 else None
+            if b.grad is None:
+                b.decoupled_grad = gr.clone().bfloat16()  # bf16 grads go through the scratch buffer
+            else:
+                b.decoupled_grad = None
+        o_ref.step()
+        o_out.step()
+    o_out.drain()
+    assert o_out.gpu_state_bytes == 0
+    for i, (a, b) in enumerate(zip(ref, out)):
+        assert torch.equal(a, b), f"param{i}"
+        assert torch.equal(o_ref.state[a]["momentum_buffer"].cpu(), o_out.state[b]["momentum_buffer"]), f"mom{i}"
