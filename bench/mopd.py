@@ -9,6 +9,10 @@ Cases (forward + backward unless noted):
   one of K teachers) + :func:`mopd.mopd_pg_loss`, vs a dense baseline holding ``[K, B, L]``
   teacher log-probs (``TokenTargets.from_teachers``). Routed work is proportional to the routed
   tokens (here B·L in total) plus a fixed per-teacher overhead; the dense baseline's is K·B·L.
+* ``teacher/grpo_<P>+<R>x<n>`` (forward only): a frozen Megatron teacher (:class:`mopd.megatron.MegatronTeacher`)
+  scoring GRPO groups (prompt P, responses up to R, n per prompt) as harts tree batches
+  (``teacher_tree.enabled``; flex attention, chunked head) vs plain padded ``[B, L]``
+  micro-batches (baseline ``plain``). ``--no-teacher`` skips it.
 
 Run: ``python bench/mopd.py`` (H200: ~1 min) or ``python bench/mopd.py --quick`` (CPU smoke).
 Writes ``mopd.json`` and ``mopd.png`` into ``$OUT`` (or ``outputs/bench``); prints a table last.
@@ -100,6 +104,79 @@ def _pg_cases(add, dev, timer, g, B, L):
         add(f"pg/K={K}", "dense", *_measure(lambda a=(teacher_lp, w_dense): dense(*a), timer), "dense")
 
 
+def _teacher_cases(add, cuda, timer):
+    """Plain vs harts tree scoring of one Megatron teacher (bf16 on CUDA, fp32 on CPU)."""
+    import os
+    import tempfile
+
+    from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, free_port, init_megatron, seed_all
+    from mopd.backends import TokenBatch
+    from mopd.config import TeacherTreeConfig
+    from mopd.megatron import MegatronTeacher, MegatronTeacherHost, save_teacher_checkpoint
+
+    if not cuda:
+        from mcore_distill import cpu_compat
+
+        cpu_compat.enable()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    if cuda:
+        torch.cuda.set_device(0)
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    else:
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    init_megatron(tp=1, pp=1)
+    if cuda:
+        cfg = TinyGPTConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_attention_heads=16,
+                            num_query_groups=4, ffn_hidden_size=3072, max_sequence_length=4096,
+                            params_dtype=torch.bfloat16)
+        P, R, G, n, mbs = 1024, 512, 4, 8, 4
+    else:
+        cfg = TinyGPTConfig(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=128, max_sequence_length=256)
+        P, R, G, n, mbs = 48, 16, 2, 4, 4
+    backend = "flex" if cuda else "dense"
+
+    def build(seed):
+        from megatron.core.transformer.module import Float16Module
+
+        seed_all(seed)
+        m = build_tiny_gpt(cfg)
+        if cuda:
+            m = Float16Module(m.config, m.cuda())
+        return m
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(G * n, P + R, dtype=torch.long)
+    lengths = torch.zeros(G * n, dtype=torch.long)
+    for i in range(G):
+        prompt = torch.randint(0, cfg.vocab_size, (P,), generator=g)
+        for j in range(n):
+            r = int(torch.randint(R // 2, R + 1, (1,), generator=g))
+            ids[i * n + j, :P], lengths[i * n + j] = prompt, P + r
+            ids[i * n + j, P:P + r] = torch.randint(0, cfg.vocab_size, (r,), generator=g)
+    dev = "cuda" if cuda else "cpu"
+    batch = TokenBatch(ids.to(dev), lengths.to(dev), torch.full((G * n,), P - 1, device=dev))
+    tree = TeacherTreeConfig(enabled=True, backend=backend, chunk_size=1024, token_cap=16384, align=128,
+                             fallback_compression=1.0)
+    with tempfile.TemporaryDirectory() as d:
+        save_teacher_checkpoint(build(1), d)
+        host = MegatronTeacherHost(build(2), micro_batch_size=mbs)
+        teachers = {"plain": MegatronTeacher("plain", host, d), "tree": MegatronTeacher("tree", host, d, tree=tree)}
+        case = f"teacher/grpo_{P}+{R}x{n}"
+        results = {}
+        for name, t in teachers.items():
+            t.load()
+            results[name] = t.score(batch).float()
+            add(case, name, *_measure(lambda t=t: t.score(batch), timer), "plain")
+        mask = batch.label_mask()
+        err = float((results["plain"] - results["tree"]).abs()[mask].max())
+        stats = dict(teachers["tree"].last_tree_stats)
+    torch.distributed.destroy_process_group()
+    return {"teacher_case": case, "teacher_tree_stats": stats, "teacher_max_abs_diff_tree_vs_plain": err,
+            "teacher_dtype": str(cfg.params_dtype), "teacher_backend": backend}
+
+
 def _measure(fn, timer):
     t = timer(fn)
     return t, peak_memory(fn)
@@ -108,6 +185,7 @@ def _measure(fn, timer):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small CPU smoke sizes")
+    ap.add_argument("--no-teacher", action="store_true", help="skip the Megatron teacher scoring case")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     dev = "cuda" if cuda else "cpu"
@@ -124,15 +202,20 @@ def main() -> None:
 
     _divergence_cases(add, dev, timer, g, N, V, K_TOP, dtype, chunk_rows=1024 if cuda else 64)
     _pg_cases(add, dev, timer, g, B, L)
+    teacher_extra = {} if args.no_teacher else _teacher_cases(add, cuda, timer)
 
     for r in rows:
         base = next(x for x in rows if x["case"] == r["case"] and x["provider"] == r["baseline"])
         r["speedup_vs_baseline"] = base["value"] / r["value"]
         r["mem_ratio_vs_baseline"] = (r["peak_mib"] / base["peak_mib"]) if base["peak_mib"] else None
-    extra = {"N": N, "V": V, "top_k": K_TOP, "B": B, "L": L, "dtype": str(dtype), "device": dev}
+    extra = {"N": N, "V": V, "top_k": K_TOP, "B": B, "L": L, "dtype": str(dtype), "device": dev, **teacher_extra}
     path = write_results("mopd", rows, extra)
     _plot(rows)
     print(f"wrote {path}")
+    if teacher_extra:
+        st = teacher_extra["teacher_tree_stats"]
+        print(f"teacher tree scoring: C={st['compression']:.2f}, max |Δlogp| tree vs plain "
+              f"{teacher_extra['teacher_max_abs_diff_tree_vs_plain']:.2e} ({teacher_extra['teacher_dtype']})")
     print_table(rows, ["case", "provider", "value", "p20", "p80", "peak_mib", "speedup_vs_baseline",
                        "mem_ratio_vs_baseline"])
 
