@@ -3,16 +3,27 @@ tree-aware chunked LM head vs full logits.
 
 Sections:
 
-* ``model``: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9}, GRPO shapes (P, R, n)
-  and a multi-turn caterpillar tree. Providers (attention backend in brackets):
-  ``thd`` [flex] and ``thd_varlen`` [varlen]: every microbatch plain packing (a chain forest:
-  block-diagonal causal FlexAttention, or FlashAttention-2 varlen with one sequence per packed
-  sequence, i.e. standard THD); ``tree`` [flex] and ``tree_varlen`` [varlen]: every microbatch a
-  prefix forest, no fallback; ``harts`` [``--backend``]: planner with THD fallback below
-  ``--fallback``. Per step (all microbatches, fwd+bwd, BlockMask / gather plan included): wall
-  time, original tokens/s, peak memory, planner time; speedups against compression C.
-* ``head``: fwd+bwd of per-row log-probs + entropy at vocabulary V: full fp32 logits vs
-  :func:`harts.tree_lm_head` with chunks of 1024 and 4096 rows; time and peak extra memory.
+* ``model``: GRPO groups swept over sharing ratio ρ ∈ {0, .05, .1, .25, .5, .75, .9}, GRPO shapes
+  (P, R, n) and a multi-turn caterpillar tree, on a Qwen3-1.7B-width GPT (hidden 2048, FFN 6144,
+  16 heads of 128, 8 KV groups, vocab 32000, 6 layers, bf16): token-linear work dominates, as in
+  the real model. Providers (attention backend in brackets): ``thd`` [flex] and ``thdv`` [varlen]:
+  every microbatch plain packing (a chain forest: block-diagonal causal FlexAttention, or
+  FlashAttention-2 varlen with one sequence per packed sequence, i.e. standard THD, no gather);
+  ``tree`` [flex] and ``treev`` [varlen]: every microbatch a prefix forest, no fallback;
+  ``harts`` [``--backend``]: the planner with THD fallback below ``--fallback``.
+  Per step (all microbatches, fwd+bwd) the timed region holds only model work: the plan
+  (``planner_ms``) and the per-microbatch metadata (forests, BlockMask / varlen plan, LM-head edges:
+  ``prep_ms``) are built ahead and timed separately, as a trainer builds them in its data loader.
+  Providers are timed interleaved (round robin, median of ``--iters``) so clock and allocator drift
+  hits all of them alike. Reported per case: ms per provider, C, packed C, S_attn, harts speedup
+  vs the best THD and per C, peak memory, planner and prep ms, and whether harts ran the same
+  plan as ``treev`` or ``thdv`` (then any gap between them is measurement noise).
+  The calibration line reports the crossover: the smallest C at which the forced tree (best
+  backend) is at least as fast as the best THD, interpolated between measured cases.
+* ``head``: fwd+bwd of per-row log-probs + entropy at V = 151,936, bf16 weights: full fp32 logits
+  (bf16 GEMM with fp32 output, autograd) vs :func:`harts.tree_lm_head` with chunks of 1024 and
+  4096 rows; time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
+  peak − (dW, dh in bf16 + their fp32 accumulators).
 
 Run: ``python bench/harts.py`` on a GPU (≈2 min on an H200), ``python bench/harts.py --quick`` for
 a CPU smoke run (dense attention backend, tiny sizes). Writes ``harts.json`` and ``harts.png``
@@ -24,7 +35,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -50,11 +63,12 @@ def _model(quick: bool, dev: str):
     from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt
 
     if quick:
-        cfg = TinyGPTConfig(vocab_size=512, max_sequence_length=4096)
+        cfg = TinyGPTConfig(vocab_size=512, hidden_size=128, ffn_hidden_size=384, num_layers=2,
+                            num_attention_heads=4, num_query_groups=2, max_sequence_length=4096)
         dtype = torch.float32
-    else:
-        cfg = TinyGPTConfig(vocab_size=32000, hidden_size=1024, num_layers=8, num_attention_heads=16,
-                            num_query_groups=4, ffn_hidden_size=3072, max_sequence_length=65536,
+    else:  # Qwen3-1.7B widths, 6 of its 28 layers, a 32k vocabulary
+        cfg = TinyGPTConfig(vocab_size=32000, hidden_size=2048, num_layers=6, num_attention_heads=16,
+                            num_query_groups=8, kv_channels=128, ffn_hidden_size=6144, max_sequence_length=65536,
                             params_dtype=torch.bfloat16)
         dtype = torch.bfloat16
     model = build_tiny_gpt(cfg).to(device=dev, dtype=dtype)
@@ -67,10 +81,10 @@ def _workloads(quick: bool, vocab: int):
 
     w = []
     if quick:
-        for rho in (0.0, 0.75):
-            w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=1, n=8, seq_len=32, vocab_size=vocab)))
+        for rho in (0.0, 0.1, 0.75):
+            w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=2, n=8, seq_len=64, vocab_size=vocab)))
         return w
-    for rho in (0.0, 0.25, 0.5, 0.75, 0.9):
+    for rho in (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9):
         w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=3, n=16, seq_len=1024, vocab_size=vocab, seed=1)))
     for p, r, n, groups in ((200, 300, 8, 12), (4000, 500, 8, 2), (4800, 1000, 16, 1), (300, 4000, 16, 1)):
         w.append((f"P{p}-R{r}-n{n}", grpo_groups(groups, prompt_len=p, response_len=r, n=n, vocab_size=vocab, seed=2)))
@@ -79,21 +93,29 @@ def _workloads(quick: bool, vocab: int):
 
 
 PROVIDERS = {  # name: (fallback threshold, backend or None for --backend)
-    "thd": (math.inf, "flex"), "thd_varlen": (math.inf, "varlen"), "tree": (0.0, "flex"),
-    "tree_varlen": (0.0, "varlen"), "harts": (None, None),
+    "thd": (math.inf, "flex"), "thdv": (math.inf, "varlen"), "tree": (0.0, "flex"),
+    "treev": (0.0, "varlen"), "harts": (None, None),
 }
 
 
-def _step_fn(model, seqs, plan, backend, dev):
-    from harts.loss import sequence_entropy, sequence_logprobs
-    from harts.megatron import make_tree_params, tree_forward
+def _prepare(seqs, plan, backend, dev):
+    """Per-microbatch metadata built ahead of the step (forest, attention plan, head edges)."""
+    from harts.megatron import make_tree_params
 
-    forests = [mb.build(seqs, device=dev) for mb in plan.microbatches]
+    out = []
+    for mb in plan.microbatches:
+        f = mb.build(seqs, device=dev)
+        out.append((f, make_tree_params(f, backend=backend)))
+    return out
+
+
+def _step_fn(model, prepared):
+    from harts.loss import sequence_entropy, sequence_logprobs
+    from harts.megatron import tree_forward
 
     def step():
         model.zero_grad(set_to_none=True)
-        for f in forests:
-            params = make_tree_params(f, backend=backend)  # BlockMask once per microbatch
+        for f, params in prepared:
             out = tree_forward(model, f, params=params)
             lp = sequence_logprobs(out.logp, f)
             loss = -lp.sum() / lp.numel() - 0.01 * sequence_entropy(out.entropy, f).mean()
@@ -102,17 +124,33 @@ def _step_fn(model, seqs, plan, backend, dev):
     return step
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _plan_signature(plan):
+    return [(mb.mode, tuple(mb.seq_ids), mb.rows) for mb in plan.microbatches]
+
+
 def bench_model(args, dev, rows, plots):
     from harts.config import PlannerConfig
     from harts.planner import plan_step, sharing_stats
 
     model, cfg = _model(args.quick, dev)
     align = 16 if args.quick else 128
-    cap = args.cap
     table = []
     for case, seqs in _workloads(args.quick, cfg.vocab_size):
         st = sharing_stats(seqs)
-        res = {}
+        runs = {}
         for provider, (thr, backend) in PROVIDERS.items():
             if provider not in args.providers:
                 continue
@@ -120,53 +158,94 @@ def bench_model(args, dev, rows, plots):
             backend = backend or args.backend
             if dev == "cpu" and backend == "flex":
                 backend = "dense"  # no FlexAttention backward on CPU
-            pc = PlannerConfig(token_cap=cap, align=align, fallback_compression=thr)
-            plan_t = time_cpu(lambda pc=pc, seqs=seqs: plan_step(seqs, pc), warmup=0, iters=1)["p50"]
+            pc = PlannerConfig(token_cap=args.cap, align=align, fallback_compression=thr)
+            plan_ms = time_cpu(lambda pc=pc, seqs=seqs: plan_step(seqs, pc), warmup=1, iters=3)["p50"]
             plan = plan_step(seqs, pc)
-            step = _step_fn(model, seqs, plan, backend, dev)
-            t = time_cpu(step, warmup=1, iters=args.iters)
-            mem = peak_memory(step)
-            s = plan.summary()
-            res[provider] = t["p50"]
-            rows.append({"bench": "harts", "section": "model", "case": case, "provider": provider, "backend": backend,
-                         "ms_p20": t["p20"],
-                         "ms_p50": t["p50"], "ms_p80": t["p80"], "tokens_per_s": st.total_tokens / (t["p50"] / 1e3),
-                         "peak_bytes": mem, "planner_ms": plan_t, "compression": st.compression,
+            t0 = time.perf_counter()
+            prepared = _prepare(seqs, plan, backend, dev)
+            _sync()
+            prep_ms = (time.perf_counter() - t0) * 1e3
+            step = _step_fn(model, prepared)
+            step()  # warmup (and FlexAttention compilation for new shapes)
+            runs[provider] = {"step": step, "plan": plan, "backend": backend, "planner_ms": plan_ms,
+                              "prep_ms": prep_ms, "samples": []}
+        for _ in range(args.iters):  # interleaved: drift hits every provider alike
+            for r in runs.values():
+                r["samples"].append(_timed(r["step"]))
+        res = {}
+        for provider, r in runs.items():
+            r["peak"] = peak_memory(r["step"])
+            s = r["plan"].summary()
+            med = statistics.median(r["samples"])
+            res[provider] = med
+            rows.append({"bench": "harts", "section": "model", "case": case, "provider": provider,
+                         "backend": r["backend"], "ms_p50": med, "ms_min": min(r["samples"]),
+                         "ms_max": max(r["samples"]), "iters": len(r["samples"]),
+                         "tokens_per_s": st.total_tokens / (med / 1e3), "peak_bytes": r["peak"],
+                         "planner_ms": r["planner_ms"], "prep_ms": r["prep_ms"], "compression": st.compression,
                          "packed_compression": s["packed_compression"], "attention_ratio": st.attention_ratio,
                          "num_microbatches": s["num_microbatches"], "pad_fraction": s["pad_fraction"],
                          "fallback_rate": s["fallback_rate"], "total_tokens": st.total_tokens})
+        for r in runs.values():
+            del r["step"]  # frees the prepared microbatches before the next case
         nan = float("nan")
         for p in PROVIDERS:
             res.setdefault(p, nan)
-        base = min(res["thd"], res["thd_varlen"])  # the faster THD baseline (nan-aware below)
-        if math.isnan(base):
-            base = res["thd"] if not math.isnan(res["thd"]) else res["thd_varlen"]
+        thds = [res[p] for p in ("thd", "thdv") if not math.isnan(res[p])]
+        base = min(thds) if thds else nan
+        trees = [res[p] for p in ("tree", "treev") if not math.isnan(res[p])]
         for r in rows:
             if r["case"] == case and r["section"] == "model":
                 r["speedup_vs_best_thd"] = base / res[r["provider"]]
-        plots.append((st.compression, res["thd"] / res["tree"], res["thd_varlen"] / res["tree_varlen"],
-                      base / res["harts"], case))
-        table.append({"case": case, "C": st.compression, "S_attn": st.attention_ratio, "thd_ms": res["thd"],
-                      "thdv_ms": res["thd_varlen"], "tree_ms": res["tree"], "treev_ms": res["tree_varlen"],
-                      "harts_ms": res["harts"], "tree_x": res["thd"] / res["tree"],
-                      "treev_x": res["thd_varlen"] / res["tree_varlen"], "harts_x": base / res["harts"],
-                      "harts_x/C": base / res["harts"] / st.compression})
+        same = ""
+        if "harts" in runs:
+            sig = _plan_signature(runs["harts"]["plan"])
+            for other in ("treev", "thdv"):
+                if other in runs and runs[other]["backend"] == runs["harts"]["backend"] \
+                        and _plan_signature(runs[other]["plan"]) == sig:
+                    same = other
+        hp = runs.get("harts", {})
+        plots.append((st.compression, base / min(trees) if trees else nan, base / res["harts"], case))
+        table.append({"case": case, "C": st.compression,
+                      "C_packed": hp["plan"].summary()["packed_compression"] if hp else nan,
+                      "S_attn": st.attention_ratio, "thd": res["thd"], "thdv": res["thdv"], "tree": res["tree"],
+                      "treev": res["treev"], "harts": res["harts"], "x_best_thd": base / res["harts"],
+                      "x/C": base / res["harts"] / st.compression,
+                      "peak_GiB": hp.get("peak", 0) / 2**30 if hp else nan,
+                      "plan_ms": hp.get("planner_ms", nan), "prep_ms": hp.get("prep_ms", nan),
+                      "harts_plan": same or "own"})
     return table
 
 
-def bench_head(args, dev, rows):
-    from harts.lm_head import tree_lm_head
+def crossover(points):
+    """Smallest C at which the forced tree is at least as fast as the best THD, linearly
+    interpolated between neighbouring measured cases (``points``: (C, thd_time / tree_time))."""
+    pts = sorted((c, r) for c, r in points if not (math.isnan(c) or math.isnan(r)))
+    if not pts:
+        return None
+    if pts[0][1] >= 1.0:
+        return pts[0][0]
+    for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
+        if r0 < 1.0 <= r1:
+            return c0 + (1.0 - r0) * (c1 - c0) / (r1 - r0)
+    return None
 
-    t, h, v = (128, 32, 1000) if args.quick else (8192, 1024, 151936)
+
+def bench_head(args, dev, rows):
+    from harts.lm_head import head_edges, tree_lm_head
+
+    t, h, v = (128, 32, 1000) if args.quick else (8192, 2048, 151936)
     dtype = torch.float32 if args.quick else torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     hid = torch.randn(t, h, device=dev, generator=g).to(dtype).requires_grad_(True)
     w = (0.02 * torch.randn(v, h, device=dev, generator=g)).to(dtype).requires_grad_(True)
     tokens = torch.randint(0, v, (t,), device=dev, generator=g)
     parent = torch.arange(-1, t - 1, device=dev)  # one packed sequence
+    edges = head_edges(tokens, parent)
 
     def full():
-        z = hid.float() @ w.float().T
+        z = torch.mm(hid, w.T, out_dtype=torch.float32) if dev == "cuda" and dtype != torch.float32 \
+            else hid.float() @ w.float().T
         lp = torch.log_softmax(z, -1)
         logp = lp[1:].gather(-1, tokens[1:, None]).squeeze(-1)  # row v-1 predicts token v
         ent = -(lp.exp() * lp).sum(-1)
@@ -174,24 +253,33 @@ def bench_head(args, dev, rows):
 
     def chunked(c):
         def fn():
-            logp, ent = tree_lm_head(hid, w, tokens, parent, chunk_size=c, entropy_requires_grad=True)
+            logp, ent = tree_lm_head(hid, w, tokens, parent, chunk_size=c, entropy_requires_grad=True, edges=edges)
             (logp.sum() + ent.sum()).backward()
         return fn
 
-    table = []
-    base = None
-    for name, fn, chunk in (("full", full, None), ("chunk1024", chunked(1024), 1024), ("chunk4096", chunked(4096), 4096)):
-        tm = time_cpu(fn, warmup=1, iters=args.iters)
+    grads = (v * h + t * h) * (torch.finfo(dtype).bits // 8 + 4)  # dW, dh and their fp32 accumulators
+    fns = {"full": (full, None), "chunk1024": (chunked(1024), 1024), "chunk4096": (chunked(4096), 4096)}
+    samples = {k: [] for k in fns}
+    for fn, _ in fns.values():
+        fn()
         hid.grad = w.grad = None
+    for _ in range(max(args.iters, 3)):
+        for k, (fn, _) in fns.items():
+            samples[k].append(_timed(fn))
+            hid.grad = w.grad = None
+    table = []
+    base = statistics.median(samples["full"])
+    for name, (fn, chunk) in fns.items():
         mem = peak_memory(fn)
         hid.grad = w.grad = None
-        base = base or (tm["p50"], max(mem, 1))
+        ms = statistics.median(samples[name])
         chunk_bytes = (chunk or t) * v * 4
+        extra = (mem - grads) / chunk_bytes if dev == "cuda" else float("nan")  # no allocator stats on CPU
         rows.append({"bench": "harts", "section": "head", "case": f"T{t}-H{h}-V{v}", "provider": name,
-                     "ms_p20": tm["p20"], "ms_p50": tm["p50"], "ms_p80": tm["p80"], "peak_bytes": mem,
-                     "chunk_logits_bytes": chunk_bytes})
-        table.append({"provider": name, "ms": tm["p50"], "speed_vs_full": base[0] / tm["p50"],
-                      "peak_MiB": mem / 2**20, "peak/chunk_logits": mem / chunk_bytes})
+                     "ms_p50": ms, "ms_min": min(samples[name]), "peak_bytes": mem, "chunk_logits_bytes": chunk_bytes,
+                     "grad_bytes": grads, "peak_extra_chunks": extra, "speed_vs_full": base / ms})
+        table.append({"provider": name, "ms": ms, "speed_vs_full": base / ms, "peak_MiB": mem / 2**20,
+                      "extra_chunks": extra})
     return table
 
 
@@ -203,10 +291,9 @@ def _plot(plots, path):
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     cs = [p[0] for p in plots]
-    ax.scatter(cs, [p[1] for p in plots], label="tree vs thd (flex)", marker="o")
-    ax.scatter(cs, [p[2] for p in plots], label="tree vs thd (varlen)", marker="s")
-    ax.scatter(cs, [p[3] for p in plots], label="harts vs best thd", marker="x")
-    for c, _, _, s, name in plots:
+    ax.scatter(cs, [p[1] for p in plots], label="forced tree (best backend) vs best THD", marker="o")
+    ax.scatter(cs, [p[2] for p in plots], label="harts (planner) vs best THD", marker="x")
+    for c, _, s, name in plots:
         ax.annotate(name, (c, s), fontsize=7)
     lim = max(cs + [2.0]) * 1.05
     ax.plot([1, lim], [1, lim], "k--", lw=0.8, label="speedup = C")
@@ -220,10 +307,13 @@ def _plot(plots, path):
 
 
 def main():
+    from harts.config import PlannerConfig
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     ap.add_argument("--cap", type=int, default=None, help="token cap per microbatch (default 16384; quick 512)")
-    ap.add_argument("--fallback", type=float, default=1.15, help="planner THD fallback threshold on C")
+    ap.add_argument("--fallback", type=float, default=PlannerConfig().fallback_compression,
+                    help="planner THD fallback threshold on C (default: PlannerConfig's)")
     ap.add_argument("--backend", default="varlen", choices=["varlen", "flex"], help="attention backend of 'harts'")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--sections", default="model,head")
@@ -234,28 +324,28 @@ def main():
     unknown = set(args.providers) - set(PROVIDERS)
     if unknown:
         ap.error(f"unknown providers {sorted(unknown)}; choose from {list(PROVIDERS)}")
-    args.iters = args.iters or (1 if args.quick else 2)
+    args.iters = args.iters or (1 if args.quick else 3)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     _setup()
+    t_start = time.perf_counter()
     rows, plots = [], []
     model_table = bench_model(args, dev, rows, plots) if "model" in args.sections else []
     head_table = bench_head(args, dev, rows) if "head" in args.sections else []
-    # calibrated fallback: smallest measured C at which the forced tree beats THD
-    wins = sorted(c for c, s_flex, s_varlen, _, _ in plots if max(s_flex, s_varlen) >= 1.0)  # nan compares False
-    extra = {"cap": args.cap, "fallback": args.fallback, "quick": args.quick,
-             "suggested_fallback_compression": wins[0] if wins else None}
+    cross = crossover([(c, r) for c, r, _, _ in plots])
+    extra = {"cap": args.cap, "fallback": args.fallback, "quick": args.quick, "crossover_compression": cross,
+             "wall_s": time.perf_counter() - t_start}
     path = write_results("harts", rows, extra)
     if plots:
         _plot(plots, out_dir() / "harts.png")
-    print(f"wrote {path}; suggested fallback_compression (smallest C with tree >= THD): "
-          f"{extra['suggested_fallback_compression']}")
+    print(f"wrote {path} in {extra['wall_s']:.0f} s; fallback_compression used {args.fallback}; crossover "
+          f"(smallest C with forced tree >= best THD, interpolated): {cross}")
     if model_table:
-        print_table(model_table, ["case", "C", "S_attn", "thd_ms", "thdv_ms", "tree_ms", "treev_ms", "harts_ms",
-                                  "tree_x", "treev_x", "harts_x", "harts_x/C"])
+        print_table(model_table, ["case", "C", "C_packed", "S_attn", "thd", "thdv", "tree", "treev", "harts",
+                                  "x_best_thd", "x/C", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
     if head_table:
-        print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "peak/chunk_logits"])
+        print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "extra_chunks"])
 
 
 if __name__ == "__main__":
