@@ -23,8 +23,12 @@ def _compose(extra=()):
 
 def test_structured_config_round_trip():
     cfg = _compose(["loss.is_cap=3.0", "loss.aggregation=arithmetic", "rollout_temperature=0.7",
-                    "divergence.temperature=0.7", "teachers.code.server_scales_temperature=true"])
+                    "divergence.temperature=0.7", "teachers.code.server_scales_temperature=true",
+                    "teachers.code.vocab_size=151936", "teacher_tree.enabled=true", "teacher_tree.backend=varlen",
+                    "teacher_tree.token_cap=4096"])
     assert isinstance(cfg, MOPDConfig) and isinstance(cfg.teachers["code"], TeacherSpec)
+    assert cfg.teachers["code"].vocab_size == 151936
+    assert (cfg.teacher_tree.enabled, cfg.teacher_tree.backend, cfg.teacher_tree.token_cap) == (True, "varlen", 4096)
     assert cfg.loss.is_cap == 3.0 and cfg.loss.aggregation == "arithmetic"
     assert cfg.routing.routes["mix"] == {"math": 0.5, "code": 0.5}
 
@@ -57,6 +61,9 @@ def test_hydra_config_store_compose(tmp_path):
     (["teachers.code.timeout_s=-1"], "teacher.timeout_s"),
     (["teachers.code.max_batch=0"], "teacher.max_batch"),
     (["loss.rl_coef=0", "loss.distill_coef=0"], "both 0"),
+    (["teachers.code.vocab_size=0"], "teacher.vocab_size"),
+    (["teacher_tree.backend=sdpa"], "teacher_tree.backend"),
+    (["teacher_tree.align=100"], "teacher_tree.align=100 must divide"),
 ])
 def test_bad_values_raise_typed_errors(extra, match):
     with pytest.raises(ConfigError, match=match):
