@@ -207,6 +207,11 @@ class Publisher:
             timings["verify"] = time.perf_counter() - t0
         except BaseException as e:
             self.poisoned.add(version)
+            try:
+                self._drop_shared()
+            except Exception as drop_err:  # noqa: BLE001 - the receiver may be gone
+                log.warning("receiver could not unmap shared storages: %s", drop_err)
+                self._shared_slots.clear()
             if began:
                 try:
                     if phase == "verify" and hasattr(self.receiver, "rollback"):

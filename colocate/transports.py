@@ -111,8 +111,7 @@ def serve_receiver(conn: Any, receiver: Any) -> None:
                 conn.send((seq, "ok", None))
                 return
             if op == "buffer":
-                slot, tensor = args
-                slots[slot] = tensor
+                slots[args[0]] = args[1]  # no other local keeps it: "drop" must unmap it
                 result = None
             elif op == "drop_buffers":
                 slots.clear()

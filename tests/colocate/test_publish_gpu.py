@@ -83,3 +83,33 @@ def test_trainer_residency_returns_device_memory():
     assert got["equal"], "training after release/resume differs from the run that never released"
     assert got["freed"] > 500 << 20, got  # ~55M params: fp32 weights + grads + Adam state
     assert got["gain"] >= 0.9 * got["freed"], got  # the memory really went back to the device
+
+
+@pytest.mark.timeout(300)
+def test_cuda_ipc_inplace_storage_is_unmapped_after_publish():
+    """In place over CUDA IPC: a DDP-like buffer crosses as one handle, only the separate tensors
+    are packed; the receiver unmaps the buffer after the publish, so freeing it on the trainer
+    side really returns its memory (no IPC limbo), and the receiver holds the exact bytes."""
+    recv = spawn_receiver(HFEngine, SPEC, EngineConfig(device="cuda", dtype="bfloat16"), timeout_s=120)
+    try:
+        pub = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=1 << 20), share_min_bytes=1 << 20)
+        w = _weights(3)
+        names = list(w)
+        # ≥ 32 MiB: its own allocator segment, so freeing it must show in memory_reserved
+        flat = torch.empty(max(sum(w[n].numel() for n in names[2:]), 16 << 20), dtype=torch.bfloat16, device="cuda")
+        inplace, off = {n: w[n] for n in names[:2]}, 0
+        for n in names[2:]:
+            inplace[n] = flat[off: off + w[n].numel()].view(w[n].shape).copy_(w[n])
+            off += w[n].numel()
+        rep = pub.publish(inplace, version=1)
+        assert rep.num_shared == 1 and rep.num_buckets == 1 and rep.handles == 2, rep
+        assert recv.checksums() == {n: tensor_checksum(t) for n, t in w.items()}
+        torch.cuda.synchronize()
+        reserved = torch.cuda.memory_reserved()
+        nbytes = flat.numel() * 2
+        del inplace, flat
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() <= reserved - nbytes, "the shared buffer stayed in IPC limbo"
+    finally:
+        recv.close()

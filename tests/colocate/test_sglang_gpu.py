@@ -193,7 +193,7 @@ def _driver(case_file: str, result_file: str) -> None:
         rec["lp_before"] = _lp_stats([eng.prompt_logprobs(p) for p in PROMPTS], ref_lp)
 
         meta = {n: (tuple(t.shape), t.dtype) for n, t in weights.items()}
-        packed = Publisher(eng, PublishConfig(bucket_bytes=1 << 20), share_min_bytes=None)
+        packed = Publisher(eng, PublishConfig(bucket_bytes=256 << 10), share_min_bytes=None)
         rep = packed.publish(((n, t.cuda()) for n, t in weights.items()), version=1, meta=meta)
         rec["packed"] = {"num_buckets": rep.num_buckets, "num_shared": rep.num_shared, "handles": rep.handles,
                          "ms": {k: round(v * 1e3, 2) for k, v in rep.timings.items()}, "verify": rep.verify}
