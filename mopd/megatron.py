@@ -312,10 +312,11 @@ class MegatronTeacher:
             return torch.zeros(B, L, dtype=torch.float32, device=batch.input_ids.device)
         dtype = torch.promote_types(res[0].dtype, torch.float32)
         out = torch.zeros(B, L, dtype=dtype, device=dev)
-        for mb, f, flat in zip(micro, forests, res):
-            offsets = f.pred_offsets().tolist()
-            for k, b in enumerate(mb.seq_ids):
-                out[b, : offsets[k + 1] - offsets[k]] = flat[offsets[k]: offsets[k + 1]]
+        for mb, f, flat in zip(micro, forests, res):  # sequence k of forest f is row mb.seq_ids[k]
+            n = f.lengths - 1
+            row = torch.repeat_interleave(torch.as_tensor(mb.seq_ids, device=dev), n)
+            col = torch.arange(flat.numel(), device=dev) - torch.repeat_interleave(f.pred_offsets()[:-1], n)
+            out[row, col] = flat.to(dtype)
         out = out.to(batch.input_ids.device)
         return torch.where(batch.label_mask().to(out.device), out, torch.zeros_like(out))
 
