@@ -56,7 +56,8 @@ def report(res: dict) -> str:
     for x in res["steps"]:
         lines.append(f"{x['step']:>4} {x['step_s']:>8.3f} {x['teacher_s']:>9.3f} {x['train_s']:>8.3f} "
                      f"{x['tokens']:>8} {x['tree_tokens']:>8} {x['compression']:>5.2f} {x['tokens_per_s']:>10.0f} "
-                     f"{x['loss']:>9.4f} {x['sampled_kl']:>8.4f}")
+                     f"{x['loss']:>9.4f} {x['sampled_kl']:>8.4f}"
+                     + ("" if x["reward"] is None else f"  reward {x['reward']:.2f}"))
     peak = res["peak_memory_GiB"]
     lines.append(f"mean over steps 1..: {res['tokens_per_s']:.0f} tokens/s (ΣL per wall second), "
                  f"{res['step_s']:.3f} s/step; peak device memory "

@@ -102,20 +102,27 @@ class ArchConfig:
 
 @dataclass(kw_only=True)
 class WorkloadConfig:
-    """Synthetic GRPO rollouts (``harts.grpo_groups``): shared prompts, random response tokens."""
+    """Rollouts per step: ``grpo`` synthetic GRPO groups (``harts.grpo_groups``: shared prompts,
+    random response tokens) or ``agent`` multi-turn airline tool-use episodes (``examples.agent``)."""
 
+    kind: str = "grpo"
+    """``grpo`` or ``agent`` (then the prompt/response lengths are unused: episodes set them)."""
     num_groups: int = 4
-    """Prompts per step (one prefix tree each)."""
+    """Prompts (``agent``: tasks) per step; one prefix tree each."""
     group_size: int = 8
-    """Responses per prompt n."""
+    """Responses (``agent``: episodes) per prompt n."""
     prompt_len: int = 256
     """Prompt tokens P (shared by the group: packed once)."""
     response_len: int = 256
     """Response tokens R (the loss covers them)."""
     response_jitter: int = 0
     """Response lengths drawn from ``[R - jitter, R + jitter]``."""
+    agent_p_error: float = 0.2
+    """``agent``: probability that the scripted policy takes a wrong action at a step."""
 
     def validate(self, name: str = "workload") -> None:
+        _check(self.kind in ("grpo", "agent"), f"{name}.kind", self.kind, "one of grpo|agent")
+        _check(0.0 <= self.agent_p_error <= 1.0, f"{name}.agent_p_error", self.agent_p_error, "must be in [0, 1]")
         for f in ("num_groups", "group_size", "prompt_len", "response_len"):
             _check(getattr(self, f) >= 1, f"{name}.{f}", getattr(self, f), "must be >= 1")
         _check(0 <= self.response_jitter < self.response_len, f"{name}.response_jitter", self.response_jitter,
@@ -182,6 +189,10 @@ class TrainConfig:
         self.model.validate("model")
         self.workload.validate("workload")
         self.run.validate("run")
+        if self.workload.kind == "agent":
+            _check(self.model.vocab_size >= 135, "model.vocab_size", self.model.vocab_size,
+                   "the agent workload's tokenizer (examples.agent.ToyTokenizer) needs >= 135 ids")
+            return
         need = self.workload.prompt_len + self.workload.response_len + self.workload.response_jitter
         _check(need <= self.model.max_sequence_length, "model.max_sequence_length", self.model.max_sequence_length,
                f"shorter than prompt_len + response_len + jitter = {need}")

@@ -33,7 +33,7 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def tiny_config(arch: ArchConfig):
+def tiny_config(arch: ArchConfig, *, on_cuda: bool = False):
     """The ``mcore_distill.testing.TinyGPTConfig`` (shape + TransformerConfig extras) of ``arch``."""
     from mcore_distill.testing import TinyGPTConfig
 
@@ -43,7 +43,7 @@ def tiny_config(arch: ArchConfig):
                      linear_value_head_dim=arch.linear_value_head_dim,
                      linear_num_key_heads=arch.linear_num_key_heads,
                      linear_num_value_heads=arch.linear_num_value_heads)
-    if torch.cuda.is_available():
+    if on_cuda:
         extra["use_cpu_initialization"] = False  # initialize on the current CUDA device (fast for 8B)
     return TinyGPTConfig(vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, num_layers=arch.num_layers,
                          num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
@@ -92,7 +92,7 @@ def build_model(arch: ArchConfig, *, seed: int, device: torch.device):
     from mcore_distill.testing import build_tiny_gpt, seed_all, transformer_config
 
     seed_all(seed)
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, on_cuda=device.type == "cuda")
     if arch.layer_pattern is not None:
         from harts.gdn_megatron import hybrid_block_spec
 
@@ -107,13 +107,22 @@ def build_model(arch: ArchConfig, *, seed: int, device: torch.device):
     return model
 
 
-def make_rollouts(cfg: TrainConfig, *, step: int) -> list[list[int]]:
-    """This step's GRPO groups (random tokens, seeded by ``run.seed`` and ``step``)."""
+def make_rollouts(cfg: TrainConfig, *, step: int) -> tuple[list[list[int]], torch.Tensor, list[float] | None]:
+    """This step's rollouts (seeded by ``run.seed`` and ``step``): sequences, the loss mask in
+    :func:`harts.sequence_logprobs` layout, and checker rewards (``agent`` only)."""
+    w = cfg.workload
+    seed = cfg.run.seed * 7919 + step
+    if w.kind == "agent":
+        from examples.agent import ScriptedPolicy, ToyTokenizer, agent_batch, make_tasks
+
+        b = agent_batch(make_tasks(w.num_groups, seed=seed), ScriptedPolicy(p_error=w.agent_p_error), ToyTokenizer(),
+                        group_size=w.group_size, seed=seed)
+        return b.seqs, b.label_mask(), b.rewards
     from harts import grpo_groups
 
-    w = cfg.workload
-    return grpo_groups(w.num_groups, prompt_len=w.prompt_len, response_len=w.response_len, n=w.group_size,
-                       vocab_size=cfg.model.vocab_size, seed=cfg.run.seed * 7919 + step, response_jitter=w.response_jitter)
+    seqs = grpo_groups(w.num_groups, prompt_len=w.prompt_len, response_len=w.response_len, n=w.group_size,
+                       vocab_size=cfg.model.vocab_size, seed=seed, response_jitter=w.response_jitter)
+    return seqs, response_mask(seqs, w.prompt_len), None
 
 
 def response_mask(seqs: list[list[int]], prompt_len: int) -> torch.Tensor:
@@ -187,7 +196,7 @@ def run(cfg: TrainConfig) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
     for step in range(r.steps):
-        seqs = make_rollouts(cfg, step=step)
+        seqs, mask, rewards = make_rollouts(cfg, step=step)
         sync()
         t_start = time.perf_counter()
         forest = build_forest(seqs).to(device)
@@ -203,7 +212,7 @@ def run(cfg: TrainConfig) -> dict:
         opt.zero_grad()
         s_node, _ = tree_forward(ddp, forest, params=params, temperature=r.temperature, chunk_size=r.head_chunk_size)
         lp = sequence_logprobs(s_node.float(), forest)
-        mask = response_mask(seqs, cfg.workload.prompt_len).to(device)
+        mask = mask.to(device)
         targets = TokenTargets(logp_sum=t_lp, weight_sum=torch.ones_like(t_lp))
         out = mopd_pg_loss(lp, lp.detach(), targets, mask, config=loss_cfg)
         out.loss.backward()
@@ -217,7 +226,8 @@ def run(cfg: TrainConfig) -> dict:
                      "train_s": t_end - t_teacher, "tokens": st.total_tokens, "tree_tokens": st.tree_tokens,
                      "sharing_ratio": st.sharing_ratio, "compression": st.compression,
                      "tokens_per_s": st.total_tokens / (t_end - t_start), "loss": float(out.loss.detach()),
-                     "sampled_kl": kl, "gnorm": float(gnorm or 0.0)})
+                     "sampled_kl": kl, "gnorm": float(gnorm or 0.0),
+                     "reward": None if rewards is None else sum(rewards) / len(rewards)})
     timed = rows[1:] or rows
     mean_s = sum(x["step_s"] for x in timed) / len(timed)
     return {"model": cfg.model.name, "params": sum(p.numel() for p in ddp.parameters()),

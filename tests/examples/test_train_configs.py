@@ -146,3 +146,19 @@ def test_tiny_configs_build_and_step_on_cpu(cpu_megatron):
             assert x["tokens"] == 6 * 11 and x["tree_tokens"] < x["tokens"]
         mask = response_mask([[0] * 11] * 6, 6)
         assert int(mask.sum()) == 6 * 5
+
+
+@pytest.mark.timeout(120)
+def test_agent_workload_through_the_runner(cpu_megatron):
+    from examples.train.runner import make_rollouts, run
+
+    cfg = _cfg(["workload.kind=agent", "workload.num_groups=2", "workload.group_size=2", "run.steps=1",
+                "run.device=cpu"])
+    seqs, mask, rewards = make_rollouts(cfg, step=0)
+    assert len(seqs) == 4 and len(rewards) == 4 and mask.numel() == sum(len(s) - 1 for s in seqs)
+    res = run(cfg)
+    x = res["steps"][0]
+    assert x["tokens"] == sum(map(len, seqs)) and x["reward"] == sum(rewards) / 4
+    assert abs(x["loss"] - x["sampled_kl"]) < 1e-5
+    with pytest.raises(TrainConfigError, match="workload.kind='tree'"):
+        _cfg(["workload.kind=tree"])
