@@ -160,20 +160,33 @@ def test_layer_tree_within_sequence_noise_bf16(cpu_megatron, kind):
         noise = max(_rms_ratio(ref, flat(rerun)[i]), _rms_ratio(ref, flat(thd)[i]))
         err = _rms_ratio(ref, flat(res[True])[i])
         err_un = _rms_ratio(ref, flat(res[False])[i])
-        # floor: one bf16 ulp (relative RMS); the tree conv sums its taps in another order than
-        # FLA's causal_conv1d, which THD and rerun noise (same conv kernel) do not measure
-        tol = max(2 * noise, 2.0 ** -8)
+        # ``noise`` is the distance between two valid sequence-wise executions (atomics order,
+        # THD packing). The tree is a third one with two further rounding differences the noise
+        # cannot contain: its conv sums the taps in another order than FLA's causal_conv1d, and a
+        # shared prefix gets its gradient once from the summed branch state gradients (fp32 inside
+        # the kernel) whereas the per-sequence reference adds the branches' bf16 gradients in the
+        # gather's backward and accumulates bf16 ``param.grad`` over one call per sequence. So the
+        # bound is 3x the measured noise (observed on the H200: up to 2.06x), floor one bf16 ulp.
+        # A wrong fork state or conv window gives O(1) relative error, far above it.
+        tol = max(3 * noise, 2.0 ** -8)
         print(f"{kind} {label}: noise {noise:.2e} aligned {err:.2e} unaligned {err_un:.2e} tol {tol:.2e}")
         assert err <= tol, f"{label}: tree (aligned) rms {err:.3e} > tol {tol:.3e} (noise {noise:.3e})"
 
 
 @pytest.mark.timeout(300)
-def test_hybrid_model_tree_vs_sequence_fp32(cpu_megatron):
-    """Integration: TreeGatedDeltaNet (FLA rounds) + flex tree attention + chunked head vs per-sequence
-    execution through Megatron's GatedDeltaNet forward, fp32 (FLA kernel error ~1.5e-3 relative)."""
-    from tests.harts.test_gdn import GDN_CASES, hybrid_exactness
+@pytest.mark.parametrize("attn_backend", ["dense", "flex"])
+def test_hybrid_model_tree_vs_sequence_fp32(cpu_megatron, attn_backend):
+    """Integration: TreeGatedDeltaNet (FLA rounds) + tree attention + chunked head vs per-sequence
+    execution through Megatron's GatedDeltaNet forward, fp32 (FLA kernel error ~1.5e-3 relative).
+
+    ``flex``: in the 2026-11-29 run (after the GDN layer tests in the same process) inductor found no
+    valid flex_attention config for this fp32 / head dim 16 / T = 120 graph, although the plain GPT
+    flex test with the same head dim passes; T is padded here to the flex block size (128) to see
+    whether the length is the trigger. ``dense`` isolates the GDN part from flex."""
+    from tests.harts.test_gdn import GDN_CASES, VOCAB, hybrid_exactness
 
     seqs = [s for c in GDN_CASES for s in c.values[0]]
+    forest = build_forest(seqs, vocab_size=VOCAB, device="cuda").padded(128)
     with _needs_tilelang():
-        hybrid_exactness(seqs, pattern="GAG", dtype=torch.float32, device="cuda", attn_backend="flex",
-                         gdn=GdnTreeConfig(chunk_size=64), tol=2e-2)  # Megatron runs FLA with C = 64
+        hybrid_exactness(seqs, pattern="GAG", dtype=torch.float32, device="cuda", attn_backend=attn_backend,
+                         gdn=GdnTreeConfig(chunk_size=64), tol=2e-2, forest=forest)  # Megatron: FLA C = 64
