@@ -4,7 +4,14 @@ See ``docs/shared_teacher.md``. Importing this package needs only torch and psut
 imported inside :mod:`shared_teacher.megatron` functions.
 """
 
-from shared_teacher.admission import NodeGate, PreflightReport, node_epoch_sizes, preflight, residue_bound
+from shared_teacher.admission import (
+    NodeGate,
+    PreflightReport,
+    admission_capacity,
+    need_samples,
+    node_epoch_sizes,
+    preflight,
+)
 from shared_teacher.client import StudentReader, Window, run_producer
 from shared_teacher.config import SIGNALS, CompatKey, NodeLimits, SourceConfig, StudentSpec
 from shared_teacher.errors import (
@@ -28,7 +35,7 @@ from shared_teacher.megatron import (
     topk_distill_loss,
     train_window,
 )
-from shared_teacher.reference import SimResult, simulate_node, teacher_features_reference
+from shared_teacher.reference import SimResult, SimStudent, simulate_node, teacher_features_reference
 from shared_teacher.refs import SampleRef, epoch_order, sample_id
 from shared_teacher.rpc import SourceClient, SourceServer
 from shared_teacher.source import SharedTeacherSource
@@ -37,10 +44,11 @@ from shared_teacher.store import FeatureStore, FileStore, ShmStore, open_store
 __all__ = [
     "SIGNALS", "AdmissionConfigError", "CompatKey", "FeatureStore", "FileStore", "IncompatibleSubscriptionError",
     "LeaseExpiredError", "MegatronTeacher", "NodeGate", "NodeLimits", "PreflightReport", "SampleRef",
-    "SharedTeacherError", "SharedTeacherSource", "ShmStore", "SimResult", "SourceClient", "SourceClosedError",
+    "SharedTeacherError", "SharedTeacherSource", "ShmStore", "SimResult", "SimStudent", "SourceClient", "SourceClosedError",
     "SourceConfig", "SourceConfigError", "SourceServer", "SourceStalledError", "SourceTeardownBlockedError",
     "StaleRefError", "StoreError", "StudentCursor", "StudentReader", "StudentSpec", "TeacherFeatureFn", "Window",
     "collate", "epoch_order", "export_hf_state_dict", "features_from_logits", "fingerprint_state_dict",
-    "node_epoch_sizes", "open_store", "preflight", "residue_bound", "run_producer", "sample_id", "simulate_node",
+    "admission_capacity", "need_samples", "node_epoch_sizes", "open_store", "preflight", "run_producer", "sample_id",
+    "simulate_node",
     "teacher_features_reference", "topk_distill_loss", "train_window",
 ]

@@ -1,35 +1,59 @@
 """Admission control per node, and the preflight that proves it cannot stall.
 
-**Gauges.** Per node, in-flight = admitted and not yet freed (samples, tokens, bytes). A sample is
-freed when every live student has settled it (acked at its optimizer step, skipped on resume or
-dropped at its epoch end). Admission is a latched hysteresis per gauge: after an admission that
-brings in-flight samples to ``≥ high_samples`` (tokens to ``≥ high_tokens``) the gauge pauses;
-it resumes when a free brings it to ``≤ low``. A byte cap pauses admission while
-``bytes + max_sample_bytes > byte_cap``, but only once at least one sample-quantum (and one
-token-quantum) is in flight, so byte pressure never pauses below one quantum.
+**Gauges.** Per node, in-flight = admitted and not yet freed (samples, tokens, bytes; a sample's
+bytes are reserved at ``max_sample_bytes`` until its object is published). A sample is freed when
+every live student has settled it (acked at its optimizer step, skipped on resume or dropped at
+its epoch end).
 
-**Quanta.** Pins last until the optimizer step, so on node ``n`` an unpacked student ``c`` needs
-``Q_cn = ranks_cn × micro_batch × accumulation`` samples for one window; a packed student needs
-``T_cn = ranks_cn × pack_budget × accumulation`` tokens (a next-fit window is decidable once that
-many tokens are ready), i.e. at most ``ceil(T_cn / min_seq_len)`` samples.
+**Rules** (:class:`NodeGate`; the source evaluates starvation):
 
-**Preflight (unpacked).** Windows of epoch ``e`` start at ``e·D_n + k·Q_cn`` for
-``k < K_c = min_n floor(D_n / Q_cn)``; after ``K_c`` windows the student drops the rest of its
-epoch. A stall needs ``H < max_c Q_cn`` or a remainder above the low watermark: if the slowest
-student sits on a window start ``F``, admission pauses at ``P = F + H``, every student drains to
-its last window start ``f_c(P) ≤ P`` (or past its epoch end) and ``max(0, P − min_c f_c(P))``
-samples stay in flight. Preflight requires ``L ≥ R = max_F (F + H − min_c f_c(F + H))`` over the
-window starts ``F`` of every student (``R ≤ max_c Q_cn − 1``, so ``L ≥ Q − 1`` always suffices).
-:func:`shared_teacher.reference.simulate_node` explores every interleaving of the same rules; the
-property tests check that with one window size per node preflight refuses exactly the configs the
-simulator stalls on, and that with mixed sizes it is sound (it may refuse a config whose worst
-``F`` is unreachable).
+1. *Hard caps.* A sample is admitted only while ``samples < high_samples`` and
+   ``bytes + max_sample_bytes ≤ byte_cap`` (if set). Nothing overrides these; they bound memory.
+2. *Hysteresis latches.* An admission that brings samples to ``≥ high_samples`` (tokens to
+   ``≥ high_tokens``) latches a pause; a free that brings the gauge to ``≤ low`` clears it.
+3. *Starvation release.* The node is *starving* when a live student holding its oldest dispatch
+   position (``lo = min_c pos_c``) cannot start its next window share from admitted samples.
+   A starving node clears its latches (checked after every admission, dispatch and free).
 
-**Preflight (packed and mixed, sufficient).** With ``s = min_seq_len``, ``m = max_seq_len``:
-``H_s ≥ ceil(T/s)``, ``L_s ≥ floor((T−1)/s)``; token gauge on: ``H_t ≥ T``, ``L_t ≥ T − 1`` (packed),
-``H_t ≥ Q·m``, ``L_t ≥ (Q−1)·m`` (unpacked); ``m ≤ pack_budget``. Byte cap ≥
-``max_c quantum_samples_c × max_sample_bytes``. Every student needs ranks on every node
-(samples on a node without its readers could never be settled), and at least one window per epoch.
+**Why rule 3.** With a plain latch, a drain can stop with ``low < in-flight < Q`` (e.g.
+``H = 250, Q = 64``: 58 samples remain after three windows, ``L < 58`` waits forever), and with
+several window sizes, packed token counts and a lag cap the reachable remainders have no simple
+closed form. With rule 3 the latches can never hold a starving node, so the only way to stall is a
+*hard cap* reached while the oldest student still cannot start, which gives an exact condition.
+
+**Exact condition (one node).** Let ``C_n = min(high_samples, floor(byte_cap / max_sample_bytes))``
+(``byte_cap = 0``: no byte term) and, for student ``c`` on node ``n``,
+
+* unpacked: ``need_cn = Q_cn = ranks_cn × micro_batch × accumulation`` samples;
+* packed: ``need_cn = min(ceil(T_cn / min_seq_len), D_n)`` with ``T_cn = ranks_cn × pack_budget ×
+  accumulation`` tokens and ``D_n`` the node's samples per epoch (a packed window forms once
+  ``T_cn`` tokens are ready, or from the whole rest of the epoch).
+
+Admission and dispatch can always progress **iff** ``C_n ≥ need_cn`` for every student.
+*Necessary:* at the start every student sits at ``lo = 0``; admission stops at ``C_n`` samples; if
+all of them have length ``min_seq_len`` a student with ``need_cn > C_n`` cannot start, keeps
+``lo = 0`` and nothing is ever freed. *Sufficient:* a stall needs a blocked admission and no
+startable window. By rule 3 a latch cannot block while the student at ``lo`` starves; a hard cap
+blocks only with ``≥ C_n ≥ need_cn`` samples admitted from ``lo``, which is the student's whole
+share (``≥ T_cn`` tokens, or past the epoch end), so the student at ``lo`` can start (it is never
+lag-capped: the lag cap only holds back students ahead of the slowest). Low watermarks, token
+watermarks and the lag cap therefore impose no condition; they only shape throughput and memory
+below the hard caps. :func:`shared_teacher.reference.simulate_node` explores every interleaving
+and every sequence of lengths and checks this equivalence (tests).
+
+**Several nodes.** A student's window needs its share on every node. The condition above is
+necessary on every node; it is sufficient when one student holds ``lo`` on every node at once,
+which holds when all students are unpacked and each student's per-node quanta are proportional
+across nodes (``Q_cn = g_c·h_n``: every node orders the students the same way).
+:attr:`PreflightReport.same_order_on_all_nodes` says whether the config is of that kind. Otherwise
+(packed students, or uneven rank splits, on several nodes) positions can skew across nodes so
+that on node ``n`` a student's next share ends more than ``C_n`` past ``lo_n``; leave headroom
+(``C_n ≥ need_cn`` plus the skew you expect); the watchdog turns such a stall into
+:class:`~shared_teacher.errors.SourceStalledError` instead of a hang.
+
+Structural checks: every student has ranks on every node (samples on a node without its readers
+could never be settled), unpacked students get at least one window per epoch on every node, and
+``max_seq_len ≤ pack_budget_tokens`` for packed ones.
 """
 
 from __future__ import annotations
@@ -40,7 +64,7 @@ from dataclasses import dataclass
 from shared_teacher.config import NodeLimits, SourceConfig, StudentSpec
 from shared_teacher.errors import AdmissionConfigError
 
-__all__ = ["node_epoch_sizes", "windows_per_epoch", "residue_bound", "quantum_samples", "preflight",
+__all__ = ["node_epoch_sizes", "windows_per_epoch", "need_samples", "admission_capacity", "preflight",
            "NodeGate", "PreflightReport"]
 
 
@@ -55,32 +79,21 @@ def windows_per_epoch(spec: StudentSpec, sizes: dict[str, int]) -> int:
     return min(sizes[n] // spec.quantum(n) for n in sizes) if all(spec.quantum(n) for n in sizes) else 0
 
 
-def _drain_to(p: int, d: int, q: int, k: int) -> int:
-    """Where a student with window size q and k windows per epoch ends when positions < p are produced."""
-    e, r = divmod(p, d)
-    j = r // q
-    return (e + 1) * d if j >= k else e * d + j * q
+def need_samples(spec: StudentSpec, node: str, *, min_seq_len: int, epoch_size: int) -> int:
+    """Samples that must be admitted from a student's position before it can surely start a window.
 
-
-def residue_bound(high: int, epoch_size: int, students: list[tuple[int, int]]) -> int:
-    """Largest in-flight count left after a full drain from a pause (see module docstring).
-
-    ``students`` are ``(Q, K)`` pairs (window size and windows per epoch on this node).
+    Unpacked: ``Q``. Packed: ``min(ceil(T / min_seq_len), D_n)`` (``T`` tokens, or the epoch's rest).
     """
-    starts = {0}
-    for q, k in students:
-        starts.update(j * q for j in range(k + 1))
-    worst = 0
-    for f in starts:
-        p = f + high
-        worst = max(worst, p - min(_drain_to(p, epoch_size, q, k) for q, k in students))
-    return worst
-
-
-def quantum_samples(spec: StudentSpec, node: str, *, min_seq_len: int) -> int:
-    """A student's per-node quantum counted in samples (packed: at most ``ceil(T / min_seq_len)``)."""
     q = spec.quantum(node)
-    return math.ceil(q / min_seq_len) if spec.packed else q
+    return min(math.ceil(q / min_seq_len), epoch_size) if spec.packed else q
+
+
+def admission_capacity(limits: NodeLimits, *, max_sample_bytes: int) -> int:
+    """``C = min(high_samples, floor(byte_cap / max_sample_bytes))``: samples the hard caps always allow."""
+    cap = limits.high_samples
+    if limits.byte_cap:
+        cap = min(cap, limits.byte_cap // max_sample_bytes)
+    return cap
 
 
 @dataclass(kw_only=True)
@@ -91,8 +104,24 @@ class PreflightReport:
     """Samples per epoch on each node."""
     quanta: dict[str, dict[str, int]]
     """node → student → quantum (samples, or tokens for packed students)."""
-    residues: dict[str, int]
-    """node → worst remainder after a drain (unpacked students; 0 if none)."""
+    needs: dict[str, dict[str, int]]
+    """node → student → samples needed from its position to start a window (``need_cn``)."""
+    capacity: dict[str, int]
+    """node → ``C_n`` (samples the hard caps always admit)."""
+    same_order_on_all_nodes: bool
+    """True when one node, or all students unpacked with per-node quanta proportional across nodes:
+    then the per-node condition is exact for the whole run (see the module docstring)."""
+
+
+def _same_order(config: SourceConfig) -> bool:
+    nodes = list(config.nodes)
+    if len(nodes) == 1:
+        return True
+    if any(s.packed for s in config.students):
+        return False
+    base = config.students[0]
+    return all(s.quantum(n) * base.quantum(nodes[0]) == base.quantum(n) * s.quantum(nodes[0])
+               for s in config.students for n in nodes)
 
 
 def preflight(config: SourceConfig) -> PreflightReport:
@@ -109,52 +138,34 @@ def preflight(config: SourceConfig) -> PreflightReport:
             bad.append({"node": node, "student": student, "check": check, "need": want, "have": have})
 
     quanta: dict[str, dict[str, int]] = {n: {} for n in nodes}
-    residues: dict[str, int] = {}
     for s in config.students:
         for n in nodes:
             need(n, s.name, "ranks_on_node", 1, s.ranks_per_node.get(n, 0))
             quanta[n][s.name] = s.quantum(n)
     if bad:
         raise _error(bad)
-    windows = {s.name: windows_per_epoch(s, sizes) for s in config.students if not s.packed}
     for s in config.students:
         if s.packed:
             need("*", s.name, "pack_budget_tokens >= max_seq_len", config.max_seq_len, s.pack_budget_tokens)
         else:
-            need("*", s.name, "windows_per_epoch", 1, windows[s.name])
+            need("*", s.name, "windows_per_epoch", 1, windows_per_epoch(s, sizes))
+    needs: dict[str, dict[str, int]] = {n: {} for n in nodes}
+    capacity: dict[str, int] = {}
     for n in nodes:
-        lim: NodeLimits = config.nodes[n]
-        unpacked = [s for s in config.students if not s.packed]
-        packed = [s for s in config.students if s.packed]
-        for s in unpacked:
-            q = s.quantum(n)
-            need(n, s.name, "high_samples >= quantum", q, lim.high_samples)
-            if lim.high_tokens:
-                need(n, s.name, "high_tokens >= quantum*max_seq_len", q * config.max_seq_len, lim.high_tokens)
-                need(n, s.name, "low_tokens >= (quantum-1)*max_seq_len", (q - 1) * config.max_seq_len, lim.low_tokens)
-        for s in packed:
-            t = s.quantum(n)
-            need(n, s.name, "high_samples >= ceil(quantum_tokens/min_seq_len)",
-                 math.ceil(t / config.min_seq_len), lim.high_samples)
-            need(n, s.name, "low_samples >= floor((quantum_tokens-1)/min_seq_len)",
-                 (t - 1) // config.min_seq_len, lim.low_samples)
-            if lim.high_tokens:
-                need(n, s.name, "high_tokens >= quantum_tokens", t, lim.high_tokens)
-                need(n, s.name, "low_tokens >= quantum_tokens-1", t - 1, lim.low_tokens)
-        if unpacked and lim.high_samples >= max(s.quantum(n) for s in unpacked) and all(windows.values()):
-            r = residue_bound(lim.high_samples, sizes[n], [(s.quantum(n), windows[s.name]) for s in unpacked])
-            residues[n] = r
-            worst = max(unpacked, key=lambda s: s.quantum(n)).name
-            need(n, worst, "low_samples >= remainder after drain", r, lim.low_samples)
-        else:
-            residues[n] = 0
-        if lim.byte_cap:
-            qs = max(quantum_samples(s, n, min_seq_len=config.min_seq_len) for s in config.students)
-            who = max(config.students, key=lambda s: quantum_samples(s, n, min_seq_len=config.min_seq_len)).name
-            need(n, who, "byte_cap >= quantum_samples*max_sample_bytes", qs * config.max_sample_bytes, lim.byte_cap)
+        lim = config.nodes[n]
+        capacity[n] = admission_capacity(lim, max_sample_bytes=config.max_sample_bytes)
+        for s in config.students:
+            k = need_samples(s, n, min_seq_len=config.min_seq_len, epoch_size=sizes[n])
+            needs[n][s.name] = k
+            what = "ceil(quantum_tokens/min_seq_len) capped at epoch size" if s.packed else "quantum"
+            need(n, s.name, f"high_samples >= {what}", k, lim.high_samples)
+            if lim.byte_cap:
+                need(n, s.name, f"byte_cap >= ({what})*max_sample_bytes", k * config.max_sample_bytes,
+                     lim.byte_cap)
     if bad:
         raise _error(bad)
-    return PreflightReport(epoch_sizes=sizes, quanta=quanta, residues=residues)
+    return PreflightReport(epoch_sizes=sizes, quanta=quanta, needs=needs, capacity=capacity,
+                           same_order_on_all_nodes=_same_order(config))
 
 
 def _error(bad: list[dict]) -> AdmissionConfigError:
@@ -164,28 +175,40 @@ def _error(bad: list[dict]) -> AdmissionConfigError:
 
 
 class NodeGate:
-    """Runtime admission state of one node (the rules the preflight and the simulator assume)."""
+    """Runtime admission state of one node (the rules the preflight and the simulator assume).
 
-    def __init__(self, limits: NodeLimits, *, quantum_samples: int, quantum_tokens: int,
-                 max_sample_bytes: int) -> None:
+    The owner calls :meth:`release_starved` whenever the student at the node's oldest position
+    cannot start its next share (rule 3 of the module docstring).
+    """
+
+    def __init__(self, limits: NodeLimits, *, max_sample_bytes: int) -> None:
         self.limits = limits
-        self.quantum_samples = quantum_samples
-        self.quantum_tokens = quantum_tokens
         self.max_sample_bytes = max_sample_bytes
         self.samples = 0
         self.tokens = 0
         self.bytes = 0
         self.paused_samples = False
         self.paused_tokens = False
+        self.starvation_releases = 0
 
     @property
-    def byte_blocked(self) -> bool:
+    def at_hard_cap(self) -> bool:
         lim = self.limits
-        return bool(lim.byte_cap) and self.bytes + self.max_sample_bytes > lim.byte_cap and \
-            self.samples >= self.quantum_samples and self.tokens >= self.quantum_tokens
+        return self.samples >= lim.high_samples or (
+            bool(lim.byte_cap) and self.bytes + self.max_sample_bytes > lim.byte_cap)
+
+    @property
+    def latched(self) -> bool:
+        return self.paused_samples or self.paused_tokens
 
     def can_admit(self) -> bool:
-        return not (self.paused_samples or self.paused_tokens or self.byte_blocked)
+        return not (self.latched or self.at_hard_cap)
+
+    def release_starved(self) -> None:
+        """Clear the hysteresis latches (the oldest student cannot start; hard caps still apply)."""
+        if self.latched:
+            self.paused_samples = self.paused_tokens = False
+            self.starvation_releases += 1
 
     def admit(self, tokens: int) -> None:
         """Count one admitted sample; bytes are reserved at ``max_sample_bytes`` until published."""
@@ -213,4 +236,4 @@ class NodeGate:
     def snapshot(self) -> dict:
         return {"in_flight_samples": self.samples, "in_flight_tokens": self.tokens, "in_flight_bytes": self.bytes,
                 "paused_samples": self.paused_samples, "paused_tokens": self.paused_tokens,
-                "byte_blocked": self.byte_blocked}
+                "at_hard_cap": self.at_hard_cap, "starvation_releases": self.starvation_releases}

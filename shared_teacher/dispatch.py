@@ -191,6 +191,40 @@ class _Dispatch:
         self._advance_durable(st)
         self._progress()
 
+    # ---------------------------------------------------------------- admission (rule 3: starvation release)
+    def _gate_open(self, node: str) -> bool:
+        """May ``node`` admit now? Clears the hysteresis latches first if the node is starving."""
+        gate = self._gates[node]
+        if gate.latched and not gate.at_hard_cap and self._starving(node):
+            gate.release_starved()
+        return gate.can_admit()
+
+    def _starving(self, node: str) -> bool:
+        """Some live student at the node's oldest dispatch position cannot start its share from admitted samples."""
+        live = [st for st in self._students.values() if st.status == "live"]
+        if not live:
+            return False
+        lo = min(st.node_pos[node] for st in live)
+        return any(st.node_pos[node] == lo and not self._share_admitted(st, node) for st in live)
+
+    def _share_admitted(self, st: _Student, node: str) -> bool:
+        """Are the samples of the student's next share on ``node`` admitted (or is its epoch tail a drop)?"""
+        if st.epoch >= self.cfg.num_epochs:
+            return True
+        spec, admitted = st.spec, self._admit_pos[node]
+        q, have = spec.quantum(node), 0
+        for s in self._candidates(st, node, st.epoch):
+            if s >= admitted:
+                return False
+            if spec.packed:
+                e = self._entries.get((node, s))
+                have += e.tokens if e is not None else 0
+            else:
+                have += 1
+            if have >= q:
+                return True
+        return True  # the rest of the epoch is admitted: a (packed) tail window or a tail drop
+
     # ---------------------------------------------------------------- freeing
     def _unpin(self, e: _Entry, student: str) -> None:
         e.pins.discard(student)

@@ -2,10 +2,12 @@
 fp64 teacher features from logits.
 
 The simulator is the oracle of :func:`shared_teacher.admission.preflight`: it applies the same
-rules as :class:`~shared_teacher.admission.NodeGate` and the source's dispatcher to every
-interleaving of "admit one sample" and "student c takes / drops a window", over an endless
-stream of epochs, and reports whether some reachable state has no enabled event (a stall) or
-whether the byte cap can be exceeded.
+rules as :class:`~shared_teacher.admission.NodeGate` (hard caps, latched watermarks, starvation
+release) and the source's dispatcher (unpacked windows of ``Q`` samples with the epoch tail
+dropped; packed windows formed by next-fit once ``T`` tokens or the whole epoch rest are ready; the
+lag cap) to every interleaving of "admit one sample of any allowed length" and "student c takes /
+drops a window", over an endless stream of epochs, and reports whether some reachable state has no
+enabled event (a stall).
 """
 
 from __future__ import annotations
@@ -15,7 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SimResult", "simulate_node", "teacher_features_reference", "topk_distill_loss_reference"]
+__all__ = ["SimStudent", "SimResult", "simulate_node", "teacher_features_reference", "topk_distill_loss_reference"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimStudent:
+    """One student on the simulated node."""
+
+    quantum: int
+    """Unpacked: samples per window (``Q``). Packed: tokens per window (``T = bins × pack_budget``)."""
+    pack_budget: int = 0
+    """Tokens per packed micro-batch (0: unpacked)."""
+    bins: int = 1
+    """Packed micro-batches per window on this node (ranks × accumulation steps)."""
 
 
 @dataclass(kw_only=True)
@@ -24,66 +38,100 @@ class SimResult:
 
     stall: bool
     """Some reachable state has no enabled event."""
-    overflow: bool
-    """Some reachable admission exceeds the byte cap."""
     witness: tuple | None
-    """A stalling (or overflowing) state ``(produced, positions, paused)``, normalized."""
+    """A stalling state ``(P, positions, latched_samples, latched_tokens, lengths in flight)``, normalized."""
     states: int
     """Distinct states explored."""
 
 
-def simulate_node(*, windows: list[tuple[int, int]], epoch_size: int, high: int, low: int,
-                  byte_cap_samples: int = 0, lag_cap: int = 1 << 30, max_states: int = 2_000_000) -> SimResult:
-    """Explore every interleaving of admission and dispatch on one node (unpacked students).
+def _next_fit(lengths: list[int], budget: int, bins: int) -> list[int]:
+    """Items per bin when ``lengths`` are packed in order into ``bins`` bins of ``budget`` tokens."""
+    counts, b, used = [0] * bins, 0, 0
+    for t in lengths:
+        if used + t > budget:
+            b, used = b + 1, 0
+            if b == bins:
+                break
+        counts[b] += 1
+        used += t
+    return counts
 
-    ``windows``: per student ``(Q, K)``: window size and full windows per epoch (then the rest of
-    the epoch is dropped). ``high``/``low``: latched sample watermarks. ``byte_cap_samples``: byte
-    cap in units of one sample's bytes (0: none); it blocks admission only while at least
-    ``max Q`` samples are in flight. ``lag_cap``: a student may start a window only while its
-    position exceeds the slowest's by at most this. State: ``(P, c_1..c_m, paused)`` with ``P``
-    the next position to produce and ``c_i`` student i's settled prefix, shifted by whole epochs.
+
+def simulate_node(*, students: list[SimStudent], epoch_size: int, high: int, low: int, high_tokens: int = 0,
+                  low_tokens: int = 0, byte_cap_samples: int = 0, lengths: tuple[int, ...] = (1,),
+                  lag_cap: int = 1 << 30, starvation_release: bool = True, max_states: int = 2_000_000) -> SimResult:
+    """Explore every interleaving of admission and dispatch on one node.
+
+    ``high``/``low``: sample watermarks (``high`` is also the hard cap); ``high_tokens``/``low_tokens``:
+    token latch (0: none); ``byte_cap_samples``: byte cap in units of ``max_sample_bytes`` (0: none;
+    every object is assumed to be that large); ``lengths``: token lengths the data may have (each
+    admission branches over all of them); ``lag_cap``: a student starts (or drops) a window only
+    while its position exceeds the slowest's by at most this; ``starvation_release=False`` gives the
+    plain latch (for the regression it fixes). State: next position to admit ``P``, every student's
+    settled prefix, the two latches and the lengths of positions ``[lo, P)``, shifted by whole epochs.
     """
     d = epoch_size
-    qmax = max(q for q, _ in windows)
 
-    def norm(p: int, cs: tuple[int, ...], paused: bool) -> tuple:
-        lo = min(cs)
-        p = max(p, lo)  # positions every student already dropped are never produced
-        shift = (lo // d) * d
-        return (p - shift, tuple(c - shift for c in cs), paused)
+    def move(i: int, p: int, cs: tuple[int, ...], lens: tuple[int, ...]) -> int | None:
+        """New position of student i after its next window or tail drop, or None if it cannot start."""
+        st, c, lo = students[i], cs[i], min(cs)
+        if c - lo > lag_cap:
+            return None
+        e = c // d
+        end = (e + 1) * d
+        if not st.pack_budget:
+            if c + st.quantum > end:
+                return end
+            return c + st.quantum if c + st.quantum <= p else None
+        ready, tokens, whole = [], 0, True
+        for pos in range(c, end):
+            if pos >= p or tokens >= st.quantum:
+                whole = False
+                break
+            ready.append(lens[pos - lo])
+            tokens += ready[-1]
+        if tokens < st.quantum and not whole:
+            return None
+        counts = _next_fit(ready, st.pack_budget, st.bins)
+        if whole and not all(counts):
+            return end
+        return c + sum(counts)
 
-    start = norm(0, tuple(0 for _ in windows), False)
+    def norm(p: int, cs: tuple[int, ...], ls: bool, lt: bool, lens: tuple[int, ...]) -> tuple:
+        shift = (min(cs) // d) * d
+        return (p - shift, tuple(c - shift for c in cs), ls, lt, lens)
+
+    start = norm(0, tuple(0 for _ in students), False, False, ())
     seen = {start}
     todo = deque([start])
     while todo:
         state = todo.popleft()
-        p, cs, paused = state
+        p, cs, ls, lt, lens = state
         lo = min(cs)
-        inflight = p - lo
+        samples, tokens = p - lo, sum(lens)
+        moves = [move(i, p, cs, lens) for i in range(len(students))]
         nxt = []
-        # admission of position p
-        blocked = byte_cap_samples and inflight + 1 > byte_cap_samples and inflight >= qmax
-        if not paused and not blocked:
-            if byte_cap_samples and inflight + 1 > byte_cap_samples:
-                return SimResult(stall=False, overflow=True, witness=state, states=len(seen))
-            p2 = p + 1
-            nxt.append((p2, cs, paused or p2 - lo >= high))
-        # students
-        for i, (q, k) in enumerate(windows):
-            c = cs[i]
-            e, r = divmod(c, d)
-            if r // q >= k:  # epoch done: drop the rest (no production needed)
-                c2 = (e + 1) * d
-            elif c + q <= p and c - lo <= lag_cap:
-                c2 = c + q
-            else:
+        hard = samples >= high or (byte_cap_samples and samples + 1 > byte_cap_samples)
+        starving = any(c == lo and m is None for c, m in zip(cs, moves))
+        if starvation_release and starving and not hard:
+            ls = lt = False
+        if not hard and not ls and not lt:
+            for t in lengths:
+                nxt.append((p + 1, cs, samples + 1 >= high, lt or bool(high_tokens and tokens + t >= high_tokens),
+                            lens + (t,)))
+        for i, m in enumerate(moves):
+            if m is None:
                 continue
-            cs2 = cs[:i] + (c2,) + cs[i + 1:]
+            cs2 = cs[:i] + (m,) + cs[i + 1:]
             lo2 = min(cs2)
-            freed = lo2 > lo  # the gate re-checks the low watermark only when something is freed
-            nxt.append((p, cs2, paused and not (freed and max(p, lo2) - lo2 <= low)))
+            if lo2 == lo:
+                nxt.append((p, cs2, ls, lt, lens))
+                continue
+            p2 = max(p, lo2)
+            lens2 = lens[lo2 - lo:] if lo2 < p else ()
+            nxt.append((p2, cs2, ls and p2 - lo2 > low, lt and sum(lens2) > low_tokens, lens2))
         if not nxt:
-            return SimResult(stall=True, overflow=False, witness=state, states=len(seen))
+            return SimResult(stall=True, witness=state, states=len(seen))
         for s in nxt:
             s = norm(*s)
             if s not in seen:
@@ -91,7 +139,7 @@ def simulate_node(*, windows: list[tuple[int, int]], epoch_size: int, high: int,
                     raise RuntimeError(f"simulate_node: more than max_states={max_states} states; shrink the config")
                 seen.add(s)
                 todo.append(s)
-    return SimResult(stall=False, overflow=False, witness=None, states=len(seen))
+    return SimResult(stall=False, witness=None, states=len(seen))
 
 
 def teacher_features_reference(logits: torch.Tensor, tokens: torch.Tensor, *, top_k: int) -> dict[str, torch.Tensor]:

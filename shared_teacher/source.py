@@ -26,7 +26,7 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from shared_teacher.admission import NodeGate, node_epoch_sizes, preflight, quantum_samples
+from shared_teacher.admission import NodeGate, node_epoch_sizes, preflight
 from shared_teacher.config import CompatKey, SourceConfig
 from shared_teacher.dispatch import _Dispatch, _Entry, _Lease, _Student, _Window
 from shared_teacher.errors import (
@@ -61,14 +61,7 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
         self.sizes = node_epoch_sizes(config.dataset_size, self.nodes)
         self._cv = threading.Condition()
         self._students = {s.name: _Student(spec=s) for s in config.students}
-        self._gates = {
-            n: NodeGate(config.nodes[n],
-                        quantum_samples=max(quantum_samples(s, n, min_seq_len=config.min_seq_len)
-                                            for s in config.students),
-                        quantum_tokens=max((s.quantum(n) for s in config.students if s.packed), default=0),
-                        max_sample_bytes=config.max_sample_bytes)
-            for n in self.nodes
-        }
+        self._gates = {n: NodeGate(config.nodes[n], max_sample_bytes=config.max_sample_bytes) for n in self.nodes}
         self._entries: dict[tuple[str, int], _Entry] = {}
         self._admit_pos: dict[str, int] = {}
         self._generations: dict[tuple[str, int], int] = {}
@@ -181,8 +174,7 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
             if self._start_epoch is None:
                 raise SourceConfigError("admit: call plan() first; not every student has subscribed")
             end = self.cfg.num_epochs * self.sizes[node]
-            self._wait(lambda: self._admit_pos.get(node, end) >= end or self._gates[node].can_admit(), timeout,
-                       None)
+            self._wait(lambda: self._admit_pos.get(node, end) >= end or self._gate_open(node), timeout, None)
             out = []
             for tokens in lengths:
                 s = self._admit_pos[node]
@@ -202,7 +194,7 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
                     out.append({"s": s, "sample_id": sid, "epoch": epoch, "index": index, "generation": gen,
                                 "produce": False})
                     continue
-                if not self._gates[node].can_admit():
+                if not self._gate_open(node):
                     break
                 self._generations[(node, s)] = gen
                 self._gates[node].admit(tokens)

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shared_teacher import (
     AdmissionConfigError,
     CompatKey,
     NodeLimits,
+    SimStudent,
     SourceConfig,
     SourceConfigError,
     StudentSpec,
     preflight,
-    residue_bound,
     simulate_node,
 )
 
@@ -37,35 +37,62 @@ def test_watermark_below_quantum_is_refused_with_numbers():
     assert "node 'n0' student 'draft': high_samples >= quantum: need 8, have 6" in str(info.value)
     assert info.value.details[0] == {"node": "n0", "student": "draft", "check": "high_samples >= quantum",
                                      "need": 8, "have": 6}
-    assert simulate_node(windows=[(8, 8)], epoch_size=64, high=6, low=6).stall
+    res = simulate_node(students=[SimStudent(quantum=8)], epoch_size=64, high=6, low=6)
+    assert res.stall and res.witness[:2] == (6, (0,))
 
 
-def test_hysteresis_remainder_is_refused():
-    """H = 250, Q = 64: after three windows 58 remain; a low watermark below 58 strands them."""
+def test_hysteresis_remainder_stalls_a_plain_latch_but_not_ours():
+    """H = 250, Q = 64: after three windows 58 remain. A plain latch with L < 58 waits forever (the
+    ASpec finding); the starvation release reopens admission, so preflight accepts any L."""
     s = StudentSpec(name="draft", ranks_per_node={"n0": 8}, micro_batch_size=8)
-    assert residue_bound(250, 640, [(64, 10)]) == 58
+    q = [SimStudent(quantum=64)]
     for low in (0, 57):
-        with pytest.raises(AdmissionConfigError, match="low_samples >= remainder after drain: need 58, have"):
-            preflight(_cfg(high=250, low=low, students=[s], d=640))
-        assert simulate_node(windows=[(64, 10)], epoch_size=640, high=250, low=low).stall
-    preflight(_cfg(high=250, low=58, students=[s], d=640))
-    assert not simulate_node(windows=[(64, 10)], epoch_size=640, high=250, low=58).stall
-    # H a multiple of Q leaves no remainder: L = 0 is fine
-    preflight(_cfg(high=256, low=0, students=[s], d=640))
-    assert not simulate_node(windows=[(64, 10)], epoch_size=640, high=256, low=0).stall
+        plain = simulate_node(students=q, epoch_size=640, high=250, low=low, starvation_release=False)
+        assert plain.stall and plain.witness[0] - plain.witness[1][0] == 58, plain.witness[:2]
+        assert not simulate_node(students=q, epoch_size=640, high=250, low=low).stall
+        preflight(_cfg(high=250, low=low, students=[s], d=640))
+    assert not simulate_node(students=q, epoch_size=640, high=250, low=58, starvation_release=False).stall
 
 
-def _sim(qs, d, high, low, cap, lag):
-    ks = [d // q for q in qs]
-    return simulate_node(windows=list(zip(qs, ks)), epoch_size=d, high=high, low=low, byte_cap_samples=cap,
-                         lag_cap=lag)
+def _spec(i, kind, ranks, acc, size):
+    if kind == "packed":
+        return StudentSpec(name=f"p{i}", ranks_per_node={"n0": ranks}, accumulation_steps=acc, packed=True,
+                           pack_budget_tokens=size)
+    return StudentSpec(name=f"u{i}", ranks_per_node={"n0": ranks}, accumulation_steps=acc, micro_batch_size=size)
 
 
-def _preflight_ok(qs, d, high, low, cap, lag):
-    students = [StudentSpec(name=f"s{i}", ranks_per_node={"n0": 1}, micro_batch_size=q) for i, q in enumerate(qs)]
-    cfg = SourceConfig(key=KEY, dataset_size=d, max_sample_bytes=10, max_seq_len=8, students=students,
-                       lag_cap_samples=lag, nodes={"n0": NodeLimits(high_samples=high, low_samples=low,
-                                                                    byte_cap=cap * 10)})
+@st.composite
+def mixed_node_configs(draw):
+    """One node: 1-3 students, unpacked (Q ≤ D) or packed (budget ≥ max_seq_len), lengths in [s, m],
+    sample/token watermarks, a byte cap with a remainder below one object, any lag cap."""
+    s = draw(st.integers(1, 3))
+    m = draw(st.integers(s, s + 1))
+    d = draw(st.integers(2, 12))
+    students = []
+    for i in range(draw(st.integers(1, 3))):
+        ranks, acc = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+        if draw(st.booleans()):
+            students.append(_spec(i, "packed", ranks, acc, draw(st.integers(m, m + 2))))
+        else:
+            if ranks * acc > d:
+                ranks = acc = 1
+            students.append(_spec(i, "unpacked", ranks, acc, draw(st.integers(1, d // (ranks * acc)))))
+    high = draw(st.integers(1, 9))
+    low = draw(st.integers(0, high))
+    high_tokens = draw(st.sampled_from([0, draw(st.integers(1, 12))]))
+    low_tokens = draw(st.integers(0, high_tokens))
+    cap = draw(st.sampled_from([0, draw(st.integers(1, 10)) * 10 + draw(st.integers(0, 9))]))  # max_sample_bytes=10
+    lag = draw(st.sampled_from([0, 1, 3, 1 << 30]))
+    return dict(s=s, m=m, d=d, students=students, high=high, low=low, high_tokens=high_tokens,
+                low_tokens=low_tokens, cap=cap, lag=lag)
+
+
+def _preflight_accepts(c) -> bool:
+    cfg = SourceConfig(key=KEY, dataset_size=c["d"], max_sample_bytes=10, max_seq_len=c["m"], min_seq_len=c["s"],
+                       students=c["students"], lag_cap_samples=c["lag"],
+                       nodes={"n0": NodeLimits(high_samples=c["high"], low_samples=c["low"],
+                                               high_tokens=c["high_tokens"], low_tokens=c["low_tokens"],
+                                               byte_cap=c["cap"])})
     try:
         preflight(cfg)
         return True
@@ -73,66 +100,57 @@ def _preflight_ok(qs, d, high, low, cap, lag):
         return False
 
 
-@st.composite
-def node_configs(draw, *, same_quantum: bool):
-    m = draw(st.integers(1, 3))
-    q0 = draw(st.integers(1, 6))
-    qs = [q0] * m if same_quantum else [draw(st.integers(1, 6)) for _ in range(m)]
-    d = draw(st.integers(max(qs), 18))
-    high = draw(st.integers(1, 16))
-    low = draw(st.integers(0, high))
-    lag = draw(st.sampled_from([0, 1, 3, 1 << 30]))
-    # byte caps that are either too small (overflow) or do not mask the latch (>= high samples)
-    cap = draw(st.one_of(st.just(0), st.integers(1, max(qs) - 1) if max(qs) > 1 else st.just(0),
-                         st.integers(high, 30)))
-    return qs, d, high, low, cap, lag
+def _simulate(c):
+    sims = [SimStudent(quantum=x.quantum("n0"), pack_budget=x.pack_budget_tokens if x.packed else 0,
+                       bins=x.ranks_per_node["n0"] * x.accumulation_steps) for x in c["students"]]
+    lengths_matter = c["high_tokens"] or any(x.packed for x in c["students"])
+    return simulate_node(students=sims, epoch_size=c["d"], high=c["high"], low=c["low"],
+                         high_tokens=c["high_tokens"], low_tokens=c["low_tokens"], byte_cap_samples=c["cap"] // 10,
+                         lengths=tuple(range(c["s"], c["m"] + 1)) if lengths_matter else (1,), lag_cap=c["lag"])
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(node_configs(same_quantum=True))
-def test_preflight_rejects_exactly_the_stalling_configs_single_quantum(case):
-    """One window size per node (any number of students): preflight == 'the simulator never stalls'."""
-    qs, d, high, low, cap, lag = case
-    res = _sim(qs, d, high, low, cap, lag)
-    assert _preflight_ok(qs, d, high, low, cap, lag) == (not res.stall and not res.overflow), (case, res)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mixed_node_configs())
+def test_preflight_accepts_exactly_the_configs_that_never_stall(case):
+    """Mixed students on a node: preflight accepts ⇔ no interleaving and no length sequence stalls."""
+    res = _simulate(case)
+    event("stall" if res.stall else "progress")
+    event("packed" if any(x.packed for x in case["students"]) else "unpacked only")
+    assert _preflight_accepts(case) == (not res.stall), (case, res)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(node_configs(same_quantum=False))
-def test_preflight_is_sound_with_mixed_quanta(case):
-    """Different window sizes: everything preflight accepts runs without a stall or overflow, and every
-    config with H < max Q, a byte cap below one quantum, or L below the single-student remainder is refused."""
-    qs, d, high, low, cap, lag = case
-    res = _sim(qs, d, high, low, cap, lag)
-    if _preflight_ok(qs, d, high, low, cap, lag):
-        assert not res.stall and not res.overflow, (case, res)
-    if high < max(qs) or (cap and cap < max(qs)):
-        assert res.stall or res.overflow, case
-
-
-def test_mixed_quanta_conservative_example():
-    """A documented case where preflight refuses a config the simulator finds safe (it is conservative)."""
-    qs, d, high, low = [6, 3, 3], 6, 6, 2
-    assert not _sim(qs, d, high, low, 0, 1 << 30).stall
-    assert not _preflight_ok(qs, d, high, low, 0, 1 << 30)
+def test_equivalence_cases_on_both_sides():
+    """Fixed cases at the boundary, both outcomes (so the property test is not vacuous)."""
+    packed = _spec(0, "packed", 1, 2, 3)  # T = 6 tokens, lengths in [2, 3] → need min(ceil(6/2), D) = 3
+    unpacked = _spec(1, "unpacked", 1, 1, 2)  # Q = 2
+    base = dict(s=2, m=3, d=8, students=[packed, unpacked], low=0, high_tokens=4, low_tokens=0, lag=0)
+    for high, cap, ok in [(3, 0, True), (2, 0, False), (9, 39, True), (9, 29, False)]:
+        c = dict(base, high=high, cap=cap)
+        assert _preflight_accepts(c) is ok and _simulate(c).stall is (not ok), c
+    # a token latch far below T never stalls (it yields to the starving packed student)
+    assert _preflight_accepts(dict(base, high=3, cap=0, high_tokens=1)) and not _simulate(
+        dict(base, high=3, cap=0, high_tokens=1)).stall
+    # the whole epoch rest also forms a packed window: D = 2 < ceil(T/s) = 3 needs only 2 samples
+    c = dict(base, d=2, students=[packed], high=2, cap=0)
+    assert _preflight_accepts(c) and not _simulate(c).stall
 
 
 def test_packed_tokens_bytes_and_topology_checks():
     packed = StudentSpec(name="p", ranks_per_node={"n0": 2}, packed=True, pack_budget_tokens=32,
-                         accumulation_steps=2)  # T = 128 tokens
+                         accumulation_steps=2)  # T = 128 tokens → 32 samples of ≥ 4 tokens
     unpacked = StudentSpec(name="u", ranks_per_node={"n0": 2}, micro_batch_size=2)  # Q = 4 samples
-    ok = _cfg(high=32, low=31, students=[packed, unpacked], high_tokens=128, low_tokens=127, min_seq_len=4,
-              max_seq_len=32, cap=3200, max_bytes=100)
-    preflight(ok)
+    report = preflight(_cfg(high=32, low=0, students=[packed, unpacked], high_tokens=16, min_seq_len=4,
+                            max_seq_len=32, cap=3200, max_bytes=100))
+    assert report.needs == {"n0": {"p": 32, "u": 4}} and report.capacity == {"n0": 32}
+    assert report.same_order_on_all_nodes
     with pytest.raises(AdmissionConfigError) as info:
-        preflight(_cfg(high=16, low=8, students=[packed, unpacked], high_tokens=100, low_tokens=50, min_seq_len=4,
-                       max_seq_len=32, cap=1000, max_bytes=100))
+        preflight(_cfg(high=16, low=8, students=[packed, unpacked], min_seq_len=4, max_seq_len=32, cap=1000,
+                       max_bytes=100))
     checks = {(d["student"], d["check"]): (d["need"], d["have"]) for d in info.value.details}
-    assert checks[("p", "high_samples >= ceil(quantum_tokens/min_seq_len)")] == (32, 16)
-    assert checks[("p", "low_samples >= floor((quantum_tokens-1)/min_seq_len)")] == (31, 8)
-    assert checks[("p", "high_tokens >= quantum_tokens")] == (128, 100)
-    assert checks[("u", "high_tokens >= quantum*max_seq_len")] == (128, 100)
-    assert checks[("p", "byte_cap >= quantum_samples*max_sample_bytes")] == (3200, 1000)
+    what = "ceil(quantum_tokens/min_seq_len) capped at epoch size"
+    assert checks[("p", f"high_samples >= {what}")] == (32, 16)
+    assert checks[("p", f"byte_cap >= ({what})*max_sample_bytes")] == (3200, 1000)
+    assert ("u", "high_samples >= quantum") not in checks and len(checks) == 2
     with pytest.raises(AdmissionConfigError, match="pack_budget_tokens >= max_seq_len: need 64, have 32"):
         preflight(_cfg(high=64, low=63, students=[packed], max_seq_len=64))
     lonely = StudentSpec(name="lonely", ranks_per_node={"n0": 1})
@@ -141,6 +159,17 @@ def test_packed_tokens_bytes_and_topology_checks():
     big = StudentSpec(name="big", ranks_per_node={"n0": 8}, micro_batch_size=8)
     with pytest.raises(AdmissionConfigError, match="windows_per_epoch: need 1, have 0"):
         preflight(_cfg(high=64, low=64, students=[big], d=32))
+
+
+def test_same_order_on_all_nodes_flag():
+    two = ("n0", "n1")
+    even = [StudentSpec(name="a", ranks_per_node={"n0": 1, "n1": 1}, micro_batch_size=2),
+            StudentSpec(name="b", ranks_per_node={"n0": 2, "n1": 2}, micro_batch_size=1, accumulation_steps=3)]
+    assert preflight(_cfg(high=8, low=0, students=even, nodes=two)).same_order_on_all_nodes
+    skewed = [even[0], StudentSpec(name="c", ranks_per_node={"n0": 2, "n1": 1})]
+    assert not preflight(_cfg(high=8, low=0, students=skewed, nodes=two)).same_order_on_all_nodes
+    packed = [even[0], StudentSpec(name="p", ranks_per_node={"n0": 1, "n1": 1}, packed=True, pack_budget_tokens=16)]
+    assert not preflight(_cfg(high=16, low=0, students=packed, nodes=two)).same_order_on_all_nodes
 
 
 @pytest.mark.parametrize("build, match", [
