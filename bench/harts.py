@@ -15,13 +15,14 @@ Sections:
   (``planner_ms``) and the per-microbatch metadata (forests, BlockMask / varlen plan, LM-head edges:
   ``prep_ms``) are built ahead and timed separately, as a trainer builds them in its data loader.
   Providers are timed interleaved (round robin, median of ``--iters``) so clock and allocator drift
-  hits all of them alike. Reported per case: ms per provider, C, packed C, S_attn, harts speedup
-  vs the best THD and per C, peak memory, planner and prep ms, and whether harts ran the same
+  hits all of them alike. Rows are padded to 128 for FlexAttention providers and to 16 for varlen
+  ones. Reported per case: ms per provider, C, packed C (after cap splits, which duplicate a
+  prefix, and padding), S_attn, harts speedup vs the best THD, per C and per packed C, peak memory, planner and prep ms, and whether harts ran the same
   plan as ``treev`` or ``thdv`` (then any gap between them is measurement noise).
   The calibration line reports the crossover: the smallest C at which the forced tree (best
   backend) is at least as fast as the best THD, interpolated between measured cases.
 * ``head``: fwd+bwd of per-row log-probs + entropy at V = 151,936, bf16 weights: full fp32 logits
-  (bf16 GEMM with fp32 output, autograd) vs :func:`harts.tree_lm_head` with chunks of 1024 and
+  (bf16 GEMM, fp32 softmax math, autograd) vs :func:`harts.tree_lm_head` with chunks of 1024 and
   4096 rows; time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
   peak − (dW, dh in bf16 + their fp32 accumulators).
 
@@ -146,7 +147,6 @@ def bench_model(args, dev, rows, plots):
     from harts.planner import plan_step, sharing_stats
 
     model, cfg = _model(args.quick, dev)
-    align = 16 if args.quick else 128
     table = []
     for case, seqs in _workloads(args.quick, cfg.vocab_size):
         st = sharing_stats(seqs)
@@ -158,6 +158,8 @@ def bench_model(args, dev, rows, plots):
             backend = backend or args.backend
             if dev == "cpu" and backend == "flex":
                 backend = "dense"  # no FlexAttention backward on CPU
+            # FlexAttention works on 128-row blocks; varlen needs no alignment beyond GEMM-friendly 16 rows
+            align = 128 if backend == "flex" and not args.quick else 16
             pc = PlannerConfig(token_cap=args.cap, align=align, fallback_compression=thr)
             plan_ms = time_cpu(lambda pc=pc, seqs=seqs: plan_step(seqs, pc), warmup=1, iters=3)["p50"]
             plan = plan_step(seqs, pc)
@@ -211,6 +213,7 @@ def bench_model(args, dev, rows, plots):
                       "S_attn": st.attention_ratio, "thd": res["thd"], "thdv": res["thdv"], "tree": res["tree"],
                       "treev": res["treev"], "harts": res["harts"], "x_best_thd": base / res["harts"],
                       "x/C": base / res["harts"] / st.compression,
+                      "x/C_packed": base / res["harts"] / hp["plan"].summary()["packed_compression"] if hp else nan,
                       "peak_GiB": hp.get("peak", 0) / 2**30 if hp else nan,
                       "plan_ms": hp.get("planner_ms", nan), "prep_ms": hp.get("prep_ms", nan),
                       "harts_plan": same or "own"})
@@ -244,8 +247,7 @@ def bench_head(args, dev, rows):
     edges = head_edges(tokens, parent)
 
     def full():
-        z = torch.mm(hid, w.T, out_dtype=torch.float32) if dev == "cuda" and dtype != torch.float32 \
-            else hid.float() @ w.float().T
+        z = (hid @ w.T).float()  # logits in the model dtype, softmax math in fp32 (as Megatron's head + CE)
         lp = torch.log_softmax(z, -1)
         logp = lp[1:].gather(-1, tokens[1:, None]).squeeze(-1)  # row v-1 predicts token v
         ent = -(lp.exp() * lp).sum(-1)
@@ -343,7 +345,7 @@ def main():
           f"(smallest C with forced tree >= best THD, interpolated): {cross}")
     if model_table:
         print_table(model_table, ["case", "C", "C_packed", "S_attn", "thd", "thdv", "tree", "treev", "harts",
-                                  "x_best_thd", "x/C", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
+                                  "x_best_thd", "x/C", "x/C_packed", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
     if head_table:
         print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "extra_chunks"])
 

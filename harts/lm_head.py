@@ -195,8 +195,9 @@ class _TreeHead(torch.autograd.Function):
                     b1 = min(b0 + blk, n)
                     q = z[b0:b1]
                     p = torch.exp(q)  # [blk, V_local] temporary
-                    q.add_(ent[r0 + b0:r0 + b1, None]).mul_(g_ent[r0 + b0:r0 + b1, None])
-                    q.add_(gsum[b0:b1, None]).mul_(p).neg_()
+                    gh = g_ent[r0 + b0:r0 + b1]
+                    c = gh * ent[r0 + b0:r0 + b1] + gsum[b0:b1]  # G + g^H H
+                    q.mul_(-gh[:, None]).sub_(c[:, None]).mul_(p)  # −(g^H log p + G + g^H H) p
                     del p, q  # q views the chunk buffer: drop it before the next chunk
                 dz = z
             del z
