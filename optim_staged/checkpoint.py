@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_torch_save", "fsync_tree", "publish_directory", "model_space_state"]
+__all__ = ["atomic_torch_save", "fsync_tree", "publish_directory", "model_space_state", "LAYOUT_FILE",
+           "parallel_layout", "write_layout", "check_layout"]
+
+LAYOUT_FILE = "optim_staged_layout.json"
+"""Written next to the ``dist_checkpointing`` files: the parallel layout the checkpoint was saved at."""
+LAYOUT_FORMAT = 1
+_LAYOUT_FIXED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
 
 
 def _fsync_path(path: Path) -> None:
@@ -79,3 +85,50 @@ def model_space_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -
             out[names[id(p)]] = {**{k: v.detach().clone() for k, v in optimizer.state[p].items()},
                                  "step": int(g["step"])}
     return out
+
+
+def parallel_layout(model_config: Any, *, data_parallel_size: int) -> dict[str, int]:
+    """The layout fields of a Megatron ``TransformerConfig`` (TP, PP, EP sizes) plus the DP size."""
+    out = {k: int(getattr(model_config, k, 1) or 1) for k in _LAYOUT_FIXED}
+    out["data_parallel_size"] = int(data_parallel_size)
+    out["format"] = LAYOUT_FORMAT
+    return out
+
+
+def write_layout(directory: str | os.PathLike, layout: dict[str, int]) -> None:
+    """Write ``layout`` as ``<directory>/optim_staged_layout.json`` (temp + fsync + rename)."""
+    import json
+
+    path = Path(directory) / LAYOUT_FILE
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(layout, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_layout(directory: str | os.PathLike, current: dict[str, int]) -> dict[str, int]:
+    """Refuse a checkpoint whose TP / PP / EP sizes differ from ``current`` (DP may differ: the
+    optimizer state is stored per parameter in model space). Returns the saved layout.
+
+    Raises :class:`~optim_staged.config.CheckpointLayoutError` naming the field, the saved value
+    and this run's value, or when the layout record is missing or of another format.
+    """
+    import json
+
+    from optim_staged.config import CheckpointLayoutError
+
+    path = Path(directory) / LAYOUT_FILE
+    if not path.exists():
+        raise CheckpointLayoutError(
+            f"{directory}: no {LAYOUT_FILE}; not written by optim_staged.megatron.save_checkpoint")
+    saved = json.loads(path.read_text())
+    if saved.get("format") != LAYOUT_FORMAT:
+        raise CheckpointLayoutError(f"{path}: format={saved.get('format')!r}, this version reads {LAYOUT_FORMAT}")
+    for k in _LAYOUT_FIXED:
+        if int(saved.get(k, 1)) != int(current.get(k, 1)):
+            raise CheckpointLayoutError(
+                f"checkpoint {directory} was saved with {k}={saved.get(k)}, this run has {k}={current.get(k)}: "
+                "optimizer state reshards across data-parallel sizes only (TP/PP/EP changes are refused)")
+    return saved

@@ -115,6 +115,20 @@ class StagedDistributedOptimizer(DistributedOptimizer):
     def gpu_state_bytes(self) -> int:
         return 0 if self.is_stub_optimizer else self.optimizer.gpu_state_bytes
 
+    def state_dict(self):
+        """Megatron's non-parameter state (hyper-parameters per group, grad scaler). Step counters
+        come from the staged optimizer's per-group counters, which advance on every rank, so a
+        rank whose shard is empty or padding-only (no per-parameter state to read a step from,
+        where Megatron's own extraction fails) saves the same counters as the owners."""
+        if self.is_stub_optimizer:
+            return super().state_dict()
+        inner = self.optimizer.state_dict()
+        out = {"optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                              for g in inner["param_groups"]]}}
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
 
 def _restage(leaf: DistributedOptimizer, cfg: StagedOptimizerConfig) -> DistributedOptimizer:
     if leaf.is_stub_optimizer:
@@ -256,17 +270,31 @@ CHECKPOINT_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 """Model-space, per-parameter optimizer state: loads at a different DP size."""
 
 
+def _layout(model_chunk: Any, optimizer: Any) -> dict[str, int]:
+    from optim_staged.checkpoint import parallel_layout
+
+    leaves = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    dp_group = next((getattr(x, "data_parallel_group", None) for x in leaves
+                     if getattr(x, "data_parallel_group", None) is not None), None)
+    cfg = model_chunk.config
+    mp = int(getattr(cfg, "tensor_model_parallel_size", 1) or 1) * int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1)
+    dp = (torch.distributed.get_world_size(dp_group) if dp_group is not None
+          else torch.distributed.get_world_size() // mp)
+    return parallel_layout(model_chunk.config, data_parallel_size=dp)
+
+
 def save_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: Any = None) -> None:
     """Synchronous, atomic ``dist_checkpointing`` save of ``{'model', 'optimizer'}``.
 
-    Every rank writes into ``<directory>.tmp``; after a barrier rank 0 fsyncs it and renames it to
+    Every rank writes into ``<directory>.tmp``; after a barrier rank 0 records the parallel layout
+    (``optim_staged_layout.json``: TP/PP/EP/DP sizes), fsyncs the folder and renames it to
     ``directory`` (an older checkpoint there is replaced only once the new one is complete).
     """
     import os
 
     from megatron.core import dist_checkpointing
 
-    from optim_staged.checkpoint import publish_directory
+    from optim_staged.checkpoint import publish_directory, write_layout
 
     tmp = f"{directory}.tmp"
     rank = torch.distributed.get_rank(group)
@@ -281,12 +309,15 @@ def save_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: 
     dist_checkpointing.save(sd, tmp)
     torch.distributed.barrier(group)
     if rank == 0:
+        write_layout(tmp, _layout(model_chunk, optimizer))
         publish_directory(tmp, directory)
     torch.distributed.barrier(group)
 
 
 def load_checkpoint(model_chunk: Any, optimizer: Any, directory: str) -> None:
-    """Load a :func:`save_checkpoint` directory into ``model_chunk`` and ``optimizer`` (any DP size).
+    """Load a :func:`save_checkpoint` directory into ``model_chunk`` and ``optimizer`` (any DP size;
+    a different TP/PP/EP size raises :class:`~optim_staged.config.CheckpointLayoutError` before
+    anything is read).
 
     The optimizer template is built with ``is_loading=True`` after its state exists, so every
     state key (master, exp_avg, exp_avg_sq) is requested from the checkpoint: a checkpoint without
@@ -294,6 +325,9 @@ def load_checkpoint(model_chunk: Any, optimizer: Any, directory: str) -> None:
     """
     from megatron.core import dist_checkpointing
 
+    from optim_staged.checkpoint import check_layout
+
+    check_layout(directory, _layout(model_chunk, optimizer))  # TP/PP/EP changes: CheckpointLayoutError
     template = {"model": model_chunk.sharded_state_dict(),
                 "optimizer": optimizer.sharded_state_dict(model_chunk.sharded_state_dict(), is_loading=True,
                                                           metadata=CHECKPOINT_SHARDING)}

@@ -214,3 +214,42 @@ def test_add_param_group_keeps_existing_state():
     assert_close("exp_avg_a", ref.state[ref_a]["exp_avg"], opt.state[a]["exp_avg"], atol=0, rtol=1e-6)
     # b joined at step 3: torch counts its steps from 1, the staged group counter too (new group)
     assert_close("b", ref_b, b, atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_slot_cache_with_host_writes_prefetch_and_reconfigure(num_slots):
+    """The slot cache (last units kept on the device, alternating walk order) stays exact when the
+    host state is written between steps (set_scaled_state, load_state_dict), when prefetch() runs
+    before a step, and when the slot layout changes (set_slot_config)."""
+    g = torch.Generator().manual_seed(6)
+    init = [torch.randn(s, generator=g) for s in SHAPES]
+    ref = [p.clone().requires_grad_() for p in init]
+    out = [p.clone().requires_grad_() for p in init]
+    o_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=True)
+    o_out = StagedAdamW(out, lr=1e-2, weight_decay=0.1, impl="foreach",
+                        slots=SlotConfig(slot_numel=1024, num_slots=num_slots))
+    for step in range(9):
+        for a, b in zip(ref, out):
+            gr = torch.randn(a.shape, generator=g)
+            a.grad, b.grad = gr.clone(), gr.clone()
+        if step == 2:  # host write of one parameter's moment while its unit may be cached
+            for a, b in zip(ref, out):
+                x = torch.randn(a.shape, generator=g).abs()
+                o_ref.state[a]["exp_avg_sq"].copy_(x)
+                o_out.set_scaled_state(b, "exp_avg_sq", x)
+        if step == 4:  # round trip through a detached copy of the state dict
+            sd = o_out.state_dict()
+            sd = {"state": {k: {kk: (vv.clone() if torch.is_tensor(vv) else vv) for kk, vv in v.items()}
+                            for k, v in sd["state"].items()}, "param_groups": [dict(x) for x in sd["param_groups"]]}
+            o_out.load_state_dict(sd)
+        if step == 6:
+            o_out.set_slot_config(SlotConfig(slot_numel=1500, num_slots=max(1, num_slots - 1)))
+        if step in (3, 5, 7):
+            o_out.prefetch()
+        o_ref.step()
+        o_out.step()
+    o_out.drain(release=False)
+    for i, (a, b) in enumerate(zip(ref, out)):
+        assert_close(f"param{i}", a, b, atol=0, rtol=1e-6)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert_close(f"{k}{i}", o_ref.state[a][k], o_out.state[b][k], atol=0, rtol=1e-6)

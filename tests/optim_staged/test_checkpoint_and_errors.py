@@ -78,3 +78,27 @@ def test_hydra_structured_config():
     cfg.slots.num_slots = 3
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, StagedOptimizerConfig) and obj.slots.num_slots == 3 and obj.algorithm == "muon"
+
+
+def test_layout_check_refuses_tp_pp_ep_changes_and_unknown_checkpoints(tmp_path):
+    from types import SimpleNamespace
+
+    from optim_staged import CheckpointLayoutError
+    from optim_staged.checkpoint import LAYOUT_FILE, check_layout, parallel_layout, write_layout
+
+    saved = parallel_layout(SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                            expert_model_parallel_size=1), data_parallel_size=4)
+    write_layout(tmp_path, saved)
+    assert sorted(os.listdir(tmp_path)) == [LAYOUT_FILE]
+    same_but_dp = dict(saved, data_parallel_size=1)  # DP may change
+    assert check_layout(tmp_path, same_but_dp) == saved
+    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        other = dict(saved, **{field: saved[field] * 2})
+        with pytest.raises(CheckpointLayoutError, match=rf"saved with {field}={saved[field]}, this run has "
+                                                        rf"{field}={saved[field] * 2}"):
+            check_layout(tmp_path, other)
+    with pytest.raises(CheckpointLayoutError, match="not written by"):
+        check_layout(tmp_path / "missing", saved)
+    write_layout(tmp_path, dict(saved, format=99))
+    with pytest.raises(CheckpointLayoutError, match="format=99"):
+        check_layout(tmp_path, saved)

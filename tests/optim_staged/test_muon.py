@@ -102,9 +102,9 @@ def tp2_body(rank: int, world_size: int, ckpt_dir: str):
 
     init_megatron(tp=2, pp=1, seed=3)
 
-    def build(residency, seed=3):
+    def build(residency, seed=3, tp=2):
         seed_all(seed)
-        model = build_tiny_gpt(TinyGPTConfig(tensor_model_parallel_size=2, num_layers=2))
+        model = build_tiny_gpt(TinyGPTConfig(tensor_model_parallel_size=tp, num_layers=2))
         model = DDP(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         model.config.finalize_model_grads_func = finalize_model_grads
         cfg = StagedOptimizerConfig(algorithm="muon", residency=residency,
@@ -131,6 +131,21 @@ def tp2_body(rank: int, world_size: int, ckpt_dir: str):
     same = all(np.array_equal(a.detach().numpy(), b.detach().numpy())
                for a, b in zip(model.parameters(), model2.parameters()))
     runs["resume"] = {"cont": cont, "resumed": resumed, "params_equal": same}
+    # The same ranks at TP=1 (DP=2): loading the TP=2 checkpoint is refused before anything is read.
+    from megatron.core import parallel_state
+
+    from optim_staged import CheckpointLayoutError
+
+    parallel_state.destroy_model_parallel()
+    init_megatron(tp=1, pp=1, seed=3)
+    model3, optim3 = build("staged", seed=5, tp=1)
+    before = [p.detach().clone() for p in model3.parameters()]
+    try:
+        load_checkpoint(model3, optim3, ckpt_dir)
+        runs["tp_change"] = None
+    except CheckpointLayoutError as e:
+        runs["tp_change"] = str(e)
+    runs["tp_change_untouched"] = all(torch.equal(a, b) for a, b in zip(before, model3.parameters()))
     return runs
 
 
@@ -148,6 +163,9 @@ def test_staged_muon_in_megatron_tp2(tmp_path):
             np.testing.assert_array_equal(r["staged"]["params"][name], ref, err_msg=name)
         # save -> load into a differently initialised model -> continue == uninterrupted, exactly
         assert r["resume"]["resumed"] == r["resume"]["cont"] and r["resume"]["params_equal"]
+        # TP change on load: typed error naming the field and both values; nothing was loaded.
+        assert r["tp_change"] is not None and "tensor_model_parallel_size=2" in r["tp_change"]
+        assert "tensor_model_parallel_size=1" in r["tp_change"] and r["tp_change_untouched"]
 
 
 def layerwise_body(rank: int, world_size: int):
