@@ -158,6 +158,11 @@ def build_block_mask(last: torch.Tensor, *, block_size: int = 128):
                                     seq_lengths=(t, t))
 
 
+def _plain_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` as a contiguous tensor (no copy when it already is one)."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
 def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask, scale: float,
                         compile: bool | None = None) -> torch.Tensor:
     """FlexAttention over ``[T, H, D]`` inputs with a prebuilt tree ``block_mask``.
@@ -170,7 +175,9 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
     if compile is None:
         compile = q.is_cuda
     fn = torch.compile(flex_attention) if compile else flex_attention  # dynamic after the first new shape
-    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D]
+    # Inductor's flex template has no kernel choice for some strided views (e.g. ``v`` sliced out of
+    # a fused QKV projection, T-stride != H·D): hand it plain [T, H, D] rows (a copy only then)
+    qh, kh, vh = (_plain_rows(x).transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D]
     out = fn(qh, kh, vh, block_mask=block_mask, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
     return out.squeeze(0).transpose(0, 1)
 

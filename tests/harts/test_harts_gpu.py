@@ -133,3 +133,29 @@ def test_chunked_head_peak_memory_bf16(ent_grad):
     chunk_bytes = chunk * v * 4
     extra = (peak - grads) / chunk_bytes
     assert extra <= 1.25, f"peak extra {extra:.2f} chunks of fp32 logits (peak {peak / 2**20:.0f} MiB)"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("t", [120, 200], ids=lambda t: f"T{t}")
+def test_flex_unaligned_strided_fp32(t):
+    """FlexAttention with T % 128 != 0 and ``v`` sliced out of a fused QKV tensor (the layout of
+    Megatron's GQA projection: per group [q, q, k, v] × head dim 16), fp32, vs the fp64 reference."""
+    seqs = grpo_groups(2, prompt_len=t // 8, response_len=t // 16, n=3, vocab_size=50, seed=3)
+    f = build_forest(seqs, device="cuda").padded(t)
+    n = f.num_nodes
+    assert n == t
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mixed = torch.randn(n, 2, 4 * 16, device="cuda", generator=g)  # [T, groups, (2 q + k + v) · D]
+    q = mixed[:, :, :32].reshape(n, 4, 16).clone().requires_grad_(True)
+    k = mixed[:, :, 32:48].clone().requires_grad_(True)
+    v_base = mixed.clone().requires_grad_(True)
+    v = v_base[:, :, 48:]  # strides [128, 64, 1]: not contiguous
+    out = tree_attention(q, k, v, last=f.last, backend="flex", block_mask=build_block_mask(f.last), scale=0.25)
+    do = torch.randn(out.shape, device="cuda", generator=g)
+    out.backward(do)
+    qr, kr, vr = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref = tree_attention_reference(qr, kr, vr, last=f.last, scale=0.25)
+    ref.backward(do.double())
+    assert_close("flex out", ref, out, atol=2e-5, rtol=1e-4)
+    assert_close("flex dq", qr.grad, q.grad, atol=1e-4, rtol=1e-4)
+    assert_close("flex dv", vr.grad, v_base.grad[:, :, 48:], atol=1e-4, rtol=1e-4)
