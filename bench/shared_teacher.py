@@ -70,6 +70,22 @@ def _data(args) -> list[torch.Tensor]:
     return [torch.randint(0, args.vocab, (n,), generator=g) for n in lengths]
 
 
+def _make_store(need_bytes: int):
+    """ShmStore if /dev/shm has room for ``2 × need_bytes`` (containers often mount 64 MiB), else a FileStore
+    in a temporary folder (not under $OUT). Returns (store, kind)."""
+    import shutil
+    import tempfile
+
+    from shared_teacher import FileStore, ShmStore
+
+    try:
+        if shutil.disk_usage("/dev/shm").free >= 2 * need_bytes:
+            return ShmStore(), "shm"
+    except OSError:
+        pass
+    return FileStore(tempfile.mkdtemp(prefix="stbench-")), "file"
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -94,7 +110,6 @@ def run_shared(teacher_fn, data, n_students: int, batch: int, key, *, high: int,
     from shared_teacher import (
         NodeLimits,
         SharedTeacherSource,
-        ShmStore,
         SourceConfig,
         SourceServer,
         StudentReader,
@@ -108,7 +123,7 @@ def run_shared(teacher_fn, data, n_students: int, batch: int, key, *, high: int,
                        dataset_size=len(data), max_sample_bytes=max_object_bytes(key, hidden_size=hidden),
                        max_seq_len=key.max_length,
                        lease_timeout_s=60, watchdog_s=120)
-    store = ShmStore()
+    store, store_kind = _make_store(high * cfg.max_sample_bytes)
     src = SharedTeacherSource(cfg, store)
     server = SourceServer(src)
     peak = {"bytes": 0, "samples": 0}
@@ -158,18 +173,22 @@ def run_shared(teacher_fn, data, n_students: int, batch: int, key, *, high: int,
     store.close(remove=True)
     return {"wall_s": wall, "teacher_s": timed["teacher_s"], "forward_samples": stats["forward_samples"],
             "peak_pool_bytes": peak["bytes"], "peak_pool_samples": peak["samples"], "leaked_objects": leaked,
-            "put_bytes": stats["put_bytes"], "read_bytes": sum(read_bytes)}
+            "put_bytes": stats["put_bytes"], "read_bytes": sum(read_bytes), "store": store_kind}
 
 
 def store_bandwidth(sizes_mib: list[int], reps: int) -> list[dict]:
     """put/get GB/s of one object per size (bf16 payload), shared memory vs local files."""
+    import shutil
     import tempfile
 
     from shared_teacher import FileStore, ShmStore
 
     rows = []
     for kind in ("shm", "file"):
-        store = ShmStore() if kind == "shm" else FileStore(tempfile.mkdtemp(prefix="stbench-", dir=str(out_dir())))
+        if kind == "shm" and shutil.disk_usage("/dev/shm").free < 3 * (max(sizes_mib) << 20):
+            print(f"store bench: /dev/shm has < {3 * max(sizes_mib)} MiB free; skipping shm")
+            continue
+        store = ShmStore() if kind == "shm" else FileStore(tempfile.mkdtemp(prefix="stbench-"))
         for mib in sizes_mib:
             x = {"hidden": torch.randn(mib * (1 << 19)).to(torch.bfloat16)}
             put_s, get_s = [], []
@@ -205,8 +224,11 @@ def main() -> None:
         args.hidden, args.layers, args.heads, args.vocab, args.seq, args.samples, args.batch = 2048, 16, 16, 151936, \
             1024, 64, 8
         args.top_k, sizes, reps = 64, [16, 128], 5
+    t_start = time.perf_counter()
     _init(device)
     teacher = _teacher(args, device)
+    print(f"teacher: {sum(p.numel() for p in teacher.parameters()) / 1e6:.1f} M params on {device}, "
+          f"built in {time.perf_counter() - t_start:.1f} s", flush=True)
     from shared_teacher import MegatronTeacher
 
     key = _key(args)
@@ -232,10 +254,12 @@ def main() -> None:
                       "ratio": sh["teacher_s"] / max(sep["teacher_s"], 1e-9),
                       "samples/s sep": n * len(data) / sep["wall_s"], "samples/s shared": n * len(data) / sh["wall_s"],
                       "speedup e2e": sep["wall_s"] / sh["wall_s"], "forwards shared": sh["forward_samples"],
-                      "peak pool MiB": sh["peak_pool_bytes"] / 2**20})
+                      "peak pool MiB": sh["peak_pool_bytes"] / 2**20, "store": sh["store"]})
     store_rows = store_bandwidth(sizes, reps)
     rows += store_rows
-    path = write_results("shared_teacher", rows, {"args": vars(args), "device": device})
+    extra = {"args": vars(args), "device": device, "bench_wall_s": time.perf_counter() - t_start,
+             "teacher_params": sum(p.numel() for p in teacher.parameters())}
+    path = write_results("shared_teacher", rows, extra)
     _plot(table, store_rows)
     print(f"wrote {path}")
     print_table([{"case": r["case"], "store": r["provider"], "metric": r["metric"], "GB/s": r["value"]}
@@ -258,7 +282,8 @@ def _plot(table: list[dict], store_rows: list[dict]) -> None:
     a.set_ylabel("teacher forward ms per student")
     a.legend()
     cases = sorted({r["case"] for r in store_rows})
-    for i, (prov, metric) in enumerate([(p, m) for p in ("shm", "file") for m in ("put_GBps", "get_GBps")]):
+    provs = [p for p in ("shm", "file") if any(r["provider"] == p for r in store_rows)]
+    for i, (prov, metric) in enumerate([(p, m) for p in provs for m in ("put_GBps", "get_GBps")]):
         vals = [next(r["value"] for r in store_rows if r["case"] == c and r["provider"] == prov and r["metric"] == metric)
                 for c in cases]
         b.bar([j + 0.2 * i - 0.3 for j in range(len(cases))], vals, 0.2, label=f"{prov} {metric[:3]}")
