@@ -228,19 +228,15 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
 
 
 def bench_sglang() -> tuple[list[dict], dict]:
-    from safetensors.torch import save_file
-
-    from colocate.engines import hf_config
-    from colocate.sglang_engine import SGLangEngine, sglang_engine_args
+    from colocate.sglang_engine import SGLangEngine, sglang_engine_args, write_hf_checkpoint
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     spec = SGL_1GB
     specs = hf_param_specs(spec, dtype=torch.bfloat16)
-    d = tempfile.mkdtemp(prefix="sgl-bench-")
-    hf_config(spec, dtype=torch.bfloat16).save_pretrained(d)
+    d = os.path.join(tempfile.mkdtemp(prefix="sgl-bench-"), "init")
     g = torch.Generator().manual_seed(0)
-    save_file({n: (0.02 * torch.randn(s, generator=g)).to(dt) for n, (s, dt) in specs.items()},
-              os.path.join(d, "model.safetensors"))
+    write_hf_checkpoint(d, {n: (0.02 * torch.randn(s, generator=g)).to(dt) for n, (s, dt) in specs.items()},
+                        spec=spec)
     # the published weights: views of one CUDA storage (in place) and separate tensors (packed, naive)
     total = sum(math.prod(s) for s, _ in specs.values())
     flat = (0.02 * torch.randn(total, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))

@@ -21,7 +21,12 @@ residency surface of :class:`~colocate.engines.HFEngine`:
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +37,44 @@ from colocate.convert import check_params, hf_param_specs
 from colocate.engines import UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
 
-__all__ = ["SGLangEngine", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args"]
+__all__ = ["SGLangEngine", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args", "write_hf_checkpoint"]
+
+
+def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, spec: HFModelSpec,
+                        dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write an HF checkpoint folder SGLang can load (``config.json`` with ``architectures`` and
+    ``torch_dtype``, one ``model.safetensors`` with HF names) atomically: everything goes into a
+    temporary sibling folder, files are fsynced, then the folder is renamed to ``path`` (an
+    existing folder there is replaced)."""
+    from safetensors.torch import save_file
+
+    from colocate.engines import hf_config
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    try:
+        cfg = hf_config(spec, dtype=dtype)
+        cfg.architectures = ["Qwen3ForCausalLM" if spec.arch == "qwen3" else "Qwen3MoeForCausalLM"]
+        cfg.save_pretrained(tmp)
+        c = json.loads((tmp / "config.json").read_text())
+        c["torch_dtype"] = c["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(c, indent=1))
+        save_file({n: t.detach().to(dtype).contiguous().cpu() for n, t in tensors.items()},
+                  str(tmp / "model.safetensors"))
+        for f in tmp.iterdir():
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        old = None
+        if path.exists():
+            old = path.with_name(path.name + f".old-{os.getpid()}")
+            path.rename(old)
+        tmp.rename(path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def sglang_engine_args(model_path: str, *, cuda_graph: bool = True, memory_saver: bool = True,

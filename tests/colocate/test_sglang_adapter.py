@@ -117,3 +117,35 @@ def test_bracket_detection_versions_and_residency(bracket):
         ad.restore_from_disk("/missing")
     ad.restore_from_disk("/ok/ckpt", version=2)
     assert ad.weight_version() == 2
+
+
+def test_write_hf_checkpoint_loads_in_transformers_and_replaces_atomically(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from colocate.engines import build_hf_model, hf_checkpoint_views
+    from colocate.sglang_engine import write_hf_checkpoint
+
+    moe = HFModelSpec(arch="qwen3_moe", num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=1,
+                      head_dim=8, ffn_hidden_size=24, vocab_size=32, num_experts=3, tie_embeddings=True)
+    for seed in (0, 1):  # the second write replaces the first folder
+        torch.manual_seed(seed)
+        w = {n: v.detach().to(torch.bfloat16).clone() for n, v in hf_checkpoint_views(build_hf_model(moe)).items()}
+        write_hf_checkpoint(tmp_path / "ckpt", w, spec=moe)
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
+    views = hf_checkpoint_views(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16))
+    assert set(views) == set(w) and all(torch.equal(views[n], w[n]) for n in w)
+
+
+def test_prompt_logprob_rows_are_checked_for_alignment():
+    from colocate.sglang_engine import logprobs_of_prompt
+
+    rows = [(None, 4, None), (-1.5, 7, None), (-0.25, 9, None)]
+    assert logprobs_of_prompt(rows, [4, 7, 9]) == [-1.5, -0.25]
+    with pytest.raises(UpdateError, match="row 1: token 7 != prompt token 8"):
+        logprobs_of_prompt(rows, [4, 8, 9])
+    with pytest.raises(UpdateError, match="3 input log-prob rows for a 2-token prompt"):
+        logprobs_of_prompt(rows, [4, 7])

@@ -143,29 +143,22 @@ def _lp_stats(got: list[list[float]], ref: list[torch.Tensor]) -> dict:
 def _driver(case_file: str, result_file: str) -> None:
     rec = _Recorder(result_file)
     rec["megatron_imported"] = any(m.startswith("megatron") for m in sys.modules)
-    from safetensors.torch import save_file
-
     from colocate import PublishConfig
-    from colocate.engines import build_hf_model, hf_checkpoint_views, hf_config
+    from colocate.engines import build_hf_model, hf_checkpoint_views
     from colocate.publish import Publisher
     from colocate.residency import NotResidentError
-    from colocate.sglang_engine import SGLangEngine, sglang_engine_args
+    from colocate.sglang_engine import SGLangEngine, sglang_engine_args, write_hf_checkpoint
 
     case = torch.load(case_file, weights_only=False)
     spec, tp = case["spec"], case["tp"]
     weights = {n: t.to(torch.bfloat16) for n, t in case["weights"].items()}
     base = os.path.dirname(result_file)
 
-    def save_ckpt(path: str, tensors: dict) -> None:
-        os.makedirs(path, exist_ok=True)
-        hf_config(spec, dtype=torch.bfloat16).save_pretrained(path)
-        save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, os.path.join(path, "model.safetensors"))
-
     torch.manual_seed(123)
     init = build_hf_model(spec, dtype=torch.bfloat16)
     init_dir, same_dir = os.path.join(base, "init"), os.path.join(base, "same")
-    save_ckpt(init_dir, {n: v.clone() for n, v in hf_checkpoint_views(init).items()})
-    save_ckpt(same_dir, weights)
+    write_hf_checkpoint(init_dir, hf_checkpoint_views(init), spec=spec)
+    write_hf_checkpoint(same_dir, weights, spec=spec)
     del init
 
     ref_model = build_hf_model(spec, dtype=torch.float32, device="cuda")

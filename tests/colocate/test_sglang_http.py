@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from colocate import HFModelSpec, NotResidentError, PublishConfig
-from colocate.engines import UpdateError, build_hf_model, hf_checkpoint_views, hf_config
+from colocate.engines import UpdateError, build_hf_model, hf_checkpoint_views
 from colocate.publish import Publisher, PublishError
+from colocate.sglang_engine import write_hf_checkpoint
 from colocate.sglang_http import SGLangHTTPEngine, server_args_to_cli
 from colocate.transports import ReceiverDied, ReceiverTimeout
 
@@ -259,13 +260,10 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
             pub.publish(w1, version=5)
         assert isinstance(ei.value.cause, UpdateError) and "injected failure" in str(ei.value.cause)
         assert 5 in pub.poisoned and eng.weight_version() is None and not server.in_bracket
-        from safetensors.torch import save_file
-
-        hf_config(SPEC).save_pretrained(tmp_path)
-        save_file(w1, str(tmp_path / "model.safetensors"))
+        write_hf_checkpoint(tmp_path / "ckpt", w1, spec=SPEC, dtype=torch.float32)
         with pytest.raises(UpdateError, match="no checkpoint"):
             eng.restore_from_disk(str(tmp_path / "missing"), version=6)
-        eng.restore_from_disk(str(tmp_path), version=6)
+        eng.restore_from_disk(str(tmp_path / "ckpt"), version=6)
         assert eng.weight_version() == 6 and server.checksum() == _sha(w1)
 
         server.delay_s = 0.5
@@ -293,8 +291,6 @@ def test_real_sglang_http_server(tmp_path):
     """Publish into a real ``sglang.launch_server`` (its own process group): checksum equal to
     the server's own disk load of the same weights, prompt log-probs vs an fp32 HF reference
     (bf16: max ≤ 0.05, mean ≤ 0.01 nats), weight version read back, residency cycle."""
-    from safetensors.torch import save_file
-
     from colocate.sglang_engine import sglang_engine_args
 
     spec = HFModelSpec(arch="qwen3", num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
@@ -305,8 +301,7 @@ def test_real_sglang_http_server(tmp_path):
     new = {n: (v.detach() * 4).to(torch.bfloat16).clone()  # larger weights: peaked, distinguishable log-probs
            for n, v in hf_checkpoint_views(build_hf_model(spec)).items()}
     for d, w in (("init", init), ("new", new)):
-        hf_config(spec, dtype=torch.bfloat16).save_pretrained(tmp_path / d)
-        save_file(w, str(tmp_path / d / "model.safetensors"))
+        write_hf_checkpoint(tmp_path / d, w, spec=spec)
     args = sglang_engine_args(str(tmp_path / "init"), cuda_graph=True)
     args.pop("log_level")
     env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "HF_HUB_OFFLINE": "1", "PYTORCH_CUDA_ALLOC_CONF": ""}
