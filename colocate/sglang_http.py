@@ -276,10 +276,12 @@ class SGLangHTTPEngine:
     # ----- launching ----------------------------------------------------------------------------
     @classmethod
     def launch(cls, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16, port: int | None = None,
-               start_timeout_s: float = 300.0, log_path: str | None = None, env: dict[str, str] | None = None,
+               start_timeout_s: float = 300.0, log_path: str | None = None, env: dict[str, str | None] | None = None,
                timeout_s: float = 600.0, **server_args: Any) -> SGLangHTTPEngine:
         """Start ``python -m sglang.launch_server`` (own process group; ``server_args`` as for
-        ``sglang.Engine``), wait until ``/health`` answers, and connect. :meth:`shutdown` stops it."""
+        ``sglang.Engine``; ``env`` merged over this process's environment, ``None`` values
+        removing a variable), wait until ``/health`` answers, and connect. :meth:`shutdown`
+        stops it."""
         if port is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -287,8 +289,8 @@ class SGLangHTTPEngine:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
                *server_args_to_cli(server_args)]
         log = open(log_path or os.devnull, "w")  # noqa: SIM115 - owned by the process's lifetime
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+        full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
         log.close()
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + start_timeout_s

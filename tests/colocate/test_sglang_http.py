@@ -298,17 +298,18 @@ def test_real_sglang_http_server(tmp_path):
     torch.manual_seed(0)
     init = {n: v.detach().to(torch.bfloat16).clone() for n, v in hf_checkpoint_views(build_hf_model(spec)).items()}
     torch.manual_seed(1)
-    new = {n: (v.detach() * 4).to(torch.bfloat16).clone()  # larger weights: peaked, distinguishable log-probs
-           for n, v in hf_checkpoint_views(build_hf_model(spec)).items()}
+    new = {n: v.detach().to(torch.bfloat16).clone() for n, v in hf_checkpoint_views(build_hf_model(spec)).items()}
     for d, w in (("init", init), ("new", new)):
         write_hf_checkpoint(tmp_path / d, w, spec=spec)
     args = sglang_engine_args(str(tmp_path / "init"), cuda_graph=True)
     args.pop("log_level")
-    env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "HF_HUB_OFFLINE": "1", "PYTORCH_CUDA_ALLOC_CONF": ""}
+    env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "HF_HUB_OFFLINE": "1", "PYTORCH_CUDA_ALLOC_CONF": None}
     eng = SGLangHTTPEngine.launch(spec=spec, log_path=str(tmp_path / "server.log"), env=env, start_timeout_s=300,
                                   **args)
     try:
-        assert eng.has_bracket is False or eng.has_bracket is True
+        import sglang.srt.entrypoints.engine as sgl_engine_mod
+
+        assert eng.has_bracket is hasattr(sgl_engine_mod.Engine, "begin_weight_update")  # same release
         c0 = eng.checksum()
         pub = Publisher(eng, PublishConfig(bucket_bytes=1 << 20))
         rep = pub.publish({n: t.cuda() for n, t in new.items()}, version=1)
