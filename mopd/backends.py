@@ -111,11 +111,11 @@ class HTTPTeacher:
     one substitution is accepted (only for a request id of ``vocab_size − 1``); without it,
     such a reply is refused with an error naming the fix.
 
-    Temperature: the teacher must score at the rollout temperature τ. SGLang returns
-    *unscaled* input-token log-probs by default, so τ ≠ 1 is refused unless
-    ``server_scales_temperature=True`` declares that the server returns log softmax(z / τ) for
-    the ``temperature`` sent (e.g. an SGLang build honouring ``SGLANG_TEMP_SCALED_LOGPROBS=1``,
-    or :mod:`mopd.hf_server`).
+    Temperature: the teacher must score at the rollout temperature τ. SGLang (0.5.17: always;
+    the request temperature scales only sampling and output-token log-probs) returns *unscaled*
+    input-token log-probs, so τ ≠ 1 is refused unless ``server_scales_temperature=True``
+    declares that the server returns log softmax(z / τ) for the ``temperature`` sent (e.g.
+    :mod:`mopd.hf_server` in its default ``reference`` mode).
 
     Failures (connection refused, timeout, HTTP 5xx) are retried ``max_retries`` times with
     exponential backoff, then raise :class:`TeacherServerError` / :class:`TeacherTimeoutError`
