@@ -20,7 +20,7 @@ at a time. Forward turns it in place into ``e = exp(z − m)`` and then ``e · l
 ``log p`` and then ``dz``. The entropy gradient needs ``p`` and ``log p`` together and runs over
 row blocks of ``chunk / 8`` (one ``[chunk/8, V]`` temporary). For bf16/fp16 weights ``dz`` is
 rounded to the model dtype (as Megatron's own head does) in vocabulary slices, so the rounded
-copy and the per-slice products stay a small fraction of the chunk. Besides the chunk, backward
+copy and the per-slice products stay ≤ 1/32 and ≤ 1/16 of the chunk. Besides the chunk, backward
 keeps an fp32 ``dW`` accumulator ``[V_local, H]`` (the size of Megatron's ``main_grad``) and an
 fp32 ``dh [T, H]``.
 """
@@ -36,7 +36,7 @@ import torch.distributed as dist
 __all__ = ["tree_lm_head", "TreeHeadOutput", "HeadEdges", "head_edges"]
 
 _ENTROPY_ROW_BLOCKS = 8  # the entropy backward's temporary is [ceil(chunk / 8), V_local]
-_SLICE_FRACTION = 8  # vocab slices keep [slice, H] fp32 products ≤ 1/8 of a chunk
+_SLICE_FRACTION = 16  # vocab slices keep [slice, H] fp32 products ≤ 1/16 of a chunk
 
 
 class TreeHeadOutput(tuple):
@@ -100,8 +100,8 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
 
 
 def _vocab_slice(n: int, vl: int, h: int) -> int:
-    """Columns per slice so that the ``[slice, H]`` fp32 product is ≤ 1/8 and the rounded
-    ``[n, slice]`` copy ≤ 1/16 of an ``[n, V_local]`` fp32 chunk (at least 128 columns)."""
+    """Columns per slice so that the ``[slice, H]`` fp32 product is ≤ 1/16 and the rounded
+    ``[n, slice]`` copy ≤ 1/32 of an ``[n, V_local]`` fp32 chunk (at least 128 columns)."""
     s = max(128, min(math.ceil(n * vl / (_SLICE_FRACTION * max(h, 1))), math.ceil(vl / _SLICE_FRACTION)))
     return min(vl, -(-s // 128) * 128)
 

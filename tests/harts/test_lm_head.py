@@ -137,3 +137,26 @@ def test_head_keeps_one_chunk_alive(ent_grad):
         lr, er = tree_head_reference(hid, w, f.tokens, f.parent, temperature=0.9)
         (lr.sum() + er.sum()).backward()
     assert probe_ref.peak > 4 * chunk_bytes
+
+
+def test_chunked_head_bf16_vocab_slices():
+    """bf16 weights take the vocab-sliced gradient path (dz rounded to bf16 slice by slice, fp32
+    accumulators): several slices per chunk, compared with the fp64 head on the same bf16 values."""
+    from harts.lm_head import _vocab_slice
+
+    f = build_forest([list(range(1, 30)), list(range(1, 12)) + [40, 41, 42], [7, 8, 9]])
+    t, h, v, chunk = f.num_nodes, 8, 1000, 16
+    assert _vocab_slice(chunk, v, h) < v // 4  # at least four slices
+    g = torch.Generator().manual_seed(5)
+    hid = torch.randn(t, h, generator=g).bfloat16().requires_grad_(True)
+    w = (0.5 * torch.randn(v, h, generator=g)).bfloat16().requires_grad_(True)
+    lp, en = tree_lm_head(hid, w, f.tokens, f.parent, chunk_size=chunk, entropy_requires_grad=True)
+    (lp.sum() + 0.5 * en.sum()).backward()
+    hr, wr = hid.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    lr, er = tree_head_reference(hr, wr, f.tokens, f.parent)
+    (lr.sum() + 0.5 * er.sum()).backward()
+    assert_close("logp", lr, lp, atol=1e-4, rtol=1e-4)  # fp32 softmax math on exact bf16 products
+    assert_close("entropy", er, en, atol=1e-4, rtol=1e-4)
+    for name, ref, out in (("dhidden", hr.grad, hid.grad), ("dweight", wr.grad, w.grad)):
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert rel < 8e-3, f"{name}: relative Frobenius error {rel:.2e} (bf16 rounding of dz and the result)"
