@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from colocate.config import HFModelSpec
+from colocate.config import ConfigError, HFModelSpec
 
 __all__ = [
     "ConversionError",
@@ -40,6 +41,12 @@ __all__ = [
     "hf_param_specs",
     "check_params",
     "ROUTER_DTYPES",
+    "Qwen3NextSpec",
+    "split_qkv_gated",
+    "hf_gated_q_proj",
+    "gdn_in_proj_to_hf",
+    "merge_tp_sections",
+    "gdn_tp_sections",
 ]
 
 ROUTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -143,6 +150,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> lis
     (``output_layer.weight`` under tied embeddings). Raises :class:`ConversionError` on an
     unknown name.
     """
+    if isinstance(spec, Qwen3NextSpec):
+        return _qwen3_next_to_hf(name, tensor, spec)
     rows = spec.serve_vocab_size or spec.vocab_size
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", tensor[:rows])]
@@ -188,6 +197,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> lis
 
 def hf_param_specs(spec: HFModelSpec, *, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every HF name the receiver expects with its (shape, dtype), for a model trained in ``dtype``."""
+    if isinstance(spec, Qwen3NextSpec):
+        return _qwen3_next_specs(spec, dtype)
     H, D, Q, G = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_query_groups
     V = spec.serve_vocab_size or spec.vocab_size
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((V, H), dtype),
@@ -240,3 +251,226 @@ def check_params(sent: Mapping[str, tuple[Iterable[int], torch.dtype]],
         problems += [f"{n}: not sent, receiver expects {tuple(s)} {d}" for n, (s, d) in expected.items() if n not in sent]
     if problems:
         raise ParamMismatchError(problems[:limit], len(problems))
+
+
+# ----- Qwen3-Next / Qwen3.5 hybrid (Gated DeltaNet + gated full attention) ------------------------
+@dataclass(kw_only=True)
+class Qwen3NextSpec(HFModelSpec):
+    """A Qwen3-Next-style hybrid (HF ``Qwen3NextForCausalLM``): Gated DeltaNet layers and gated
+    full-attention layers. The inherited ``arch`` names the MLP family (``qwen3`` dense, every
+    layer in ``mlp_only_layers``; ``qwen3_moe`` with a gated shared expert)."""
+
+    layer_types: list[str] = field(default_factory=list)
+    """One entry per layer: ``linear_attention`` (Gated DeltaNet) or ``full_attention``."""
+    linear_num_key_heads: int = 16
+    """GDN key heads (HF ``linear_num_key_heads``)."""
+    linear_num_value_heads: int = 32
+    """GDN value heads; a multiple of the key heads."""
+    linear_key_head_dim: int = 128
+    """GDN key/query head channels."""
+    linear_value_head_dim: int = 128
+    """GDN value head channels."""
+    linear_conv_kernel_dim: int = 4
+    """Width of the GDN short convolution."""
+    partial_rotary_factor: float = 0.25
+    """Fraction of each attention head that gets RoPE (Megatron ``rotary_percent``)."""
+    megatron_zero_centered_gamma: bool = False
+    """Megatron norms store ``γ − 1`` (``layernorm_zero_centered_gamma``, TE). HF keeps ``γ − 1``
+    in its decoder/q/k norms (``x·(1 + w)``) and plain ``γ`` in the GDN gated norm, so one of the
+    two gets ±1 depending on this flag."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """Shared-expert intermediate size (MoE only; None: no shared expert)."""
+
+    hf_model_type = "qwen3_next"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = [t for t in self.layer_types if t not in ("linear_attention", "full_attention")]
+        if len(self.layer_types) != self.num_layers or bad:
+            raise ConfigError(f"Qwen3NextSpec.layer_types must list {self.num_layers} of 'linear_attention'/"
+                              f"'full_attention', got {self.layer_types!r}")
+        for n in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                  "linear_conv_kernel_dim"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"Qwen3NextSpec.{n} must be a positive int, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"Qwen3NextSpec.linear_num_value_heads={self.linear_num_value_heads} must be a "
+                              f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ConfigError(f"Qwen3NextSpec.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+
+
+def split_qkv_gated(qkv: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split Megatron's gated ``linear_qkv`` (``attention_output_gate``) [G·(2Q/G+2)·D, H], per KV
+    group ``[q (Q/G·D); gate (Q/G·D); k (D); v (D)]``, into q, gate [Q·D, H] and k, v [G·D, H]."""
+    per = num_heads // num_groups
+    rows = num_groups * (2 * per + 2) * head_dim
+    if qkv.shape[0] != rows:
+        raise ConversionError(f"gated linear_qkv has {qkv.shape[0]} rows, expected G·(2Q/G+2)·D = {rows} "
+                              f"(Q={num_heads}, G={num_groups}, D={head_dim})")
+    tail = qkv.shape[1:]
+    g = qkv.reshape(num_groups, (2 * per + 2) * head_dim, *tail)
+    s = per * head_dim
+    q = g[:, :s].reshape(num_heads * head_dim, *tail)
+    gate = g[:, s:2 * s].reshape(num_heads * head_dim, *tail)
+    k = g[:, 2 * s:2 * s + head_dim].reshape(num_groups * head_dim, *tail)
+    v = g[:, 2 * s + head_dim:].reshape(num_groups * head_dim, *tail)
+    return q, gate, k, v
+
+
+def hf_gated_q_proj(q: torch.Tensor, gate: torch.Tensor, *, num_heads: int, head_dim: int) -> torch.Tensor:
+    """HF Qwen3-Next ``q_proj`` [Q·2D, H]: per head ``[q_h (D); gate_h (D)]``."""
+    tail = q.shape[1:]
+    return torch.cat([q.reshape(num_heads, head_dim, *tail), gate.reshape(num_heads, head_dim, *tail)],
+                     dim=1).reshape(2 * num_heads * head_dim, *tail)
+
+
+def gdn_in_proj_to_hf(w: torch.Tensor, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
+                      value_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron GDN ``in_proj`` [2·Nk·Dk + 2·Nv·Dv + 2·Nv, H] = ``[q; k; v; z; β; α]`` (each in head
+    order) → HF ``in_proj_qkvz`` [2·Nk·Dk + 2·Nv·Dv, H] and ``in_proj_ba`` [2·Nv, H], both grouped
+    per key head g (r = Nv/Nk value heads per group): ``[q_g; k_g; v_g (r·Dv); z_g (r·Dv)]`` and
+    ``[β_g (r); α_g (r)]``."""
+    nk, nv, dk, dv = num_key_heads, num_value_heads, key_head_dim, value_head_dim
+    r = nv // nk
+    rows = 2 * nk * dk + 2 * nv * dv + 2 * nv
+    if w.shape[0] != rows:
+        raise ConversionError(f"GDN in_proj has {w.shape[0]} rows, expected 2·Nk·Dk + 2·Nv·Dv + 2·Nv = {rows} "
+                              f"(Nk={nk}, Nv={nv}, Dk={dk}, Dv={dv})")
+    tail = w.shape[1:]
+    q, k, v, z, b, a = torch.split(w, [nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], dim=0)
+    qkvz = torch.cat([q.reshape(nk, dk, *tail), k.reshape(nk, dk, *tail), v.reshape(nk, r * dv, *tail),
+                      z.reshape(nk, r * dv, *tail)], dim=1).reshape(-1, *tail)
+    ba = torch.cat([b.reshape(nk, r, *tail), a.reshape(nk, r, *tail)], dim=1).reshape(-1, *tail)
+    return qkvz, ba
+
+
+def merge_tp_sections(shards: list[torch.Tensor], sections: list[int]) -> torch.Tensor:
+    """Merge column-parallel shards whose rows are several tensors stacked (``sections``: the
+    per-shard row counts, e.g. the GDN ``in_proj`` ``[q_r; k_r; v_r; z_r; β_r; α_r]`` or
+    ``conv1d`` ``[q_r; k_r; v_r]``): section i of every rank in rank order, then section i+1."""
+    if any(s.shape[0] != sum(sections) for s in shards):
+        raise ConversionError(f"merge_tp_sections: shard rows {[s.shape[0] for s in shards]} != sum({sections})")
+    parts = [torch.split(s, sections, dim=0) for s in shards]
+    return torch.cat([p[i] for i in range(len(sections)) for p in parts], dim=0)
+
+
+def gdn_tp_sections(spec: Qwen3NextSpec, tp: int, *, which: str) -> list[int]:
+    """Per-TP-rank row sections of the GDN ``in_proj`` (``which="in_proj"``) or ``conv1d``."""
+    qk = spec.linear_num_key_heads * spec.linear_key_head_dim // tp
+    v = spec.linear_num_value_heads * spec.linear_value_head_dim // tp
+    nv = spec.linear_num_value_heads // tp
+    if which == "in_proj":
+        return [qk, qk, v, v, nv, nv]
+    if which == "conv1d":
+        return [qk, qk, v]
+    raise ConversionError(f"gdn_tp_sections: which must be 'in_proj' or 'conv1d', got {which!r}")
+
+
+_NEXT_NORMS = {  # Megatron layer-relative name → HF name (zero-centered HF norms)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+
+
+_GDN_SUBMODULES = ("in_proj", "conv1d", "A_log", "dt_bias", "out_norm", "out_proj")
+
+
+def _hf_centered(t: torch.Tensor, spec: Qwen3NextSpec) -> torch.Tensor:
+    return t if spec.megatron_zero_centered_gamma else t - 1
+
+
+def _qwen3_next_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3NextSpec) -> list[tuple[str, torch.Tensor]]:
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", _hf_centered(tensor, spec))]
+    m = _LAYER.match(name)
+    if m is None:
+        return megatron_to_hf(name, tensor, spec=HFModelSpec(**_base_fields(spec)))
+    layer, rest = int(m.group(1)), name[m.end():]
+    if not 0 <= layer < spec.num_layers:
+        raise ConversionError(f"{name!r}: layer {layer} outside num_layers={spec.num_layers}")
+    pre = f"model.layers.{layer}."
+    kind = spec.layer_types[layer]
+    if rest in _NEXT_NORMS:
+        if rest.startswith("self_attention.") and ("q_layernorm" in rest or "k_layernorm" in rest) \
+                and kind != "full_attention":
+            raise ConversionError(f"{name!r}: layer {layer} is {kind}, it has no q/k norm")
+        return [(pre + _NEXT_NORMS[rest], _hf_centered(tensor, spec))]
+    sub = rest.split(".")[1] if rest.startswith("self_attention.") else None
+    if sub in _GDN_SUBMODULES or sub in ("linear_qkv", "linear_proj"):
+        want = "linear_attention" if sub in _GDN_SUBMODULES else "full_attention"
+        if want != kind:
+            raise ConversionError(f"{name!r}: a {want} parameter, but layer_types[{layer}]={kind!r}")
+    if rest == "self_attention.linear_qkv.weight":
+        q, gate, k, v = split_qkv_gated(tensor, num_heads=spec.num_attention_heads, num_groups=spec.num_query_groups,
+                                        head_dim=spec.head_dim)
+        qp = hf_gated_q_proj(q, gate, num_heads=spec.num_attention_heads, head_dim=spec.head_dim)
+        return [(pre + "self_attn.q_proj.weight", qp), (pre + "self_attn.k_proj.weight", k),
+                (pre + "self_attn.v_proj.weight", v)]
+    if rest == "self_attention.linear_proj.weight":
+        return [(pre + "self_attn.o_proj.weight", tensor)]
+    la = pre + "linear_attn."
+    if rest == "self_attention.in_proj.weight":
+        qkvz, ba = gdn_in_proj_to_hf(tensor, num_key_heads=spec.linear_num_key_heads,
+                                     num_value_heads=spec.linear_num_value_heads,
+                                     key_head_dim=spec.linear_key_head_dim, value_head_dim=spec.linear_value_head_dim)
+        return [(la + "in_proj_qkvz.weight", qkvz), (la + "in_proj_ba.weight", ba)]
+    if rest == "self_attention.conv1d.weight":
+        return [(la + "conv1d.weight", tensor)]
+    if rest in ("self_attention.A_log", "self_attention.dt_bias"):
+        return [(la + rest.split(".")[1], tensor)]
+    if rest == "self_attention.out_norm.weight":  # HF gated norm is plain γ
+        return [(la + "norm.weight", tensor + 1 if spec.megatron_zero_centered_gamma else tensor)]
+    if rest == "self_attention.out_proj.weight":
+        return [(la + "out_proj.weight", tensor)]
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(pre + "mlp.shared_expert.gate_proj.weight", gate), (pre + "mlp.shared_expert.up_proj.weight", up)]
+    if rest == "mlp.shared_experts.linear_fc2.weight":
+        return [(pre + "mlp.shared_expert.down_proj.weight", tensor)]
+    if rest == "mlp.shared_experts.gate_weight":
+        return [(pre + "mlp.shared_expert_gate.weight", tensor)]
+    if rest.startswith("mlp."):
+        return megatron_to_hf(name, tensor, spec=HFModelSpec(**_base_fields(spec)))
+    raise ConversionError(f"no HF Qwen3-Next mapping for Megatron parameter {name!r}")
+
+
+def _base_fields(spec: HFModelSpec) -> dict:
+    return {f.name: getattr(spec, f.name) for f in fields(HFModelSpec)}
+
+
+def _qwen3_next_specs(spec: Qwen3NextSpec, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    base = hf_param_specs(HFModelSpec(**_base_fields(spec)), dtype=dtype)
+    out = {n: v for n, v in base.items() if ".self_attn." not in n}
+    H, D, Q, G = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_query_groups
+    nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
+    dk, dv, W = spec.linear_key_head_dim, spec.linear_value_head_dim, spec.linear_conv_kernel_dim
+    for i, kind in enumerate(spec.layer_types):
+        p = f"model.layers.{i}."
+        if kind == "full_attention":
+            out.update({p + "self_attn.q_proj.weight": ((2 * Q * D, H), dtype),
+                        p + "self_attn.k_proj.weight": ((G * D, H), dtype),
+                        p + "self_attn.v_proj.weight": ((G * D, H), dtype),
+                        p + "self_attn.o_proj.weight": ((H, Q * D), dtype),
+                        p + "self_attn.q_norm.weight": ((D,), dtype), p + "self_attn.k_norm.weight": ((D,), dtype)})
+        else:
+            la = p + "linear_attn."
+            out.update({la + "in_proj_qkvz.weight": ((2 * nk * dk + 2 * nv * dv, H), dtype),
+                        la + "in_proj_ba.weight": ((2 * nv, H), dtype),
+                        la + "conv1d.weight": ((2 * nk * dk + nv * dv, 1, W), dtype),
+                        la + "dt_bias": ((nv,), dtype), la + "A_log": ((nv,), dtype),
+                        la + "norm.weight": ((dv,), dtype), la + "out_proj.weight": ((H, nv * dv), dtype)})
+        if spec.num_experts and spec.shared_expert_ffn_hidden_size:
+            S = spec.shared_expert_ffn_hidden_size
+            out.update({p + "mlp.shared_expert.gate_proj.weight": ((S, H), dtype),
+                        p + "mlp.shared_expert.up_proj.weight": ((S, H), dtype),
+                        p + "mlp.shared_expert.down_proj.weight": ((H, S), dtype),
+                        p + "mlp.shared_expert_gate.weight": ((1, H), dtype)})
+    return out
