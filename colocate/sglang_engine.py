@@ -60,7 +60,8 @@ def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor
         c = json.loads((tmp / "config.json").read_text())
         c["torch_dtype"] = c["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(c, indent=1))
-        save_file({n: t.detach().to(dtype).contiguous().cpu() for n, t in tensors.items()},
+        # copies: safetensors refuses tensors that share memory (e.g. views of fused experts)
+        save_file({n: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for n, t in tensors.items()},
                   str(tmp / "model.safetensors"))
         for f in tmp.iterdir():
             with open(f, "rb+") as fh:
@@ -164,11 +165,13 @@ class SGLangEngine:
                                    owner="sglang")
 
     @classmethod
-    def launch(cls, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16, **engine_kwargs: Any) -> SGLangEngine:
-        """Start ``sglang.Engine(**engine_kwargs)`` (lazy import) and wrap it."""
+    def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16,
+               **engine_kwargs: Any) -> SGLangEngine:
+        """Start ``sglang.Engine(**engine_kwargs)`` (lazy import; ``engine_kwargs`` may hold the
+        engine's own ``dtype``) and wrap it; ``param_dtype`` is the dtype the publisher sends."""
         import sglang
 
-        return cls(sglang.Engine(**engine_kwargs), spec=spec, dtype=dtype)
+        return cls(sglang.Engine(**engine_kwargs), spec=spec, dtype=param_dtype)
 
     def checksum(self) -> str:
         """The engine's current weight checksum (SGLang's weight checker)."""

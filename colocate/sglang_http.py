@@ -275,11 +275,11 @@ class SGLangHTTPEngine:
 
     # ----- launching ----------------------------------------------------------------------------
     @classmethod
-    def launch(cls, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16, port: int | None = None,
+    def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16, port: int | None = None,
                start_timeout_s: float = 300.0, log_path: str | None = None, env: dict[str, str | None] | None = None,
                timeout_s: float = 600.0, **server_args: Any) -> SGLangHTTPEngine:
         """Start ``python -m sglang.launch_server`` (own process group; ``server_args`` as for
-        ``sglang.Engine``; ``env`` merged over this process's environment, ``None`` values
+        ``sglang.Engine``, its ``dtype`` included; ``param_dtype`` is the dtype the publisher sends; ``env`` merged over this process's environment, ``None`` values
         removing a variable), wait until ``/health`` answers, and connect. :meth:`shutdown`
         stops it."""
         if port is None:
@@ -310,7 +310,7 @@ class SGLangHTTPEngine:
                 raise ReceiverTimeout(f"sglang.launch_server not healthy within {start_timeout_s:.0f}s; log: {log_path}")
             time.sleep(1.0)
         try:
-            return cls(url, spec=spec, dtype=dtype, timeout_s=timeout_s, process=proc)
+            return cls(url, spec=spec, dtype=param_dtype, timeout_s=timeout_s, process=proc)
         except BaseException:
             _kill_group(proc)
             raise

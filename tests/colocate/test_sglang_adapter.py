@@ -131,8 +131,9 @@ def test_write_hf_checkpoint_loads_in_transformers_and_replaces_atomically(tmp_p
                       head_dim=8, ffn_hidden_size=24, vocab_size=32, num_experts=3, tie_embeddings=True)
     for seed in (0, 1):  # the second write replaces the first folder
         torch.manual_seed(seed)
-        w = {n: v.detach().to(torch.bfloat16).clone() for n, v in hf_checkpoint_views(build_hf_model(moe)).items()}
-        write_hf_checkpoint(tmp_path / "ckpt", w, spec=moe)
+        model = build_hf_model(moe, dtype=torch.bfloat16)
+        w = {n: v.clone() for n, v in hf_checkpoint_views(model).items()}
+        write_hf_checkpoint(tmp_path / "ckpt", hf_checkpoint_views(model), spec=moe)  # views of fused experts
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
