@@ -144,6 +144,7 @@ def _driver(case_file: str, result_file: str) -> None:
     rec = _Recorder(result_file)
     rec["megatron_imported"] = any(m.startswith("megatron") for m in sys.modules)
     from colocate import PublishConfig
+    from colocate.convert import hf_param_specs
     from colocate.engines import build_hf_model, hf_checkpoint_views
     from colocate.publish import Publisher
     from colocate.residency import NotResidentError
@@ -151,7 +152,8 @@ def _driver(case_file: str, result_file: str) -> None:
 
     case = torch.load(case_file, weights_only=False)
     spec, tp = case["spec"], case["tp"]
-    weights = {n: t.to(torch.bfloat16) for n, t in case["weights"].items()}
+    specs = hf_param_specs(spec, dtype=torch.bfloat16)  # bf16, except fp32 router parts if configured
+    weights = {n: t.to(specs[n][1]) for n, t in case["weights"].items()}
     base = os.path.dirname(result_file)
 
     torch.manual_seed(123)
