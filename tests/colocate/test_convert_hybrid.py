@@ -199,3 +199,31 @@ def test_hybrid_megatron_to_hf_logits_roundtrip(cpu_megatron, monkeypatch):
     with pytest.raises(ParamMismatchError, match="in_proj_ba"):
         check_params({n: v for n, v in hf_param_specs(spec, dtype=torch.float32).items() if "in_proj_ba" not in n},
                      hf_param_specs(spec, dtype=torch.float32))
+
+
+def test_moe_hybrid_names_and_shapes_match_hf_model():
+    """MoE hybrid (routed experts + gated shared expert): every non-expert HF name and shape equals
+    the transformers model's; per-expert checkpoint tensors stack to its fused expert tensors."""
+    from transformers import Qwen3NextConfig
+
+    spec = _spec(arch="qwen3_moe", num_experts=4, moe_ffn_hidden_size=6, shared_expert_ffn_hidden_size=10)
+    cfg = Qwen3NextConfig(**{**_hf_config(spec).to_dict(), "num_experts": 4, "moe_intermediate_size": 6,
+                             "shared_expert_intermediate_size": 10, "mlp_only_layers": [], "decoder_sparse_step": 1,
+                             "num_experts_per_tok": 2})
+    sd = {n: tuple(t.shape) for n, t in qwen3_next.Qwen3NextForCausalLM(cfg).state_dict().items()}
+    ours = {n: s for n, (s, _) in hf_param_specs(spec, dtype=torch.float32).items()}
+    plain = {n: s for n, s in ours.items() if ".mlp.experts." not in n}
+    assert plain == {n: s for n, s in sd.items() if ".mlp.experts." not in n}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        gate_up = (4, ours[p + "0.gate_proj.weight"][0] + ours[p + "0.up_proj.weight"][0], 24)
+        assert sd[p + "gate_up_proj"] == gate_up and sd[p + "down_proj"] == (4, *ours[p + "0.down_proj.weight"])
+    fc1 = torch.randn(20, 24)
+    out = dict(megatron_to_hf("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", fc1, spec=spec))
+    assert torch.equal(out["model.layers.1.mlp.shared_expert.gate_proj.weight"], fc1[:10])
+    assert torch.equal(out["model.layers.1.mlp.shared_expert.up_proj.weight"], fc1[10:])
+    gw = torch.randn(1, 24)
+    assert megatron_to_hf("decoder.layers.1.mlp.shared_experts.gate_weight", gw, spec=spec)[0][0] == \
+        "model.layers.1.mlp.shared_expert_gate.weight"
+    r = megatron_to_hf("decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight", torch.zeros(24, 6), spec=spec)
+    assert r[0][0] == "model.layers.2.mlp.experts.3.down_proj.weight"
