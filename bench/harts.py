@@ -22,8 +22,9 @@ Sections:
   The calibration line reports the crossover: the smallest C at which the forced tree (best
   backend) is at least as fast as the best THD, interpolated between measured cases.
 * ``head``: fwd+bwd of per-row log-probs + entropy at V = 151,936, bf16 weights: full fp32 logits
-  (bf16 GEMM, fp32 softmax math, autograd) vs :func:`harts.tree_lm_head` with chunks of 1024 and
-  4096 rows; time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
+  (bf16 GEMM, fp32 softmax math, autograd; ``full_fp32``: upcast operands and a TF32 GEMM, the
+  baseline of earlier runs) vs :func:`harts.tree_lm_head` with chunks of 1024 and 4096 rows;
+  time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
   peak − (dW, dh in bf16 + their fp32 accumulators).
 
 Run: ``python bench/harts.py`` on a GPU (≈2 min on an H200), ``python bench/harts.py --quick`` for
@@ -253,6 +254,13 @@ def bench_head(args, dev, rows):
         ent = -(lp.exp() * lp).sum(-1)
         (logp.sum() + ent.sum()).backward()
 
+    def full_fp32():  # the previous baseline: fp32 (TF32) GEMM on upcast operands
+        z = hid.float() @ w.float().T
+        lp = torch.log_softmax(z, -1)
+        logp = lp[1:].gather(-1, tokens[1:, None]).squeeze(-1)
+        ent = -(lp.exp() * lp).sum(-1)
+        (logp.sum() + ent.sum()).backward()
+
     def chunked(c):
         def fn():
             logp, ent = tree_lm_head(hid, w, tokens, parent, chunk_size=c, entropy_requires_grad=True, edges=edges)
@@ -260,7 +268,8 @@ def bench_head(args, dev, rows):
         return fn
 
     grads = (v * h + t * h) * (torch.finfo(dtype).bits // 8 + 4)  # dW, dh and their fp32 accumulators
-    fns = {"full": (full, None), "chunk1024": (chunked(1024), 1024), "chunk4096": (chunked(4096), 4096)}
+    fns = {"full": (full, None), "full_fp32": (full_fp32, None), "chunk1024": (chunked(1024), 1024),
+           "chunk4096": (chunked(4096), 4096)}
     samples = {k: [] for k in fns}
     for fn, _ in fns.values():
         fn()
