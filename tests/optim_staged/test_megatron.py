@@ -54,6 +54,30 @@ def _build(staged: bool, seed: int = 7, *, small: bool = False):
 
 
 def _train_step(model, optim, step: int, micro_ids: list[int]) -> float:
+    _forward_backward(model, optim, step, micro_ids)
+    ok, grad_norm, _ = optim.step()
+    assert ok
+    return grad_norm
+
+
+def _train_pair(native_model, native, staged_model, staged, step: int, micro_ids: list[int]) -> tuple[float, float]:
+    """One step of both runs on the *same* gradients: the staged model's reduced grad buffers are
+    overwritten with the native model's, so the comparison is of the optimizers alone. (Two model
+    instances on a GPU may differ in the last bits of their backward pass: atomics, kernel choice
+    by pointer alignment; that is not what this test is about. On CPU the copy changes nothing.)"""
+    _forward_backward(native_model, native, step, micro_ids)
+    _forward_backward(staged_model, staged, step, micro_ids)
+    for bn, bs in zip(native_model.buffers, staged_model.buffers, strict=True):
+        bs.grad_data.copy_(bn.grad_data)
+    out = []
+    for optim in (native, staged):
+        ok, grad_norm, _ = optim.step()
+        assert ok
+        out.append(grad_norm)
+    return out[0], out[1]
+
+
+def _forward_backward(model, optim, step: int, micro_ids: list[int]) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     data = iter([_tokens(step, m) for m in micro_ids])
@@ -73,9 +97,6 @@ def _train_step(model, optim, step: int, micro_ids: list[int]) -> float:
     get_forward_backward_func()(forward_step_func=fwd, data_iterator=data, model=[model],
                                 num_microbatches=len(micro_ids), seq_length=S, micro_batch_size=B,
                                 forward_only=False)
-    ok, grad_norm, _ = optim.step()
-    assert ok
-    return grad_norm
 
 
 def _leaf_states(optim):
@@ -103,14 +124,18 @@ def dp2_body(rank: int, world_size: int, ckpt_dir: str):
     staged_model, staged = _build(staged=True)
     assert len(staged_leaves(staged)) == 1 and not staged_leaves(native)
     norms = []
+    if torch.cuda.is_available():  # deterministic GPU kernels, no TF32 (the CPU run is exact)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     for step in range(SAVE_AT):
-        norms.append((_train_step(native_model, native, step, [rank]),
-                      _train_step(staged_model, staged, step, [rank])))
+        norms.append(_train_pair(native_model, native, staged_model, staged, step, [rank]))
         if step == 1:  # RL colocation: drop slots between steps, then continue
             staged.offload_to_cpu()
             assert staged_leaves(staged)[0].gpu_state_bytes == 0
             staged.restore_from_cpu()
-    result = {"norms": norms, "native_states": _leaf_states(native), "staged_states": _leaf_states(staged),
+    result = {"native_kind": type(native.chained_optimizers[0].optimizer).__name__,
+              "norms": norms, "native_states": _leaf_states(native), "staged_states": _leaf_states(staged),
               "native_params": _params(native_model), "staged_params": _params(staged_model)}
     # Model-space checkpoint of the staged run at step 3 (atomic: tmp dir + fsync + rename), then
     # continue uninterrupted.
@@ -165,10 +190,11 @@ def test_staged_adamw_in_megatron_dp2_nccl(tmp_path):
 
 
 def _check_dp2_and_reshard(ckpt: str, *, backend: str) -> None:
-    r0, r1 = run_ranks(dp2_body, 2, ckpt, timeout=200, backend=backend)
-    # staged vs native Megatron Adam: grad norms, states, params
-    for (n_nat, n_stg) in r0["norms"]:
-        assert abs(n_nat - n_stg) <= 1e-6 * abs(n_nat), (n_nat, n_stg)
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if backend == "nccl" else None
+    r0, r1 = run_ranks(dp2_body, 2, ckpt, timeout=200, backend=backend, env=env)
+    # staged vs native Megatron Adam on the same gradients: grad norms, states, params
+    for i, (n_nat, n_stg) in enumerate(r0["norms"]):
+        assert abs(n_nat - n_stg) <= 1e-6 * abs(n_nat), (f"step {i}", r0["native_kind"], r0["norms"])
     for r in (r0, r1):
         assert r["native_states"].keys() == r["staged_states"].keys() and r["native_states"]
         for name, st in r["native_states"].items():
@@ -177,7 +203,13 @@ def _check_dp2_and_reshard(ckpt: str, *, backend: str) -> None:
                 np.testing.assert_allclose(out, ref, rtol=2e-6, atol=2e-6 * max(1e-12, np.abs(ref).max()),
                                            err_msg=f"{name}.{key}")
         for name, ref in r["native_params"].items():
-            np.testing.assert_array_equal(r["staged_params"][name], ref, err_msg=name)
+            if r["native_kind"] == "AdamW":  # torch AdamW: the same foreach op sequence -> bitwise
+                np.testing.assert_array_equal(r["staged_params"][name], ref, err_msg=name)
+            else:  # TE FusedAdam (GPU lane with TE): masters within 2e-6 (above), so a bf16 cast
+                # differs by at most one ulp, where a master sits on a rounding boundary
+                out = r["staged_params"][name]
+                np.testing.assert_allclose(out, ref, rtol=2 ** -7, atol=0, err_msg=name)
+                assert (out != ref).mean() <= 1e-3, f"{name}: {(out != ref).mean():.2e} of elements differ"
     # all DP replicas hold identical params
     for name in r0["final_params"]:
         np.testing.assert_array_equal(r0["final_params"][name], r1["final_params"][name], err_msg=name)
@@ -208,8 +240,7 @@ def padding_rank_body(rank: int, world_size: int, ckpt_dir: str):
     inner = staged_leaves(staged)[0].optimizer
     out = {"staged_numel": inner.residency["staged_numel"],
            "group_sizes": [len(g["params"]) for g in inner.param_groups]}
-    out["norms"] = [(_train_step(native_model, native, s, [rank]), _train_step(staged_model, staged, s, [rank]))
-                    for s in range(SAVE_AT)]
+    out["norms"] = [_train_pair(native_model, native, staged_model, staged, s, [rank]) for s in range(SAVE_AT)]
     out["native_params"], out["staged_params"] = _params(native_model), _params(staged_model)
     save_checkpoint(staged_model, staged, ckpt_dir)
     out["cont"] = [_train_step(staged_model, staged, s, [rank]) for s in range(SAVE_AT, SAVE_AT + 2)]
