@@ -2,8 +2,15 @@
 trajectories whose shared turns are token-identical, for harts prefix trees (``docs/demo.md``)."""
 
 from examples.agent.env import AirlineDB, Task, check_task, make_tasks, run_tool
-from examples.agent.rollout import AgentBatch, ScriptedPolicy, Trajectory, agent_batch, rollout_group
+from examples.agent.rollout import (
+    AgentBatch,
+    EnginePolicy,
+    ScriptedPolicy,
+    Trajectory,
+    agent_batch,
+    rollout_group,
+)
 from examples.agent.tokenizer import ToyTokenizer
 
-__all__ = ["AgentBatch", "AirlineDB", "ScriptedPolicy", "Task", "ToyTokenizer", "Trajectory", "agent_batch",
-           "check_task", "make_tasks", "rollout_group", "run_tool"]
+__all__ = ["AgentBatch", "AirlineDB", "EnginePolicy", "ScriptedPolicy", "Task", "ToyTokenizer", "Trajectory",
+           "agent_batch", "check_task", "make_tasks", "rollout_group", "run_tool"]

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from examples.agent.env import CALL_RE, Task, check_task, run_tool, user_reply
 from examples.agent.tokenizer import ToyTokenizer
 
-__all__ = ["Trajectory", "ScriptedPolicy", "rollout_group", "AgentBatch", "agent_batch", "SYSTEM_PROMPT"]
+__all__ = ["Trajectory", "ScriptedPolicy", "EnginePolicy", "rollout_group", "AgentBatch", "agent_batch",
+           "SYSTEM_PROMPT"]
 
 SYSTEM_PROMPT = ("you are an airline agent. tools: get_booking(B), search_flights(ORIG,DEST,dN), "
                  "change_flight(B,F), cancel_booking(B). one call or say per turn.")
@@ -30,15 +31,21 @@ class Trajectory:
     roles: list[str] = field(default_factory=list)
     turns: list[tuple[str, int, int]] = field(default_factory=list)
     """(role, start, end) of every turn's body in ``ids``."""
+    logprobs: dict[int, float] = field(default_factory=dict)
+    """Behaviour log-prob of each engine-sampled token, by position in ``ids`` (EnginePolicy only)."""
 
     def add_text(self, tok: ToyTokenizer, role: str, text: str) -> None:
         """Append an environment turn: role marker, ``encode(text)`` of this turn only, end of turn."""
         body = tok.encode(text)
         self._append(tok, role, body, [role] * (len(body) + 1))
 
-    def add_agent(self, tok: ToyTokenizer, ids: list[int]) -> None:
-        """Append the policy's ids as emitted (no re-encoding), then end of turn."""
+    def add_agent(self, tok: ToyTokenizer, ids: list[int], logprobs: list[float] | None = None) -> None:
+        """Append the policy's ids as emitted (no re-encoding), then end of turn. ``logprobs`` (one
+        per id, optionally one more for a sampled end of turn) are recorded by position."""
+        start = len(self.ids) + 1
         self._append(tok, "agent", list(ids), ["agent"] * (len(ids) + 1))
+        for k, lp in enumerate(logprobs or []):
+            self.logprobs[start + k] = lp
 
     def _append(self, tok, role, body, roles) -> None:
         start = len(self.ids) + 1
@@ -48,7 +55,7 @@ class Trajectory:
 
     def fork(self) -> Trajectory:
         """An independent continuation sharing this history (ids copied, never re-encoded)."""
-        return Trajectory(list(self.ids), list(self.roles), list(self.turns))
+        return Trajectory(list(self.ids), list(self.roles), list(self.turns), dict(self.logprobs))
 
     def loss_mask(self) -> list[bool]:
         """True at the policy's tokens."""
@@ -91,6 +98,14 @@ class ScriptedPolicy:
         wrong = next(f for f in sorted(task.db.flights) if f != bk["flight"])
         return [look, (f"say your booking is on flight {bk['flight']}", f"say your booking is on flight {wrong}")]
 
+    def emit(self, task: Task, stage: int, rng: random.Random, traj: Trajectory, tok: ToyTokenizer):
+        """(ids, logprobs or None, advances) of the next agent turn."""
+        text, advance = self.act(task, stage, rng)
+        return tok.encode_split(text, split_words=self.split_words), None, advance
+
+    def stages(self, task: Task) -> int:
+        return len(self.plan(task))
+
     def act(self, task: Task, stage: int, rng: random.Random) -> tuple[str, bool]:
         """(action text, whether it advances the plan) at ``stage``."""
         good, bad = self.plan(task)[stage]
@@ -100,14 +115,40 @@ class ScriptedPolicy:
         return bad, not harmless
 
 
-def _episode(task: Task, policy: ScriptedPolicy, tok: ToyTokenizer, traj: Trajectory, rng: random.Random,
+class EnginePolicy:
+    """Agent turns sampled from a rollout engine (``colocate.HFEngine`` or any object with its
+    ``generate(prompts, max_new_tokens=, temperature=, seed=, eos_token_id=)``).
+
+    Token in: the prompt is the trajectory's stored ids plus the agent role marker. Token out: the
+    engine's ids are appended as returned, with their behaviour log-probs; nothing is decoded and
+    re-encoded. A turn ends at the engine's end-of-turn token or after ``max_turn_tokens`` (then
+    the end of turn is appended as a template token)."""
+
+    def __init__(self, engine, *, max_turn_tokens: int = 32, temperature: float = 1.0):
+        if max_turn_tokens < 1:
+            raise ValueError(f"max_turn_tokens={max_turn_tokens!r}: must be >= 1")
+        self.engine, self.max_turn_tokens, self.temperature = engine, max_turn_tokens, temperature
+
+    def stages(self, task: Task) -> int:
+        return 1 << 30  # episodes end by the user or by max_agent_turns
+
+    def emit(self, task: Task, stage: int, rng: random.Random, traj: Trajectory, tok: ToyTokenizer):
+        res = self.engine.generate([traj.ids + [tok.role_ids["agent"]]], max_new_tokens=self.max_turn_tokens,
+                                   temperature=self.temperature, seed=rng.randrange(1 << 62), eos_token_id=tok.eot_id)
+        ids, lps = list(res.tokens[0]), list(res.logprobs[0])
+        if ids and ids[-1] == tok.eot_id:
+            return ids[:-1], lps, False  # the sampled end of turn keeps its log-prob (position after the body)
+        return ids, lps, False
+
+
+def _episode(task: Task, policy: ScriptedPolicy | EnginePolicy, tok: ToyTokenizer, traj: Trajectory, rng: random.Random,
              max_agent_turns: int) -> tuple[Trajectory, float]:
-    db, says, stage, plan_len = task.db.copy(), [], 0, len(policy.plan(task))
+    db, says, stage, plan_len = task.db.copy(), [], 0, policy.stages(task)
     for _ in range(max_agent_turns):
         if stage >= plan_len:
             break
-        text, advance = policy.act(task, stage, rng)
-        traj.add_agent(tok, tok.encode_split(text, split_words=policy.split_words))
+        ids, logprobs, advance = policy.emit(task, stage, rng, traj, tok)
+        traj.add_agent(tok, ids, logprobs)
         stage += advance
         heard = tok.decode(traj.ids[traj.turns[-1][1]:traj.turns[-1][2]])  # the env reads the emitted text
         m = CALL_RE.match(heard)
@@ -123,7 +164,7 @@ def _episode(task: Task, policy: ScriptedPolicy, tok: ToyTokenizer, traj: Trajec
     return traj, check_task(task, db, says)
 
 
-def rollout_group(task: Task, policy: ScriptedPolicy, tok: ToyTokenizer, *, n: int, seed: int = 0,
+def rollout_group(task: Task, policy: ScriptedPolicy | EnginePolicy, tok: ToyTokenizer, *, n: int, seed: int = 0,
                   max_agent_turns: int = 12) -> list[tuple[Trajectory, float]]:
     """``n`` episodes of ``task``, all forked from one trajectory holding the system prompt and the
     user's request; each returns (trajectory, checker reward)."""
@@ -153,7 +194,7 @@ class AgentBatch:
         return torch.tensor([m for mask in self.loss_masks for m in mask[1:]], dtype=torch.bool)
 
 
-def agent_batch(tasks: list[Task], policy: ScriptedPolicy, tok: ToyTokenizer, *, group_size: int,
+def agent_batch(tasks: list[Task], policy: ScriptedPolicy | EnginePolicy, tok: ToyTokenizer, *, group_size: int,
                 seed: int = 0) -> AgentBatch:
     """Group rollouts of every task (``group_size`` episodes each)."""
     seqs, masks, rewards, ids = [], [], [], []

@@ -141,3 +141,36 @@ def test_label_mask_marks_exactly_the_policy_tokens():
     agent_ids = {t for s in b.seqs for t in s} - {TOK.role_ids[r] for r in TOK.role_ids}
     assert set(predicted[mask].tolist()) <= agent_ids
     assert TOK.eot_id in set(predicted[mask].tolist())
+
+
+@pytest.mark.timeout(120)
+def test_engine_policy_is_token_in_token_out():
+    """Agent turns sampled by the embedded engine are stored as returned; their recorded log-probs
+    equal a full forward over the stored ids at the same positions (no re-tokenization drift)."""
+    from colocate import EngineConfig, HFModelSpec
+    from colocate.engines import HFEngine, hf_checkpoint_views
+    from examples.agent import EnginePolicy
+
+    spec = HFModelSpec(arch="qwen3", num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                       head_dim=8, ffn_hidden_size=48, vocab_size=TOK.vocab_size, rope_theta=10000.0)
+    torch.manual_seed(0)
+    engine = HFEngine(spec, EngineConfig(max_new_tokens=8, temperature=1.0))
+    with torch.no_grad():
+        for v in hf_checkpoint_views(engine.model).values():
+            v.normal_(0, 0.3)
+    task = make_tasks(1, seed=2)[0]
+    eps = rollout_group(task, EnginePolicy(engine, max_turn_tokens=6), TOK, n=4, seed=5, max_agent_turns=3)
+    n_base = None
+    for traj, reward in eps:
+        assert reward in (0.0, 1.0)
+        agent_turns = [t for t in traj.turns if t[0] == "agent"]
+        assert agent_turns and traj.logprobs
+        n_base = n_base or agent_turns[0][1] - 1
+        assert traj.ids[:n_base] == eps[0][0].ids[:n_base]  # shared prompt ids
+        logits = engine.logits(torch.tensor([traj.ids]))[0]
+        lp = torch.log_softmax(logits, -1)
+        for pos, rec in traj.logprobs.items():
+            assert traj.roles[pos] == "agent"
+            assert abs(float(lp[pos - 1, traj.ids[pos]]) - rec) < 1e-4, (pos, rec)
+    # different seeds per episode: the group branches after the shared prompt
+    assert len({tuple(t.ids) for t, _ in eps}) > 1
