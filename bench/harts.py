@@ -17,11 +17,12 @@ Sections:
   Providers are timed interleaved (round robin, median of ``--iters``) so clock and allocator drift
   hits all of them alike. Rows are padded to 128 for FlexAttention providers and to 16 for varlen
   ones. Reported per case: ms per provider, C, packed C (after cap splits, which duplicate a
-  prefix, and padding), S_attn, harts speedup vs the best THD, per C and per packed C, peak memory, planner and prep ms, and whether harts ran the same
-  plan as ``treev`` or ``thdv`` (then any gap between them is measurement noise).
+  prefix, and padding), S_attn, harts speedup vs the best THD, per C and per packed C, peak
+  memory, planner and prep ms, and whether harts ran the same plan as ``treev`` or ``thdv``
+  (then any gap between them is measurement noise).
   The calibration line reports the crossover: the smallest C at which the forced tree (best
   backend) is at least as fast as the best THD, interpolated between measured cases.
-* ``head``: fwd+bwd of per-row log-probs + entropy at V = 151,936, bf16 weights: full fp32 logits
+* ``head``: fwd+bwd of per-row log-probs + entropy at V = 151,936, bf16 weights: full logits
   (bf16 GEMM, fp32 softmax math, autograd; ``full_fp32``: upcast operands and a TF32 GEMM, the
   baseline of earlier runs) vs :func:`harts.tree_lm_head` with chunks of 1024 and 4096 rows;
   time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
