@@ -56,6 +56,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         self.staged_fraction = float(staged_fraction)
         self._device_override = torch.device(device) if device is not None else None
         self._layout_key: tuple[int, ...] | None = None
+        self._fences: list[Any] = []  # pending async saves reading the host slabs in place
         self._ring: SlotRing | None = None
         self.slabs: StateSlabs | None = None
         self.resident: StateSlabs | None = None
@@ -135,10 +136,21 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             [(i, plist[i][0], plist[i][1], self._offsets[i]) for i in self._resident_idx], whole=True)
 
     # -------------------------------------------------------------- public API
+    def add_fence(self, fence: Any) -> None:
+        """Register a pending reader of the host slabs (``fence.wait()`` blocks until it is done,
+        raising on its timeout or error); every call that writes host state waits for it first."""
+        self._fences.append(fence)
+
+    def _wait_fences(self) -> None:
+        while self._fences:
+            self._fences[0].wait()
+            self._fences.pop(0)
+
     def set_slot_config(self, slots: SlotConfig) -> None:
         """Switch slot size/count/caching between steps: writes back and frees the current slots,
         keeps the host slabs (no reallocation, no re-pinning). ``pin_memory`` and
         ``host_memory_margin`` apply to the next slab allocation only."""
+        self._wait_fences()
         self._ensure_layout()
         self._ring.drain(release=True)
         old = self.slot_config
@@ -173,6 +185,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if closure is not None:
             raise ValueError("closure is not supported by staged optimizers (pass closure=None)")
+        self._wait_fences()
         self._ensure_layout()
         self._begin_step()
         params = [p for _, p in self._plist]
@@ -233,6 +246,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
 
     def set_scaled_state(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Copy ``value`` into state ``key`` of ``p`` (shape-checked)."""
+        self._wait_fences()
         self._ensure_layout()
         self.drain(release=False)
         dst = self.state[p][key]
@@ -268,6 +282,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         parameter counts, keys or sizes do not match. An entry missing a state key is an error:
         moments are never silently dropped.
         """
+        self._wait_fences()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise CheckpointLayoutError(

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_torch_save", "fsync_tree", "publish_directory", "model_space_state", "LAYOUT_FILE",
+__all__ = ["atomic_torch_save", "fsync_tree", "publish_directory", "model_space_state", "AsyncSave", "async_save",
+           "LAYOUT_FILE",
            "parallel_layout", "write_layout", "check_layout"]
 
 LAYOUT_FILE = "optim_staged_layout.json"
@@ -73,16 +74,19 @@ def publish_directory(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) 
         shutil.rmtree(old)
 
 
-def model_space_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, Any]]:
+def model_space_state(optimizer: torch.optim.Optimizer, names: dict[int, str], *,
+                      clone: bool = True) -> dict[str, dict[str, Any]]:
     """``{param name: {state key: fp32 CPU tensor (param shape), 'step': int}}`` of a staged
-    optimizer; ``names`` maps ``id(param)`` to its name. Drains first."""
+    optimizer; ``names`` maps ``id(param)`` to its name. Drains first. ``clone=False`` returns
+    views of the host slabs (valid until the optimizer next writes them)."""
     optimizer.drain(release=False)
     out: dict[str, dict[str, Any]] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
             if id(p) not in names:
                 raise KeyError(f"parameter of shape {tuple(p.shape)} has no name in `names`")
-            out[names[id(p)]] = {**{k: v.detach().clone() for k, v in optimizer.state[p].items()},
+            out[names[id(p)]] = {**{k: (v.detach().clone() if clone else v.detach())
+                                    for k, v in optimizer.state[p].items()},
                                  "step": int(g["step"])}
     return out
 
@@ -132,3 +136,55 @@ def check_layout(directory: str | os.PathLike, current: dict[str, int]) -> dict[
                 f"checkpoint {directory} was saved with {k}={saved.get(k)}, this run has {k}={current.get(k)}: "
                 "optimizer state reshards across data-parallel sizes only (TP/PP/EP changes are refused)")
     return saved
+
+
+class AsyncSave:
+    """A checkpoint write running on a background thread (see :func:`async_save`)."""
+
+    def __init__(self, path: Path, timeout_s: float) -> None:
+        self.path, self.timeout_s = path, timeout_s
+        self.error: BaseException | None = None
+        self._thread: Any = None
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the file is written (at most ``timeout`` s, default ``timeout_s``); raises
+        ``TimeoutError`` if it is still running, or the writer's own exception."""
+        t = self.timeout_s if timeout is None else timeout
+        self._thread.join(t)
+        if self._thread.is_alive():
+            raise TimeoutError(f"async checkpoint save to {self.path} still running after {t} s")
+        if self.error is not None:
+            raise self.error
+
+
+def async_save(optimizer: torch.optim.Optimizer, names: dict[int, str], path: str | os.PathLike, *,
+               mode: str = "fence", timeout_s: float = 600.0) -> AsyncSave:
+    """Write :func:`model_space_state` to ``path`` (atomically) on a background thread.
+
+    ``mode='snapshot'`` copies the state first (12 B/param of extra host RAM for AdamW) and the
+    optimizer runs on at once. ``mode='fence'`` copies nothing: the writer reads the host slabs in
+    place, and the optimizer's next state-writing call (``step``, ``load_state_dict``,
+    ``set_scaled_state``, ``set_slot_config``) waits for the write, up to ``timeout_s``. Either
+    way the file holds the state as of this call. Returns a handle with ``wait()`` / ``done()``.
+    """
+    import threading
+
+    if mode not in ("fence", "snapshot"):
+        raise ValueError(f"mode={mode!r} is invalid: one of fence|snapshot")
+    state = model_space_state(optimizer, names, clone=(mode == "snapshot"))
+    handle = AsyncSave(Path(path), timeout_s)
+
+    def write() -> None:
+        try:
+            atomic_torch_save(state, handle.path)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            handle.error = e
+
+    handle._thread = threading.Thread(target=write, name=f"optim_staged-save-{Path(path).name}", daemon=True)
+    if mode == "fence":
+        optimizer.add_fence(handle)
+    handle._thread.start()
+    return handle

@@ -102,3 +102,53 @@ def test_layout_check_refuses_tp_pp_ep_changes_and_unknown_checkpoints(tmp_path)
     write_layout(tmp_path, dict(saved, format=99))
     with pytest.raises(CheckpointLayoutError, match="format=99"):
         check_layout(tmp_path, saved)
+
+
+@pytest.mark.parametrize("mode", ["fence", "snapshot"])
+def test_async_save_holds_state_of_the_call(tmp_path, monkeypatch, mode):
+    """The writer is slowed down; the step right after async_save must not leak into the file.
+    fence: the step waits for the write; snapshot: the step runs while the copy is written."""
+    import threading
+    import time
+
+    from optim_staged import checkpoint
+
+    real = checkpoint.atomic_torch_save
+    release = threading.Event()
+
+    def slow(obj, path):
+        release.wait(10)
+        time.sleep(0.05)  # let a step that ignored the fence mutate the slabs before the write
+        real(obj, path)
+
+    monkeypatch.setattr(checkpoint, "atomic_torch_save", slow)
+    g = torch.Generator().manual_seed(8)
+    ps = [torch.randn(s, generator=g, requires_grad=True) for s in [(33, 7), (1500,)]]
+    opt = StagedAdamW(ps, lr=1e-2, slots=SlotConfig(slot_numel=1024, num_slots=2))
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    names = {id(p): f"p{i}" for i, p in enumerate(ps)}
+    expect = checkpoint.model_space_state(opt, names)
+    handle = checkpoint.async_save(opt, names, tmp_path / "opt.pt", mode=mode, timeout_s=20)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    if mode == "fence":
+        threading.Timer(0.2, release.set).start()
+        opt.step()  # blocks on the fence until the write is done
+        assert handle.done()
+    else:
+        opt.step()  # runs on at once; the writer holds its own copy
+        assert not handle.done()
+        release.set()
+    handle.wait()
+    saved = torch.load(tmp_path / "opt.pt")
+    opt.drain(release=False)
+    for name, st in expect.items():
+        assert saved[name]["step"] == st["step"] == 2
+        for k in ("master_param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[name][k], st[k]), f"{name}.{k}"
+    assert not torch.equal(opt.state[ps[0]]["exp_avg"], expect["p0"]["exp_avg"])  # the step did run after
+    with pytest.raises(ValueError, match="mode='copy'"):
+        checkpoint.async_save(opt, names, tmp_path / "x.pt", mode="copy")
