@@ -95,8 +95,8 @@ def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
                           scale: float) -> torch.Tensor:
     """Tree attention as one varlen causal attention per segment. ``q [T, Hq, D]``,
     ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``. CUDA needs bf16/fp16 (FlashAttention-2)."""
-    if plan.kv_index is None:
-        kk, vv = k, v
+    if plan.kv_index is None:  # keys are the rows themselves; v may be a strided slice of a fused QKV
+        kk, vv = _plain_rows(k), _plain_rows(v)
     else:
         kk = _GatherRows.apply(k, plan.kv_index)
         vv = _GatherRows.apply(v, plan.kv_index)
