@@ -159,3 +159,31 @@ def test_flex_unaligned_strided_fp32(t):
     assert_close("flex out", ref, out, atol=2e-5, rtol=1e-4)
     assert_close("flex dq", qr.grad, q.grad, atol=1e-4, rtol=1e-4)
     assert_close("flex dv", vr.grad, v_base.grad[:, :, 48:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_varlen_chain_forest_is_plain_thd_bf16():
+    """A chain forest (THD packing / planner fallback) runs varlen without gathers, also with ``v``
+    sliced out of a fused QKV tensor, and equals the fp64 dense reference."""
+    from harts.forest import build_chain_forest
+
+    seqs = grpo_groups(3, prompt_len=0, response_len=333, n=2, vocab_size=1000, seed=4)
+    f = build_chain_forest(seqs, device="cuda").padded(16)
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
+    assert plan.kv_index is None
+    t = f.num_nodes
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mixed = torch.randn(t, 2, 6 * 64, device="cuda", generator=g).bfloat16()  # per group [4 q, k, v] · D
+    q = mixed[:, :, :256].reshape(t, 8, 64).clone().requires_grad_(True)
+    k = mixed[:, :, 256:320].clone().requires_grad_(True)
+    v_base = mixed.clone().requires_grad_(True)
+    v = v_base[:, :, 320:]
+    out = tree_attention(q, k, v, last=f.last, backend="varlen", varlen_plan=plan, scale=0.125)
+    do = torch.randn(out.shape, device="cuda", generator=g).bfloat16()
+    out.backward(do)
+    qr, kr, vr = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    ref = tree_attention_reference(qr, kr, vr, last=f.last, scale=0.125)
+    ref.backward(do.double())
+    assert_close("varlen out", ref, out, atol=1e-2, rtol=1e-2)
+    assert_close("varlen dk", kr.grad, k.grad, atol=3e-2, rtol=2e-2)
+    assert_close("varlen dv", vr.grad, v_base.grad[:, :, 320:], atol=3e-2, rtol=2e-2)
