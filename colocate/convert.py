@@ -18,6 +18,13 @@ Layouts:
   ``linear_fc1.layer_norm_weight``) norm names both map to the HF norms.
 * Tied embeddings: ``output_layer.weight`` is dropped; the receiver ties ``lm_head``.
 * Padded vocab: with ``serve_vocab_size`` only the first rows of embedding / LM head are sent.
+
+Qwen3-Next / Qwen3.5 hybrids (:class:`Qwen3HybridSpec`): Gated DeltaNet ``in_proj``
+``[q; k; v; z; β; α]`` is regrouped per key head (Qwen3-Next ``in_proj_qkvz``/``in_proj_ba``) or
+split (Qwen3.5 ``in_proj_qkv``/``z``/``b``/``a``); gated attention ``linear_qkv`` (per group
+``[q; gate; k; v]``) becomes ``q_proj`` with ``[q_h; gate_h]`` per head; HF's decoder and q/k
+norms are zero-centered (``x·(1 + w)``), its GDN gated norm is not. Under TP the GDN ``in_proj``
+and ``conv1d`` shards hold several stacked tensors and merge with :func:`merge_tp_sections`.
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ __all__ = [
     "hf_param_specs",
     "check_params",
     "ROUTER_DTYPES",
-    "Qwen3NextSpec",
+    "Qwen3HybridSpec",
     "split_qkv_gated",
     "hf_gated_q_proj",
     "gdn_in_proj_to_hf",
+    "gdn_in_proj_split",
     "merge_tp_sections",
     "gdn_tp_sections",
 ]
@@ -150,8 +158,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> lis
     (``output_layer.weight`` under tied embeddings). Raises :class:`ConversionError` on an
     unknown name.
     """
-    if isinstance(spec, Qwen3NextSpec):
-        return _qwen3_next_to_hf(name, tensor, spec)
+    if isinstance(spec, Qwen3HybridSpec):
+        return _hybrid_to_hf(name, tensor, spec)
     rows = spec.serve_vocab_size or spec.vocab_size
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", tensor[:rows])]
@@ -197,8 +205,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> lis
 
 def hf_param_specs(spec: HFModelSpec, *, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every HF name the receiver expects with its (shape, dtype), for a model trained in ``dtype``."""
-    if isinstance(spec, Qwen3NextSpec):
-        return _qwen3_next_specs(spec, dtype)
+    if isinstance(spec, Qwen3HybridSpec):
+        return _hybrid_specs(spec, dtype)
     H, D, Q, G = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_query_groups
     V = spec.serve_vocab_size or spec.vocab_size
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"model.embed_tokens.weight": ((V, H), dtype),
@@ -253,12 +261,12 @@ def check_params(sent: Mapping[str, tuple[Iterable[int], torch.dtype]],
         raise ParamMismatchError(problems[:limit], len(problems))
 
 
-# ----- Qwen3-Next / Qwen3.5 hybrid (Gated DeltaNet + gated full attention) ------------------------
+# ----- Qwen3-Next / Qwen3.5 hybrids (Gated DeltaNet + gated full attention) ------------------------
 @dataclass(kw_only=True)
-class Qwen3NextSpec(HFModelSpec):
-    """A Qwen3-Next-style hybrid (HF ``Qwen3NextForCausalLM``): Gated DeltaNet layers and gated
-    full-attention layers. The inherited ``arch`` names the MLP family (``qwen3`` dense, every
-    layer in ``mlp_only_layers``; ``qwen3_moe`` with a gated shared expert)."""
+class Qwen3HybridSpec(HFModelSpec):
+    """A Qwen3-Next / Qwen3.5 hybrid (HF ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM``): Gated
+    DeltaNet layers and gated full-attention layers. The inherited ``arch`` names the MLP family
+    (``qwen3`` dense; ``qwen3_moe`` routed experts with a gated shared expert)."""
 
     layer_types: list[str] = field(default_factory=list)
     """One entry per layer: ``linear_attention`` (Gated DeltaNet) or ``full_attention``."""
@@ -280,25 +288,29 @@ class Qwen3NextSpec(HFModelSpec):
     two gets ±1 depending on this flag."""
     shared_expert_ffn_hidden_size: int | None = None
     """Shared-expert intermediate size (MoE only; None: no shared expert)."""
-
-    hf_model_type = "qwen3_next"
+    gdn_layout: str = "qwen3_next"
+    """HF layout of the GDN input projection: ``qwen3_next`` (``in_proj_qkvz`` and ``in_proj_ba``,
+    rows grouped per key head) or ``qwen3_5`` (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``, each in Megatron's head order)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         bad = [t for t in self.layer_types if t not in ("linear_attention", "full_attention")]
         if len(self.layer_types) != self.num_layers or bad:
-            raise ConfigError(f"Qwen3NextSpec.layer_types must list {self.num_layers} of 'linear_attention'/"
+            raise ConfigError(f"Qwen3HybridSpec.layer_types must list {self.num_layers} of 'linear_attention'/"
                               f"'full_attention', got {self.layer_types!r}")
         for n in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                   "linear_conv_kernel_dim"):
             v = getattr(self, n)
             if not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"Qwen3NextSpec.{n} must be a positive int, got {v!r}")
+                raise ConfigError(f"Qwen3HybridSpec.{n} must be a positive int, got {v!r}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ConfigError(f"Qwen3NextSpec.linear_num_value_heads={self.linear_num_value_heads} must be a "
+            raise ConfigError(f"Qwen3HybridSpec.linear_num_value_heads={self.linear_num_value_heads} must be a "
                               f"multiple of linear_num_key_heads={self.linear_num_key_heads}")
+        if self.gdn_layout not in ("qwen3_next", "qwen3_5"):
+            raise ConfigError(f"Qwen3HybridSpec.gdn_layout must be 'qwen3_next' or 'qwen3_5', got {self.gdn_layout!r}")
         if not 0 < self.partial_rotary_factor <= 1:
-            raise ConfigError(f"Qwen3NextSpec.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
+            raise ConfigError(f"Qwen3HybridSpec.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
 
 
 def split_qkv_gated(qkv: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: int
@@ -347,6 +359,19 @@ def gdn_in_proj_to_hf(w: torch.Tensor, *, num_key_heads: int, num_value_heads: i
     return qkvz, ba
 
 
+def gdn_in_proj_split(w: torch.Tensor, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
+                      value_head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron GDN ``in_proj`` ``[q; k; v; z; β; α]`` → HF Qwen3.5 ``in_proj_qkv`` [2·Nk·Dk + Nv·Dv, H],
+    ``in_proj_z`` [Nv·Dv, H], ``in_proj_b`` [Nv, H], ``in_proj_a`` [Nv, H] (views, head order kept)."""
+    nk, nv, dk, dv = num_key_heads, num_value_heads, key_head_dim, value_head_dim
+    rows = 2 * nk * dk + 2 * nv * dv + 2 * nv
+    if w.shape[0] != rows:
+        raise ConversionError(f"GDN in_proj has {w.shape[0]} rows, expected 2·Nk·Dk + 2·Nv·Dv + 2·Nv = {rows} "
+                              f"(Nk={nk}, Nv={nv}, Dk={dk}, Dv={dv})")
+    qkv, z, b, a = torch.split(w, [2 * nk * dk + nv * dv, nv * dv, nv, nv], dim=0)
+    return qkv, z, b, a
+
+
 def merge_tp_sections(shards: list[torch.Tensor], sections: list[int]) -> torch.Tensor:
     """Merge column-parallel shards whose rows are several tensors stacked (``sections``: the
     per-shard row counts, e.g. the GDN ``in_proj`` ``[q_r; k_r; v_r; z_r; β_r; α_r]`` or
@@ -357,7 +382,7 @@ def merge_tp_sections(shards: list[torch.Tensor], sections: list[int]) -> torch.
     return torch.cat([p[i] for i in range(len(sections)) for p in parts], dim=0)
 
 
-def gdn_tp_sections(spec: Qwen3NextSpec, tp: int, *, which: str) -> list[int]:
+def gdn_tp_sections(spec: Qwen3HybridSpec, tp: int, *, which: str) -> list[int]:
     """Per-TP-rank row sections of the GDN ``in_proj`` (``which="in_proj"``) or ``conv1d``."""
     qk = spec.linear_num_key_heads * spec.linear_key_head_dim // tp
     v = spec.linear_num_value_heads * spec.linear_value_head_dim // tp
@@ -383,11 +408,11 @@ _NEXT_NORMS = {  # Megatron layer-relative name → HF name (zero-centered HF no
 _GDN_SUBMODULES = ("in_proj", "conv1d", "A_log", "dt_bias", "out_norm", "out_proj")
 
 
-def _hf_centered(t: torch.Tensor, spec: Qwen3NextSpec) -> torch.Tensor:
+def _hf_centered(t: torch.Tensor, spec: Qwen3HybridSpec) -> torch.Tensor:
     return t if spec.megatron_zero_centered_gamma else t - 1
 
 
-def _qwen3_next_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3NextSpec) -> list[tuple[str, torch.Tensor]]:
+def _hybrid_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3HybridSpec) -> list[tuple[str, torch.Tensor]]:
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", _hf_centered(tensor, spec))]
     m = _LAYER.match(name)
@@ -417,6 +442,13 @@ def _qwen3_next_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3NextSpec) -> l
     if rest == "self_attention.linear_proj.weight":
         return [(pre + "self_attn.o_proj.weight", tensor)]
     la = pre + "linear_attn."
+    if rest == "self_attention.in_proj.weight" and spec.gdn_layout == "qwen3_5":
+        qkv, z, b, a = gdn_in_proj_split(tensor, num_key_heads=spec.linear_num_key_heads,
+                                         num_value_heads=spec.linear_num_value_heads,
+                                         key_head_dim=spec.linear_key_head_dim,
+                                         value_head_dim=spec.linear_value_head_dim)
+        return [(la + "in_proj_qkv.weight", qkv), (la + "in_proj_z.weight", z), (la + "in_proj_b.weight", b),
+                (la + "in_proj_a.weight", a)]
     if rest == "self_attention.in_proj.weight":
         qkvz, ba = gdn_in_proj_to_hf(tensor, num_key_heads=spec.linear_num_key_heads,
                                      num_value_heads=spec.linear_num_value_heads,
@@ -446,7 +478,7 @@ def _base_fields(spec: HFModelSpec) -> dict:
     return {f.name: getattr(spec, f.name) for f in fields(HFModelSpec)}
 
 
-def _qwen3_next_specs(spec: Qwen3NextSpec, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _hybrid_specs(spec: Qwen3HybridSpec, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     base = hf_param_specs(HFModelSpec(**_base_fields(spec)), dtype=dtype)
     out = {n: v for n, v in base.items() if ".self_attn." not in n}
     H, D, Q, G = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_query_groups
@@ -462,9 +494,14 @@ def _qwen3_next_specs(spec: Qwen3NextSpec, dtype: torch.dtype) -> dict[str, tupl
                         p + "self_attn.q_norm.weight": ((D,), dtype), p + "self_attn.k_norm.weight": ((D,), dtype)})
         else:
             la = p + "linear_attn."
-            out.update({la + "in_proj_qkvz.weight": ((2 * nk * dk + 2 * nv * dv, H), dtype),
-                        la + "in_proj_ba.weight": ((2 * nv, H), dtype),
-                        la + "conv1d.weight": ((2 * nk * dk + nv * dv, 1, W), dtype),
+            if spec.gdn_layout == "qwen3_5":
+                out.update({la + "in_proj_qkv.weight": ((2 * nk * dk + nv * dv, H), dtype),
+                            la + "in_proj_z.weight": ((nv * dv, H), dtype), la + "in_proj_b.weight": ((nv, H), dtype),
+                            la + "in_proj_a.weight": ((nv, H), dtype)})
+            else:
+                out.update({la + "in_proj_qkvz.weight": ((2 * nk * dk + 2 * nv * dv, H), dtype),
+                            la + "in_proj_ba.weight": ((2 * nv, H), dtype)})
+            out.update({la + "conv1d.weight": ((2 * nk * dk + nv * dv, 1, W), dtype),
                         la + "dt_bias": ((nv,), dtype), la + "A_log": ((nv,), dtype),
                         la + "norm.weight": ((dv,), dtype), la + "out_proj.weight": ((H, nv * dv), dtype)})
         if spec.num_experts and spec.shared_expert_ffn_hidden_size:

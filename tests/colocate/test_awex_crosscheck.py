@@ -126,3 +126,51 @@ def test_awex_megatron_engine_memory_hooks_drive_residency(cpu_megatron):
     eng.resume_memory_occupation()
     with pytest.raises(ValueError, match="'optimizer' or 'weights'"):
         eng.release_memory_occupation(["kv_cache"])
+
+
+@pytest.mark.parametrize("train_tp", [1, 2])
+def test_hybrid_layouts_match_awex_qwen3_5(train_tp):
+    """AWEX 0.9.0's Qwen3.5 train-side layout helpers (inference TP = 1) against ours: gated QKV
+    (its fused ``qkv_proj`` = our ``q_proj``; ``k_proj``; ``v_proj``), the GDN input (its fused
+    SGLang ``qkvz``/``ba`` = our Qwen3.5 ``in_proj_qkv``+``z`` / ``b``+``a``), undoing the
+    rank-local TP packing of ``in_proj`` and ``conv1d`` (= our :func:`merge_tp_sections`)."""
+    from transformers import Qwen3_5TextConfig
+
+    from colocate.convert import (
+        Qwen3HybridSpec,
+        gdn_in_proj_split,
+        gdn_tp_sections,
+        hf_gated_q_proj,
+        merge_tp_sections,
+        split_qkv_gated,
+    )
+
+    layout = pytest.importorskip("awex.models.qwen3_5")._Qwen3_5Layout
+    nk, nv, dk, dv = 2, 4, 6, 5
+    cfg = Qwen3_5TextConfig(hidden_size=H, num_attention_heads=Q, num_key_value_heads=G, head_dim=D,
+                            linear_num_key_heads=nk, linear_num_value_heads=nv, linear_key_head_dim=dk,
+                            linear_value_head_dim=dv, num_hidden_layers=1, layer_types=["linear_attention"])
+    spec = Qwen3HybridSpec(arch="qwen3", num_layers=1, hidden_size=H, num_attention_heads=Q, num_query_groups=G,
+                           head_dim=D, ffn_hidden_size=F, vocab_size=32, layer_types=["linear_attention"],
+                           linear_num_key_heads=nk, linear_num_value_heads=nv, linear_key_head_dim=dk,
+                           linear_value_head_dim=dv, gdn_layout="qwen3_5")
+    g = torch.Generator().manual_seed(train_tp)
+    qkv = torch.randn(G * (2 * Q // G + 2) * D, H, generator=g, dtype=torch.float64)
+    q, gate, k, v = split_qkv_gated(qkv, num_heads=Q, num_groups=G, head_dim=D)
+    ours = torch.cat([hf_gated_q_proj(q, gate, num_heads=Q, head_dim=D), k, v])
+    assert torch.equal(layout.pack_output_gated_qkv(qkv, cfg, 1), ours)
+
+    full = torch.randn(sum(gdn_tp_sections(spec, 1, which="in_proj")), H, generator=g, dtype=torch.float64)
+    conv = torch.randn(sum(gdn_tp_sections(spec, 1, which="conv1d")), 1, 4, generator=g, dtype=torch.float64)
+    shard = lambda t, which: [torch.cat([s.chunk(train_tp)[r] for s in torch.split(  # noqa: E731
+        t, gdn_tp_sections(spec, 1, which=which))]) for r in range(train_tp)]
+    packed_in, packed_conv = torch.cat(shard(full, "in_proj")), torch.cat(shard(conv, "conv1d"))
+    merged = merge_tp_sections(shard(full, "in_proj"), gdn_tp_sections(spec, train_tp, which="in_proj"))
+    assert torch.equal(torch.cat(layout.split_gdn_input(packed_in, cfg, train_tp)), merged)
+    assert torch.equal(merged, full)
+    qkv_hf, z, b, a = gdn_in_proj_split(merged, num_key_heads=nk, num_value_heads=nv, key_head_dim=dk,
+                                        value_head_dim=dv)
+    qkvz, ba = layout.pack_gdn_input(packed_in, cfg, train_tp, 1)
+    assert torch.equal(qkvz, torch.cat([qkv_hf, z])) and torch.equal(ba, torch.cat([b, a]))
+    assert torch.equal(layout.pack_gdn_conv(packed_conv, cfg, train_tp, 1),
+                       merge_tp_sections(shard(conv, "conv1d"), gdn_tp_sections(spec, train_tp, which="conv1d")))

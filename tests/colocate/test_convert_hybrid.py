@@ -1,10 +1,10 @@
 """Qwen3-Next / Qwen3.5 hybrid conversion (Gated DeltaNet + gated full attention).
 
-Layouts are checked against transformers' own Qwen3-Next code (its ``fix_query_key_value_ordering``
+Layouts are checked against transformers' own Qwen3-Next / Qwen3.5 code (its ``fix_query_key_value_ordering``
 and gated ``q_proj`` split are the oracle), TP shard merging against Megatron's per-rank section
 layout, and the whole converter by a logits round trip: a tiny hybrid Megatron GPT (harts'
 local-module hybrid stack, ``attention_output_gate``, partial RoPE) → convert → strict
-``load_state_dict`` into ``Qwen3NextForCausalLM`` → logits equal."""
+``load_state_dict`` into ``Qwen3NextForCausalLM`` and ``Qwen3_5ForCausalLM`` → logits equal."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from colocate import ConfigError, ConversionError, ParamMismatchError, check_params
 from colocate.convert import (
-    Qwen3NextSpec,
+    Qwen3HybridSpec,
     gdn_in_proj_to_hf,
     gdn_tp_sections,
     hf_gated_q_proj,
@@ -24,11 +24,24 @@ from colocate.convert import (
 )
 
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
 
-def _hf_config(spec: Qwen3NextSpec):
-    from transformers import Qwen3NextConfig
+def _hf_config(spec: Qwen3HybridSpec):
+    from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
+    if spec.gdn_layout == "qwen3_5":
+        return Qwen3_5TextConfig(
+            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim, hidden_act="silu",
+            rms_norm_eps=spec.rms_norm_eps, tie_word_embeddings=spec.tie_embeddings, attention_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
+                             "partial_rotary_factor": spec.partial_rotary_factor},
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim, linear_key_head_dim=spec.linear_key_head_dim,
+            linear_value_head_dim=spec.linear_value_head_dim, linear_num_key_heads=spec.linear_num_key_heads,
+            linear_num_value_heads=spec.linear_num_value_heads, layer_types=list(spec.layer_types),
+            max_position_embeddings=128)
     return Qwen3NextConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
@@ -48,7 +61,7 @@ def _spec(**kw):
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=6, linear_value_head_dim=5,
                 linear_conv_kernel_dim=4, rope_theta=10000.0)
     base.update(kw)
-    return Qwen3NextSpec(**base)
+    return Qwen3HybridSpec(**base)
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv,H", [(2, 4, 6, 5, 7), (3, 3, 4, 9, 5), (1, 4, 3, 2, 11)], ids=str)
@@ -109,6 +122,8 @@ def test_spec_validation_and_layer_type_checks():
         _spec(linear_num_key_heads=3, linear_num_value_heads=4)
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         _spec(partial_rotary_factor=0.0)
+    with pytest.raises(ConfigError, match="gdn_layout must be"):
+        _spec(gdn_layout="qwen4")
     spec = _spec()
     with pytest.raises(ConversionError, match=r"a linear_attention parameter, but layer_types\[2\]"):
         megatron_to_hf("decoder.layers.2.self_attention.A_log", torch.zeros(4), spec=spec)
@@ -143,19 +158,21 @@ def _build_hybrid(pattern: str, *, vocab: int):
 
 @pytest.mark.timeout(180)
 def test_hybrid_megatron_to_hf_logits_roundtrip(cpu_megatron, monkeypatch):
-    """Tiny hybrid (G G A G: GDN, GDN, gated attention, GDN), fp32 → HF Qwen3NextForCausalLM,
-    loaded strictly: every HF parameter is set, none left over, logits equal.
+    """Tiny hybrid (G G A G: GDN, GDN, gated attention, GDN), fp32 → HF ``Qwen3NextForCausalLM``
+    and ``Qwen3_5ForCausalLM``, each loaded strictly (every HF parameter set, none left over):
+    logits equal Megatron's.
 
-    Tolerance 1e-5 (fp32; measured 6e-8): both sides compute the same math, but the GDN
+    Tolerance 1e-5 (fp32; measured ~6e-8): both sides compute the same math, but the GDN
     recurrence differs in summation order (Megatron's CPU path is token-by-token, transformers'
     torch fallback the chunked form with a triangular solve), so bitwise equality is not expected."""
     from mcore_distill.testing import seed_all
 
     # transformers binds FLA's Triton kernels at import when fla is installed; on CPU use the
     # plain-torch functions those wrappers were built from (restored after the test).
-    for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
-        f = getattr(qwen3_next, fn)
-        monkeypatch.setattr(qwen3_next, fn, getattr(f, "__wrapped__", f))
+    for mod in (qwen3_next, qwen3_5):
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"):
+            f = getattr(mod, fn)
+            monkeypatch.setattr(mod, fn, getattr(f, "__wrapped__", f))
     seed_all(3)
     pattern, vocab = "GGAG", 40
     model = _build_hybrid(pattern, vocab=vocab)
@@ -164,41 +181,39 @@ def test_hybrid_megatron_to_hf_logits_roundtrip(cpu_megatron, monkeypatch):
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith(("A_log", "dt_bias")):
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-    types = ["full_attention" if c == "A" else "linear_attention" for c in pattern]
-    spec = _spec(num_layers=len(pattern), layer_types=types, vocab_size=vocab)
-    hf_weights = {}
-    for name, p in model.named_parameters():
-        for n, t in megatron_to_hf(name, p.detach(), spec=spec):
-            assert n not in hf_weights, n
-            hf_weights[n] = t
-    check_params({n: (tuple(t.shape), t.dtype) for n, t in hf_weights.items()}, hf_param_specs(spec, dtype=torch.float32))
-
-    ref = qwen3_next.Qwen3NextForCausalLM(_hf_config(spec)).float().eval()
-    assert set(ref.state_dict()) == set(hf_param_specs(spec, dtype=torch.float32))
-    missing, unexpected = ref.load_state_dict(hf_weights, strict=True)
-    assert not missing and not unexpected
-
     tokens = torch.randint(0, vocab, (2, 19), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        pos = torch.arange(tokens.shape[1]).expand_as(tokens)
-        mg = model(tokens, pos, None)
-        hf = ref(input_ids=tokens).logits
-    assert mg.shape == hf.shape
-    err = (mg - hf).abs().max().item()
+        mg = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     assert mg.abs().max().item() > 0.1, "logits trivially small: the comparison would not discriminate"
-    print(f"hybrid round trip: max |megatron − hf| = {err:.3e}, max |logit| = {mg.abs().max().item():.3f}")
-    assert err <= 1e-5, f"max |megatron − hf| = {err:.3e}"
-    # a wrong layout must show: swap two GDN value groups in one layer and the logits move
-    bad = dict(hf_weights)
-    w = bad["model.layers.0.linear_attn.in_proj_qkvz.weight"].clone()
-    half = w.shape[0] // 2
-    bad["model.layers.0.linear_attn.in_proj_qkvz.weight"] = torch.cat([w[half:], w[:half]])
-    ref.load_state_dict(bad, strict=True)
-    with torch.no_grad():
-        assert (ref(input_ids=tokens).logits - mg).abs().max().item() > 1e-3
-    with pytest.raises(ParamMismatchError, match="in_proj_ba"):
-        check_params({n: v for n, v in hf_param_specs(spec, dtype=torch.float32).items() if "in_proj_ba" not in n},
-                     hf_param_specs(spec, dtype=torch.float32))
+    types = ["full_attention" if c == "A" else "linear_attention" for c in pattern]
+    for layout, cls, proj in (("qwen3_next", qwen3_next.Qwen3NextForCausalLM, "in_proj_qkvz"),
+                              ("qwen3_5", qwen3_5.Qwen3_5ForCausalLM, "in_proj_qkv")):
+        spec = _spec(num_layers=len(pattern), layer_types=types, vocab_size=vocab, gdn_layout=layout)
+        expected = hf_param_specs(spec, dtype=torch.float32)
+        hf_weights = {}
+        for name, p in model.named_parameters():
+            for n, t in megatron_to_hf(name, p.detach(), spec=spec):
+                assert n not in hf_weights, n
+                hf_weights[n] = t
+        check_params({n: (tuple(t.shape), t.dtype) for n, t in hf_weights.items()}, expected)
+        ref = cls(_hf_config(spec)).float().eval()
+        assert {n: tuple(t.shape) for n, t in ref.state_dict().items()} == {n: s for n, (s, _) in expected.items()}
+        ref.load_state_dict(hf_weights, strict=True)
+        with torch.no_grad():
+            hf = ref(input_ids=tokens).logits
+        assert mg.shape == hf.shape
+        err = (mg - hf).abs().max().item()
+        print(f"{layout} round trip: max |megatron − hf| = {err:.3e}, max |logit| = {mg.abs().max().item():.3f}")
+        assert err <= 1e-5, f"{layout}: max |megatron − hf| = {err:.3e}"
+        # a wrong layout must show: swap the halves of one GDN input projection, the logits move
+        bad = dict(hf_weights)
+        w = bad[f"model.layers.0.linear_attn.{proj}.weight"]
+        bad[f"model.layers.0.linear_attn.{proj}.weight"] = torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
+        ref.load_state_dict(bad, strict=True)
+        with torch.no_grad():
+            assert (ref(input_ids=tokens).logits - mg).abs().max().item() > 1e-3, layout
+    with pytest.raises(ParamMismatchError, match="in_proj_z"):
+        check_params({n: v for n, v in expected.items() if "in_proj_z" not in n}, expected)
 
 
 def test_moe_hybrid_names_and_shapes_match_hf_model():
