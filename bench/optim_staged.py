@@ -334,11 +334,12 @@ def main() -> None:
         else:
             plan = [(134_000_000, [(2, 3, True), (4, 2, True), (4, 3, True), (4, 4, True), (8, 3, True),
                                    (16, 3, True), (4, 3, False)]),
-                    (1_000_000_000, [(4, 3, True), (8, 3, True), (4, 2, True), (4, 3, False)])]
+                    (1_000_000_000, [(4, 3, True), (8, 3, True), (4, 3, False)])]
         for n, sweep in plan:
             rows += adamw_rows(n, duplex, iters=3 if args.quick else 5, sweep=sweep)
         best = {r["case"]: r["provider"] for r in rows if r.get("best")}
         extra["adamw_best_config"] = best
+        extra["default_slots"] = repr(SlotConfig())
     if args.only in (None, "muon"):
         for case, shapes in (MUON_QUICK if args.quick else MUON_CASES):
             rows += muon_rows(case, shapes, iters=3 if args.quick else 4)

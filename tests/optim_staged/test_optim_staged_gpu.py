@@ -147,9 +147,10 @@ def test_staged_muon_identity_exact_vs_native_streams(num_slots, keep):
     init = [torch.randn(s, generator=g, device="cuda") for s in shapes]
     ref = [w.clone().requires_grad_() for w in init]
     out = [w.clone().requires_grad_() for w in init]
-    o_ref = TensorParallelMuon(ref, lr=0.02, momentum=0.9, weight_decay=0.1)
+    o_ref = TensorParallelMuon(ref, lr=0.02, momentum=0.9, weight_decay=0.1, nesterov=False)
     o_ref.scaled_orthogonalize_fn = lambda grad, tp_group, partition_dim=None: grad
-    o_out = StagedMuon(out, lr=0.02, momentum=0.9, weight_decay=0.1, orthogonalize=lambda p, u, **kw: u.clone(),
+    o_out = StagedMuon(out, lr=0.02, momentum=0.9, nesterov=False, weight_decay=0.1,
+                       orthogonalize=lambda p, u, **kw: u.clone(),
                        slots=SlotConfig(slot_numel=512 * 512, num_slots=num_slots, keep_resident=keep))
     for step in range(6):
         for a, b in zip(ref, out):
