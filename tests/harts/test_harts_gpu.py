@@ -187,3 +187,27 @@ def test_varlen_chain_forest_is_plain_thd_bf16():
     assert_close("varlen out", ref, out, atol=1e-2, rtol=1e-2)
     assert_close("varlen dk", kr.grad, k.grad, atol=3e-2, rtol=2e-2)
     assert_close("varlen dv", vr.grad, v_base.grad[:, :, 320:], atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.timeout(300)
+def test_head_and_label_gathers_do_not_sync():
+    """With the metadata built ahead (``head_edges``), the chunked head's forward/backward and the
+    per-sequence gathers issue no device-to-host synchronization."""
+    from harts.lm_head import head_edges
+    from harts.loss import sequence_entropy, sequence_logprobs
+
+    seqs = grpo_groups(2, prompt_len=100, response_len=60, n=4, vocab_size=4000, seed=6)
+    f = build_forest(seqs, device="cuda").padded(16)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.randn(f.num_nodes, 128, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    w = (0.05 * torch.randn(4000, 128, device="cuda", generator=g)).bfloat16().requires_grad_(True)
+    edges = head_edges(f.tokens, f.parent)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp, ent = tree_lm_head(h, w, f.tokens, f.parent, chunk_size=128, entropy_requires_grad=True, edges=edges)
+        loss = sequence_logprobs(lp, f).sum() + 0.1 * sequence_entropy(ent, f).sum()
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
