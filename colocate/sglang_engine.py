@@ -3,9 +3,10 @@
 :class:`SGLangEngine` wraps an in-process ``sglang.Engine`` and gives it the receiver and
 residency surface of :class:`~colocate.engines.HFEngine`:
 
-* ``load_bucket`` hands SGLang the bucket's tensors as views into one CUDA buffer through
+* ``load_bucket`` hands SGLang the tensors as views into one CUDA buffer (a packed bucket, or a
+  trainer storage sent in place by the publisher) through
   ``update_weights_from_tensor(load_format=None)`` (HF names; SGLang stacks q/k/v and gate/up
-  and slices per TP rank). Torch's CUDA IPC shares a storage once, so one bucket is one IPC
+  and slices per TP rank). Torch's CUDA IPC shares an allocation once, so one buffer is one IPC
   memory handle whatever its tensor count. SGLang serializes one payload per TP rank.
 * The ``begin_weight_update`` / ``end_weight_update`` bracket (mandatory from SGLang 0.5.21,
   absent in 0.5.17) is used when the engine has it — feature-detected, not version-parsed.
