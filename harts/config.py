@@ -42,11 +42,14 @@ class PlannerConfig:
     """Maximum rows per microbatch, alignment padding included (real compact tokens for trees,
     real tokens for THD)."""
     align: int = 128
-    """Rows of each microbatch are padded to a multiple of this (FlexAttention block size; use
-    ``lcm(block, TP)`` under tensor/sequence parallelism)."""
-    fallback_compression: float = 1.15
+    """Rows of each microbatch are padded to a multiple of this: the FlexAttention block size
+    (128) for ``flex``; the varlen backend needs none, 16 keeps GEMM rows tensor-core friendly.
+    Use ``lcm(align, TP)`` under tensor/sequence parallelism. Padding rows cost full compute."""
+    fallback_compression: float = 1.05
     """Microbatches with compression C = ΣL / T below this run as plain THD packing (no tree).
-    Calibrate with ``bench/harts.py`` (speedup vs C)."""
+    A forest without sharing is exactly THD packing, so the tree pays off from just above
+    C = 1; the margin covers packing differences. ``bench/harts.py`` reports the measured
+    crossover (docs/harts.md records the evidence)."""
     dp_size: int = 1
     """Data-parallel ranks; every rank receives the same number of microbatches."""
     cost: CostModelConfig = field(default_factory=CostModelConfig)
