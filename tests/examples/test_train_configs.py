@@ -162,3 +162,36 @@ def test_agent_workload_through_the_runner(cpu_megatron):
     assert abs(x["loss"] - x["sampled_kl"]) < 1e-5
     with pytest.raises(TrainConfigError, match="workload.kind='tree'"):
         _cfg(["workload.kind=tree"])
+
+
+def _scaled_down(name: str) -> list[str]:
+    """Overrides that shrink a GPU config to CPU size while keeping its structure (tied embeddings,
+    GQA ratio, explicit head dim, MoE top-k routing, hybrid pattern)."""
+    arch = _cfg([f"model={name}"]).model
+    out = [f"model={name}", "model.vocab_size=512", "model.hidden_size=64", "model.ffn_hidden_size=96",
+           "model.kv_channels=16", "model.params_dtype=float32", "model.recompute=false"]
+    if arch.num_moe_experts:
+        out += ["model.num_layers=2", "model.num_moe_experts=8", "model.moe_ffn_hidden_size=32"]
+    elif arch.layer_pattern:
+        out += ["model.num_layers=4", "model.layer_pattern=GGGA", "model.linear_key_head_dim=16",
+                "model.linear_value_head_dim=16", "model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
+    else:
+        out += ["model.num_layers=2"]
+    return out + ["workload.num_groups=2", "workload.group_size=2", "workload.prompt_len=5", "workload.response_len=4",
+                  "run.steps=1", "run.device=cpu"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_configs_scaled_down_by_overrides_step_on_cpu(cpu_megatron):
+    from examples.train.runner import param_count, run
+
+    for name in ("qwen3_dense_0p6b", "qwen3_moe_small", "qwen3_next_hybrid_small"):
+        cfg = _cfg(_scaled_down(name))
+        full = _cfg([f"model={name}"]).model
+        assert (cfg.model.tie_embeddings, cfg.model.num_attention_heads, cfg.model.num_query_groups,
+                cfg.model.moe_router_topk) == (full.tie_embeddings, full.num_attention_heads, full.num_query_groups,
+                                               full.moe_router_topk)
+        res = run(cfg)
+        assert res["params"] == param_count(cfg.model)
+        x = res["steps"][0]
+        assert abs(x["loss"] - x["sampled_kl"]) < 1e-5 and x["tree_tokens"] < x["tokens"]
