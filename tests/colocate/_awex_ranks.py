@@ -36,7 +36,7 @@ def _truth(name, shape):
     return torch.randn(*shape, generator=g)
 
 
-def bounded_exchange(rank: int, world_size: int) -> dict:
+def bounded_exchange(rank: int, world_size: int, device: str = "cpu") -> dict:
     """Process r is inference rank r and training rank 2 + r on the same (simulated) device;
     the plan comes from AWEX's TransferPlanBuilder, the transport from our reader subclass."""
     from awex.transfer.transfer_plan import TransferPlanBuilder
@@ -48,8 +48,8 @@ def bounded_exchange(rank: int, world_size: int) -> dict:
     builder = TransferPlanBuilder(infer_world_size=world_size, train_world_size=world_size, num_infer_engines=1)
     send_plan = builder.build_local_transfer_plan(infer_meta, train_meta, world_size + rank)
     recv_plan = builder.build_local_transfer_plan(infer_meta, train_meta, rank)
-    send = {n: _truth(n, s).chunk(world_size, dim=0)[rank].contiguous() for n, s in PARAMS}
-    recv = {n: torch.full((s[0], s[1] // world_size), float("nan")) for n, s in PARAMS}
+    send = {n: _truth(n, s).chunk(world_size, dim=0)[rank].contiguous().to(device) for n, s in PARAMS}
+    recv = {n: torch.full((s[0], s[1] // world_size), float("nan"), device=device) for n, s in PARAMS}
 
     reader_cls = bounded_reader_class()
     reader = object.__new__(reader_cls)  # only the transport factory is exercised here
@@ -59,8 +59,23 @@ def bounded_exchange(rank: int, world_size: int) -> dict:
     transport.update_weights_in_colocate_mode(
         train_to_infer, {v: k for k, v in train_to_infer.items()}, rank, f"test-{rank}", world_size,
         send_plan, recv_plan, dist.group.WORLD, send, recv, step_id=1)
-    exact = all(torch.equal(recv[n], _truth(n, s).chunk(world_size, dim=1)[rank]) for n, s in PARAMS)
+    exact = all(torch.equal(recv[n].cpu(), _truth(n, s).chunk(world_size, dim=1)[rank]) for n, s in PARAMS)
     return {"transport": type(transport).__name__, "exact": exact,
             "remote_ops": sum(len(v) for k, v in send_plan.operations.items() if k != rank),
             "local_ops": sum(len(v) for k, v in send_plan.operations.items() if k == rank),
-            "pack": list(getattr(transport, "_expert_pack_config", ()))}
+            "packed_wire_ops": (getattr(transport, "_expert_pack_stats", None) or {}).get("packed_wire_ops", 0)}
+
+
+def nccl_main(rank: int, world_size: int, port: int, queue) -> None:
+    """GPU lane: one process per GPU, NCCL, the same exchange on CUDA tensors."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        queue.put((rank, bounded_exchange(rank, world_size, device=f"cuda:{rank}")))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        queue.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+    finally:
+        dist.destroy_process_group()

@@ -63,7 +63,7 @@ def test_bounded_transport_moves_shards_on_gloo():
     for r in out:
         assert r["transport"] == "BoundedMemoryNcclColocateStreamBatchTransport", r
         assert r["exact"], r  # every received shard bitwise equal to the ground truth
-        assert r["remote_ops"] > 0 and r["local_ops"] > 0, r
+        assert r["remote_ops"] > 0 and r["local_ops"] > 0 and r["packed_wire_ops"] > 0, r
 
 
 @pytest.mark.timeout(120)
