@@ -104,6 +104,6 @@ class StagedAdamW(StagedOptimizerBase):
         beta1, beta2 = g["betas"]
         adamw_update_(masters, grads, ms, vs, step=self._step_tensors[(unit.group, self.compute_device)],
                       lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
-                      weight_decay=g["weight_decay"], impl=self.impl)
+                      weight_decay=g["weight_decay"], impl=self.impl, step_value=g["step"])
         for pc, m in zip(live, masters):
             params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel].copy_(m)

@@ -52,11 +52,14 @@ def adamw_update_(
     eps: float,
     weight_decay: float,
     impl: str = "auto",
+    step_value: float | None = None,
 ) -> None:
     """One AdamW update in place on lists of same-shaped tensors ``[N_i]``.
 
     ``step`` is a 0-d float32 tensor holding t (>= 1) on the compute device for ``fused``, any
-    device for ``foreach``; it is read, not incremented. ``impl``: ``fused`` | ``foreach`` |
+    device for ``foreach``; it is read, not incremented. ``step_value`` is the same t as a Python
+    number: ``foreach`` uses it for its scalar bias corrections instead of reading ``step`` back
+    from the device (which would synchronize with the host). ``impl``: ``fused`` | ``foreach`` |
     ``auto`` (fused when supported).
     """
     if not params:
@@ -72,7 +75,10 @@ def adamw_update_(
         return
     if impl != "foreach":
         raise ValueError(f"impl={impl!r} is invalid: one of auto|fused|foreach")
-    t = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+    if step_value is not None:
+        t = float(step_value)
+    else:
+        t = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)

@@ -253,3 +253,24 @@ def test_slot_cache_with_host_writes_prefetch_and_reconfigure(num_slots):
         assert_close(f"param{i}", a, b, atol=0, rtol=1e-6)
         for k in ("exp_avg", "exp_avg_sq"):
             assert_close(f"{k}{i}", o_ref.state[a][k], o_out.state[b][k], atol=0, rtol=1e-6)
+
+
+def test_foreach_update_reads_no_step_from_the_device():
+    """With ``step_value`` the foreach path never reads the step tensor back (on CUDA that read
+    would be a host sync per unit): a meta-device step tensor, which cannot be read, still works
+    and gives the same result as a readable one."""
+    from optim_staged import adamw_update_
+
+    g = torch.Generator().manual_seed(12)
+    p, gr, m, v = (torch.randn(257, generator=g) for _ in range(4))
+    v = v.abs()
+    outs = []
+    for step, value in ((torch.tensor(3.0), None), (torch.empty((), device="meta"), 3)):
+        pp, mm, vv = p.clone(), m.clone(), v.clone()
+        adamw_update_([pp], [gr], [mm], [vv], step=step, step_value=value, lr=1e-2, beta1=0.9, beta2=0.99,
+                      eps=1e-8, weight_decay=0.1, impl="foreach")
+        outs.append((pp, mm, vv))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        torch.empty((), device="meta").item()
