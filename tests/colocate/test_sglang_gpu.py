@@ -17,7 +17,7 @@ Checks per case:
   (bf16-rounded) weights: max |Δ| ≤ 0.05, mean |Δ| ≤ 0.01 nats (bf16 activations; measured
   values are printed), while before the publish they differed by far more;
 * the in-place path (all weights views of one CUDA storage: one handle, no packing) gives the
-  same checksum as the packed path;
+  same checksum as the packed path, and the storage's memory returns once the trainer frees it;
 * residency: release ``kv_cache``/``weights``/``cuda_graph`` (memory comes back, a second
   release is a no-op), resume weights, re-publish, resume the rest: same checksum, same greedy
   tokens as before the cycle;
@@ -117,6 +117,7 @@ def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path):
     assert r["checksum_after_cycle"] == r["checksum_publish"]
     assert r["greedy_after_cycle"] == r["greedy_before_cycle"]
     assert r["generate_refused_while_released"] is True
+    assert r["inplace_buffer_returned"] is True, "the buffer SGLang read in place stayed in CUDA IPC limbo"
 
 
 # ------------------------------------------------------------------------ the driver process
@@ -200,7 +201,9 @@ def _driver(case_file: str, result_file: str) -> None:
         rec["checksum_disk"] = eng.checksum()
 
         # in place: every tensor a view of one CUDA storage (as in a DDP param buffer)
-        flat = torch.empty(sum(t.numel() for t in weights.values()), dtype=torch.bfloat16, device="cuda")
+        # ≥ 32 MiB: its own allocator segment, so its release shows in memory_reserved below
+        flat = torch.empty(max(sum(t.numel() for t in weights.values()), 16 << 20), dtype=torch.bfloat16,
+                           device="cuda")
         inplace, off = {}, 0
         for n, t in weights.items():
             inplace[n] = flat[off: off + t.numel()].view(t.shape)
@@ -228,6 +231,13 @@ def _driver(case_file: str, result_file: str) -> None:
         rec["checksum_after_cycle"] = eng.checksum()
         rec["greedy_after_cycle"] = [o["output_ids"] for o in eng.generate(PROMPTS, max_new_tokens=8)]
         rec["final_resume_noop"] = eng.resume_memory()
+        # no IPC leak: once the trainer drops the buffer, its memory goes back (SGLang let go of it)
+        torch.cuda.synchronize()
+        reserved, nbytes = torch.cuda.memory_reserved(), flat.numel() * flat.element_size()
+        del inplace, flat
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+        rec["inplace_buffer_returned"] = torch.cuda.memory_reserved() <= reserved - nbytes
         rec["done"] = True
     except Exception as e:  # noqa: BLE001 - recorded for the test process, which asserts
         rec["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
