@@ -12,6 +12,11 @@ Schedulers:
   step inside the owner's allocation (``--overlap`` lets it share the owner's CPUs/GPUs); the
   role env is set in srun's own environment (``--export=ALL`` does not override variables that
   already exist); kill also ``scancel``s the step.
+* :class:`RayScheduler` — a Ray actor pinned to the owner's node (``NodeAffinitySchedulingStrategy``,
+  ``soft=False``) that runs the command under the same guard; the actor sees the role's
+  overrides through ``runtime_env`` env vars, the command gets the exact merged env; the actor
+  fate-shares with its owner (Ray kills it when the owner dies) and the guard then kills the
+  command's group. ``ray`` is imported lazily.
 
 A worker signals readiness by calling :func:`mark_ready` (it writes a small JSON file named by
 ``COLOCATE_READY_FILE`` with its pid, host, Slurm step and ``CUDA_VISIBLE_DEVICES``).
