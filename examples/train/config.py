@@ -111,9 +111,9 @@ class WorkloadConfig:
     """Prompts (``agent``: tasks) per step; one prefix tree each."""
     group_size: int = 8
     """Responses (``agent``: episodes) per prompt n."""
-    prompt_len: int = 256
+    prompt_len: int = 64
     """Prompt tokens P (shared by the group: packed once)."""
-    response_len: int = 256
+    response_len: int = 64
     """Response tokens R (the loss covers them)."""
     response_jitter: int = 0
     """Response lengths drawn from ``[R - jitter, R + jitter]``."""
