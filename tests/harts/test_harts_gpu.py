@@ -85,13 +85,14 @@ def test_megatron_tree_flex_fp32(cpu_megatron, recompute):
 
 
 @pytest.mark.timeout(300)
-def test_chunked_head_bf16_inputs():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+def test_chunked_head_bf16_inputs(fused):
     seqs = grpo_groups(2, prompt_len=500, response_len=300, n=4, vocab_size=32000, seed=2)
     f = build_forest(seqs, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     h = torch.randn(f.num_nodes, 256, device="cuda", generator=g).bfloat16().requires_grad_(True)
     w = (0.05 * torch.randn(32000, 256, device="cuda", generator=g)).bfloat16().requires_grad_(True)
-    lp, ent = tree_lm_head(h, w, f.tokens, f.parent, chunk_size=512, entropy_requires_grad=True)
+    lp, ent = tree_lm_head(h, w, f.tokens, f.parent, chunk_size=512, entropy_requires_grad=True, fused=fused)
     (lp.sum() + ent.sum()).backward()
     hr, wr = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     lr, er = tree_head_reference(hr, wr, f.tokens, f.parent)
@@ -122,6 +123,10 @@ def test_chunked_head_peak_memory_bf16(ent_grad):
     from harts.lm_head import head_edges
 
     edges = head_edges(tokens, parent)
+    lp, ent = tree_lm_head(hid[:2048], w, tokens[:2048], parent[:2048], chunk_size=chunk, entropy_requires_grad=ent_grad)
+    (lp.sum() + (ent.sum() if ent_grad else 0.0)).backward()  # compile the fused kernels outside the measurement
+    hid.grad = w.grad = None
+    del lp, ent
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -202,6 +207,9 @@ def test_head_and_label_gathers_do_not_sync():
     h = torch.randn(f.num_nodes, 128, device="cuda", generator=g).bfloat16().requires_grad_(True)
     w = (0.05 * torch.randn(4000, 128, device="cuda", generator=g)).bfloat16().requires_grad_(True)
     edges = head_edges(f.tokens, f.parent)
+    lp, ent = tree_lm_head(h, w, f.tokens, f.parent, chunk_size=128, entropy_requires_grad=True, edges=edges)
+    (lp.sum() + ent.sum()).backward()  # compile the fused kernels (both chunk shapes) before checking
+    h.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -211,3 +219,25 @@ def test_head_and_label_gathers_do_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ent_grad", [False, True], ids=["logp", "logp+entropy"])
+def test_fused_head_fp64(ent_grad):
+    """The compiled (fused) chunk kernels in fp64 equal the full-logits reference at 1e-12, with a
+    temperature and a short last chunk."""
+    f = build_forest([list(range(1, 300)), list(range(1, 120)) + [900, 901], [5, 6, 7]], device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hid = torch.randn(f.num_nodes, 16, device="cuda", generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(1000, 16, device="cuda", generator=g, dtype=torch.float64, requires_grad=True)
+    lp, en = tree_lm_head(hid, w, f.tokens, f.parent, chunk_size=128, temperature=0.7, entropy_requires_grad=ent_grad,
+                          fused=True)
+    c = torch.randn(lp.shape, device="cuda", generator=g, dtype=torch.float64)
+    obj = (lp * c).sum() + ((en * c.flip(0)).sum() if ent_grad else 0.0)
+    dh, dw = torch.autograd.grad(obj, [hid, w])
+    hr, wr = hid.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    lr, er = tree_head_reference(hr, wr, f.tokens, f.parent, temperature=0.7)
+    obj_r = (lr * c).sum() + ((er * c.flip(0)).sum() if ent_grad else 0.0)
+    dh_r, dw_r = torch.autograd.grad(obj_r, [hr, wr])
+    for name, a, b in (("logp", lr, lp), ("entropy", er, en), ("dhidden", dh_r, dh), ("dweight", dw_r, dw)):
+        assert_close(f"fused {name}", a, b, atol=1e-12, rtol=1e-12)
