@@ -24,7 +24,8 @@ Checks per case:
 * the begin/end weight-update bracket is feature-detected (absent in 0.5.17).
 
 Run: ``bash .sgl/scripts/go.sh -m pytest -m sglang -x -q -s tests/colocate/test_sglang_gpu.py``
-(≈3–5 min on a fresh H200: one engine start per case, the first with JIT builds).
+(≈3–4 min on a fresh H200: one engine start per case; SGLang's JIT kernels are built in
+parallel by the lane's ``.sgl/scripts/prewarm.py`` while the Megatron weights are built).
 """
 
 from __future__ import annotations
@@ -77,13 +78,49 @@ def _run_driver(case_file: Path, result_file: Path, log_file: Path, timeout_s: f
     return res
 
 
+class _Prewarm:
+    """SGLang's JIT kernels (tvm-ffi + nvcc, ~20–25 s each when built one after another inside
+    the first engine start) built in parallel processes by the GPU lane's ``prewarm.py``, while
+    the test builds the Megatron weights. Best effort: a kernel not built here is built by the
+    engine itself."""
+
+    OPS = ("silu", "qknorm", "rope", "store256")  # store256: 2 KV heads x head_dim 64 x bf16
+
+    def __init__(self):
+        script = ROOT / ".sgl" / "scripts" / "prewarm.py"
+        self.procs = []
+        if script.exists():
+            for op in self.OPS:
+                self.procs.append(subprocess.Popen([sys.executable, str(script), op], cwd=ROOT,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                                   start_new_session=True))
+
+    def wait(self, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                print("prewarm:", (out or "").strip().splitlines()[-1:] or f"exit {p.returncode}")
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        self.procs = []
+
+
+@pytest.fixture(scope="module")
+def prewarm():
+    pw = _Prewarm()
+    yield pw
+    pw.wait(1.0)
+
+
 @pytest.mark.timeout(560)
 @pytest.mark.parametrize("case", [
     {"id": "dense"},
     {"id": "moe", "experts": 4, "tied": True},
     pytest.param({"id": "dense-tp2", "tp": 2}, marks=TWO_GPUS),
 ], ids=lambda c: c["id"])
-def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path):
+def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path, prewarm):
     from mcore_distill.testing import run_ranks
 
     from ._ranks import megatron_hf_weights
@@ -92,6 +129,7 @@ def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path):
     got = run_ranks(megatron_hf_weights, tp, case, backend="nccl", timeout=240)[0]
     case_file = tmp_path / "case.pt"
     torch.save({"spec": got["spec"], "weights": got["weights"], "tp": tp}, case_file)
+    prewarm.wait()
     r = _run_driver(case_file, tmp_path / "result.json", tmp_path / "driver.log", timeout_s=420)
     summary = {k: v for k, v in r.items() if k != "_log_tail"}
     print(json.dumps(summary, indent=1, default=str))
