@@ -85,7 +85,8 @@ def head_edges(tokens: torch.Tensor, parent: torch.Tensor) -> HeadEdges:
 def _row_stats(z: torch.Tensor, inv_temp: float):
     """Fused forward statistics of a logits chunk ``z [n, V]``: ``m = max z/τ``,
     ``Σ e`` and ``Σ e·s`` with ``s = z/τ − m``, ``e = exp s`` (no [n, V] temporary once compiled)."""
-    z = z * inv_temp
+    if inv_temp != 1.0:  # a Python float: specialized when traced
+        z = z * inv_temp
     m = z.amax(-1)
     s = z - m[:, None]
     e = torch.exp(s)
@@ -95,7 +96,7 @@ def _row_stats(z: torch.Tensor, inv_temp: float):
 def _dz_inplace(z: torch.Tensor, lse: torch.Tensor, gsum: torch.Tensor, g_ent, ent: torch.Tensor, inv_temp: float):
     """Overwrite the logits chunk ``z`` with ``−p ⊙ (G + g^H (log p + H))`` (``−G p`` without an
     entropy gradient), ``log p = z/τ − lse``; one read and one write of the chunk once compiled."""
-    lp = z * inv_temp - lse[:, None]
+    lp = (z * inv_temp if inv_temp != 1.0 else z) - lse[:, None]
     p = torch.exp(lp)
     if g_ent is None:
         z.copy_(-gsum[:, None] * p)
