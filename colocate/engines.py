@@ -343,8 +343,13 @@ class HFEngine:
     def resume(self) -> None:
         """Undo :meth:`pause`; parked generations continue."""
         self._pause.clear()
-        with self._cond:
-            self._cond.notify_all()
+        # Parked generations also re-check every 0.5 s; waking them needs the lock, which a running
+        # (never parked) generation holds until it ends, so do not block on it here.
+        if self._lock.acquire(blocking=False):
+            try:
+                self._cond.notify_all()
+            finally:
+                self._lock.release()
 
     @property
     def paused(self) -> bool:

@@ -186,6 +186,9 @@ def test_pause_is_bounded_parks_and_resumes_to_identical_tokens(ref):
     e = _engine()
     r = _Rollout(e)
     t0 = time.monotonic()
+    e.resume()  # not paused: returns at once, does not wait for the running generation's lock
+    assert time.monotonic() - t0 < 1.0 and r.thread.is_alive()
+    t0 = time.monotonic()
     e.pause(timeout=BOUND)
     assert time.monotonic() - t0 < BOUND and e.paused
     n = e.tokens_generated
