@@ -348,11 +348,37 @@ def main() -> None:
             rows += megatron_rows(args.quick, snapshot=not args.no_snapshot)
         except Exception as e:  # noqa: BLE001
             rows.append(_error_row("megatron", "error", e))
+    extra["targets"] = _targets(rows)
     path = write_results("optim_staged", rows, extra)
+    for line in extra["targets"]:
+        print(line)
     _plot(rows)
     print(f"wrote {path}")
     print_table(rows, ["case", "provider", "ms", "ratio", "ms_loop", "pct_floor", "pct_floor_loop", "GBps_dir",
                        "gpu_state_bytes", "peak_hbm_GiB", "opt_state_hbm_GiB", "best", "error"])
+
+
+def _targets(rows: list[dict]) -> list[str]:
+    """The issue's targets, one line each: AdamW >= 95 % of the duplex floor and >= 3x faster than
+    HybridDeviceOptimizer at fraction 1.0; StagedMuon <= 1.10x native Muon."""
+    out = []
+    by_case: dict[str, list[dict]] = {}
+    for r in rows:
+        by_case.setdefault(r.get("case", ""), []).append(r)
+    for case, rs in by_case.items():
+        if case.startswith("adamw/"):
+            best = next((r for r in rs if r.get("best")), None)
+            hdo = next((r for r in rs if r.get("provider") == "megatron_hdo_1.0" and "ms" in r), None)
+            if best and best.get("pct_floor") is not None:
+                out.append(f"{case}: best {best['provider']} {best['pct_floor'] * 100:.1f} % of duplex floor "
+                           f"(loop {best['pct_floor_loop'] * 100:.1f} %; target >= 95 %)")
+            if best and hdo:
+                out.append(f"{case}: {hdo['ms'] / best['ms']:.2f}x faster than HDO 1.0 (target >= 3x)")
+        elif case.startswith("muon/"):
+            for r in rs:
+                if r.get("provider", "").startswith("staged") and "ratio" in r:
+                    out.append(f"{case} {r['provider']}: {r['ratio']:.3f}x native (target <= 1.10)")
+    return out
 
 
 def _plot(rows: list[dict]) -> None:
