@@ -202,3 +202,26 @@ def test_receiver_timeout_is_typed_and_poisons():
         assert recv.checksums() == {n: tensor_checksum(t) for n, t in w.items()}
     finally:
         recv.close(timeout=1)
+
+
+def test_inprocess_inplace_storage_verified_against_sender_checksums():
+    """In place (the engine copies from the trainer's storage when the group is flushed): the
+    bytes are checked against checksums taken when each tensor was yielded, so a storage that
+    changes in between is caught and the previous weights stay."""
+    engine = HFEngine(DENSE)
+    pub = Publisher(engine, PublishConfig(bucket_bytes=16 << 10), share_min_bytes=16 << 10)  # the 3 separate: packed
+    w1, _ = _in_one_storage(_weights(DENSE, 1), separate=3)
+    rep = pub.publish(w1, version=1)
+    assert rep.num_shared == 1 and rep.num_buckets == 1 and rep.verify == "checksum"
+    assert engine.checksums() == {n: tensor_checksum(t) for n, t in w1.items()}
+
+    w2, flat = _in_one_storage(_weights(DENSE, 2), separate=3)
+
+    def changes_after_yield():
+        yield from w2.items()
+        flat.mul_(2)  # the trainer writes to the buffer before the publisher flushed it
+
+    with pytest.raises(PublishError, match="checksum") as ei:
+        pub.publish(changes_after_yield(), version=2, meta={n: (tuple(t.shape), t.dtype) for n, t in w2.items()})
+    assert ei.value.phase == "load" and 2 in pub.poisoned
+    assert engine.weight_version() == 1 and engine.checksums() == {n: tensor_checksum(t) for n, t in w1.items()}
