@@ -35,7 +35,14 @@ from shared_teacher.megatron import (
     topk_distill_loss,
     train_window,
 )
-from shared_teacher.reference import SimResult, SimStudent, simulate_node, teacher_features_reference
+from shared_teacher.reference import (
+    SimNode,
+    SimResult,
+    SimStudent,
+    simulate_node,
+    simulate_nodes,
+    teacher_features_reference,
+)
 from shared_teacher.refs import SampleRef, epoch_order, sample_id
 from shared_teacher.rpc import SourceClient, SourceServer
 from shared_teacher.source import SharedTeacherSource
@@ -44,11 +51,11 @@ from shared_teacher.store import FeatureStore, FileStore, ShmStore, open_store
 __all__ = [
     "SIGNALS", "AdmissionConfigError", "CompatKey", "FeatureStore", "FileStore", "IncompatibleSubscriptionError",
     "LeaseExpiredError", "MegatronTeacher", "NodeGate", "NodeLimits", "PreflightReport", "SampleRef",
-    "SharedTeacherError", "SharedTeacherSource", "ShmStore", "SimResult", "SimStudent", "SourceClient", "SourceClosedError",
+    "SharedTeacherError", "SharedTeacherSource", "ShmStore", "SimNode", "SimResult", "SimStudent", "SourceClient", "SourceClosedError",
     "SourceConfig", "SourceConfigError", "SourceServer", "SourceStalledError", "SourceTeardownBlockedError",
     "StaleRefError", "StoreError", "StudentCursor", "StudentReader", "StudentSpec", "TeacherFeatureFn", "Window",
     "collate", "epoch_order", "export_hf_state_dict", "features_from_logits", "fingerprint_state_dict",
     "admission_capacity", "need_samples", "node_epoch_sizes", "open_store", "preflight", "run_producer", "sample_id",
-    "simulate_node",
+    "simulate_node", "simulate_nodes",
     "teacher_features_reference", "topk_distill_loss", "train_window",
 ]

@@ -82,7 +82,8 @@ def windows_per_epoch(spec: StudentSpec, sizes: dict[str, int]) -> int:
 def need_samples(spec: StudentSpec, node: str, *, min_seq_len: int, epoch_size: int) -> int:
     """Samples that must be admitted from a student's position before it can surely start a window.
 
-    Unpacked: ``Q``. Packed: ``min(ceil(T / min_seq_len), D_n)`` (``T`` tokens, or the epoch's rest).
+    Unpacked: ``Q``. Packed: ``min(ceil(T / min_seq_len), D_n)`` (``T`` tokens, or the epoch's rest;
+    preflight also requires ``D_n × min_seq_len ≥ T``, so this is ``ceil(T / min_seq_len)``).
     """
     q = spec.quantum(node)
     return min(math.ceil(q / min_seq_len), epoch_size) if spec.packed else q
@@ -147,6 +148,9 @@ def preflight(config: SourceConfig) -> PreflightReport:
     for s in config.students:
         if s.packed:
             need("*", s.name, "pack_budget_tokens >= max_seq_len", config.max_seq_len, s.pack_budget_tokens)
+            for n in nodes:
+                need(n, s.name, "epoch_size*min_seq_len >= quantum_tokens", s.quantum(n),
+                     sizes[n] * config.min_seq_len)
         else:
             need("*", s.name, "windows_per_epoch", 1, windows_per_epoch(s, sizes))
     needs: dict[str, dict[str, int]] = {n: {} for n in nodes}

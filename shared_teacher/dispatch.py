@@ -200,12 +200,8 @@ class _Dispatch:
         return gate.can_admit()
 
     def _starving(self, node: str) -> bool:
-        """Some live student at the node's oldest dispatch position cannot start its share from admitted samples."""
-        live = [st for st in self._students.values() if st.status == "live"]
-        if not live:
-            return False
-        lo = min(st.node_pos[node] for st in live)
-        return any(st.node_pos[node] == lo and not self._share_admitted(st, node) for st in live)
+        """Some live student's next share on ``node`` is not admitted yet (its window waits on this node)."""
+        return any(st.status == "live" and not self._share_admitted(st, node) for st in self._students.values())
 
     def _share_admitted(self, st: _Student, node: str) -> bool:
         """Are the samples of the student's next share on ``node`` admitted (or is its epoch tail a drop)?"""

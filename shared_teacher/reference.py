@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SimStudent", "SimResult", "simulate_node", "teacher_features_reference", "topk_distill_loss_reference"]
+__all__ = ["SimNode", "SimStudent", "SimResult", "simulate_node", "simulate_nodes", "teacher_features_reference", "topk_distill_loss_reference"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +39,8 @@ class SimResult:
     stall: bool
     """Some reachable state has no enabled event."""
     witness: tuple | None
-    """A stalling state ``(P, positions, latched_samples, latched_tokens, lengths in flight)``, normalized."""
+    """A stalling state, normalized: per node ``P``, per student its positions, per node the sample latch,
+    the token latch and the lengths of positions ``[lo, P)``."""
     states: int
     """Distinct states explored."""
 
@@ -57,86 +58,154 @@ def _next_fit(lengths: list[int], budget: int, bins: int) -> list[int]:
     return counts
 
 
+@dataclass(frozen=True, kw_only=True)
+class SimNode:
+    """Admission limits and epoch size of one simulated node."""
+
+    epoch_size: int
+    """Positions per epoch on this node (``D_n``)."""
+    high: int
+    """Sample high watermark, also the hard cap."""
+    low: int
+    """Sample low watermark."""
+    high_tokens: int = 0
+    """Token latch (0: none)."""
+    low_tokens: int = 0
+    """Token low watermark."""
+    byte_cap_samples: int = 0
+    """Byte cap in units of ``max_sample_bytes`` (0: none; every object is assumed to be that large)."""
+
+
 def simulate_node(*, students: list[SimStudent], epoch_size: int, high: int, low: int, high_tokens: int = 0,
                   low_tokens: int = 0, byte_cap_samples: int = 0, lengths: tuple[int, ...] = (1,),
                   lag_cap: int = 1 << 30, starvation_release: bool = True, max_states: int = 2_000_000) -> SimResult:
-    """Explore every interleaving of admission and dispatch on one node.
+    """:func:`simulate_nodes` for one node (arguments as in :class:`SimNode`)."""
+    node = SimNode(epoch_size=epoch_size, high=high, low=low, high_tokens=high_tokens, low_tokens=low_tokens,
+                   byte_cap_samples=byte_cap_samples)
+    return simulate_nodes(students=[(s,) for s in students], nodes=[node], lengths=lengths, lag_cap=lag_cap,
+                          starvation_release=starvation_release, max_states=max_states)
 
-    ``high``/``low``: sample watermarks (``high`` is also the hard cap); ``high_tokens``/``low_tokens``:
-    token latch (0: none); ``byte_cap_samples``: byte cap in units of ``max_sample_bytes`` (0: none;
-    every object is assumed to be that large); ``lengths``: token lengths the data may have (each
-    admission branches over all of them); ``lag_cap``: a student starts (or drops) a window only
-    while its position exceeds the slowest's by at most this; ``starvation_release=False`` gives the
-    plain latch (for the regression it fixes). State: next position to admit ``P``, every student's
-    settled prefix, the two latches and the lengths of positions ``[lo, P)``, shifted by whole epochs.
+
+def simulate_nodes(*, students: list[tuple[SimStudent, ...]], nodes: list[SimNode], lengths: tuple[int, ...] = (1,),
+                   lag_cap: int = 1 << 30, starvation_release: bool = True, max_states: int = 2_000_000) -> SimResult:
+    """Explore every interleaving of admission (per node) and dispatch (per student, across nodes).
+
+    ``students[c][n]``: student ``c``'s share on node ``n``. A window needs its share on every node
+    (checked in node order, like the source: an unpacked node with fewer than ``Q`` positions left in
+    the epoch, or a packed node whose whole rest leaves a bin empty, drops the epoch tail on all
+    nodes). ``lengths``: token lengths the data may have (each admission branches over all of them);
+    ``lag_cap``: a student starts (or drops) a window only while its positions summed over nodes
+    exceed the slowest's by at most this; ``starvation_release=False`` gives the plain latch.
+    State: per node the next position to admit, the latches and the lengths of positions
+    ``[lo_n, P_n)``; per student its position on every node; shifted by whole epochs.
     """
-    d = epoch_size
+    nn = len(nodes)
+    ds = [nd.epoch_size for nd in nodes]
 
-    def move(i: int, p: int, cs: tuple[int, ...], lens: tuple[int, ...]) -> int | None:
-        """New position of student i after its next window or tail drop, or None if it cannot start."""
-        st, c, lo = students[i], cs[i], min(cs)
-        if c - lo > lag_cap:
-            return None
-        e = c // d
-        end = (e + 1) * d
+    def epoch_of(pos: tuple[int, ...]) -> int:
+        return min(pos[n] // ds[n] for n in range(nn))
+
+    def share_ready(c: int, n: int, p: int, pos: tuple[int, ...], lo: int, lens: tuple[int, ...]) -> str:
+        """'ready', 'tail' or 'wait' for student c's next share on node n."""
+        st, x = students[c][n], pos[n]
+        end = (epoch_of(pos) + 1) * ds[n]
         if not st.pack_budget:
-            if c + st.quantum > end:
-                return end
-            return c + st.quantum if c + st.quantum <= p else None
-        ready, tokens, whole = [], 0, True
-        for pos in range(c, end):
-            if pos >= p or tokens >= st.quantum:
-                whole = False
-                break
-            ready.append(lens[pos - lo])
-            tokens += ready[-1]
-        if tokens < st.quantum and not whole:
+            if x + st.quantum > end:
+                return "tail"
+            return "ready" if x + st.quantum <= p else "wait"
+        tokens = 0
+        for y in range(x, end):
+            if y >= p:
+                return "wait"
+            tokens += lens[y - lo]
+            if tokens >= st.quantum:
+                return "ready"
+        return "ready"  # the whole rest of the epoch is admitted
+
+    def move(c: int, ps: tuple[int, ...], cs: tuple, los: tuple[int, ...], lens: tuple) -> tuple[int, ...] | None:
+        """Positions of student c after its next window or tail drop, or None if it cannot start."""
+        pos = cs[c]
+        if sum(pos) - min(sum(x) for x in cs) > lag_cap:
             return None
-        counts = _next_fit(ready, st.pack_budget, st.bins)
-        if whole and not all(counts):
-            return end
-        return c + sum(counts)
+        e = epoch_of(pos)
+        tail = tuple((e + 1) * d for d in ds)
+        new = list(pos)
+        for n in range(nn):
+            st, x, end = students[c][n], pos[n], tail[n]
+            if not st.pack_budget:
+                if x + st.quantum > end:
+                    return tail
+                if x + st.quantum > ps[n]:
+                    return None
+                new[n] = x + st.quantum
+                continue
+            ready, tokens, whole = [], 0, True
+            for y in range(x, end):
+                if y >= ps[n] or tokens >= st.quantum:
+                    whole = False
+                    break
+                ready.append(lens[n][y - los[n]])
+                tokens += ready[-1]
+            if tokens < st.quantum and not whole:
+                return None
+            counts = _next_fit(ready, st.pack_budget, st.bins)
+            if whole and not all(counts):
+                return tail
+            new[n] = x + sum(counts)
+        return tuple(new)
 
-    def norm(p: int, cs: tuple[int, ...], ls: bool, lt: bool, lens: tuple[int, ...]) -> tuple:
-        shift = (min(cs) // d) * d
-        return (p - shift, tuple(c - shift for c in cs), ls, lt, lens)
+    def norm(ps, cs, ls, lt, lens) -> tuple:
+        e = min(epoch_of(pos) for pos in cs)
+        shift = [e * d for d in ds]
+        return (tuple(p - sh for p, sh in zip(ps, shift)), tuple(tuple(x - sh for x, sh in zip(pos, shift)) for pos in cs),
+                ls, lt, lens)
 
-    start = norm(0, tuple(0 for _ in students), False, False, ())
+    start = norm(tuple(0 for _ in nodes), tuple(tuple(0 for _ in nodes) for _ in students), (False,) * nn,
+                 (False,) * nn, ((),) * nn)
     seen = {start}
     todo = deque([start])
     while todo:
         state = todo.popleft()
-        p, cs, ls, lt, lens = state
-        lo = min(cs)
-        samples, tokens = p - lo, sum(lens)
-        moves = [move(i, p, cs, lens) for i in range(len(students))]
+        ps, cs, ls, lt, lens = state
+        los = tuple(min(pos[n] for pos in cs) for n in range(nn))
         nxt = []
-        hard = samples >= high or (byte_cap_samples and samples + 1 > byte_cap_samples)
-        starving = any(c == lo and m is None for c, m in zip(cs, moves))
-        if starvation_release and starving and not hard:
-            ls = lt = False
-        if not hard and not ls and not lt:
+        for n, nd in enumerate(nodes):  # admission on node n
+            samples, tokens = ps[n] - los[n], sum(lens[n])
+            if samples >= nd.high or (nd.byte_cap_samples and samples + 1 > nd.byte_cap_samples):
+                continue
+            latched = ls[n] or lt[n]
+            if latched and starvation_release and any(
+                    share_ready(c, n, ps[n], pos, los[n], lens[n]) == "wait" for c, pos in enumerate(cs)):
+                latched = False
+            if latched:
+                continue
             for t in lengths:
-                nxt.append((p + 1, cs, samples + 1 >= high, lt or bool(high_tokens and tokens + t >= high_tokens),
-                            lens + (t,)))
-        for i, m in enumerate(moves):
+                nxt.append((ps[:n] + (ps[n] + 1,) + ps[n + 1:], cs,
+                            ls[:n] + (samples + 1 >= nd.high,) + ls[n + 1:],
+                            lt[:n] + (bool(nd.high_tokens and tokens + t >= nd.high_tokens),) + lt[n + 1:],
+                            lens[:n] + (lens[n] + (t,),) + lens[n + 1:]))
+        for c in range(len(students)):  # dispatch: student c takes or drops a window
+            m = move(c, ps, cs, los, lens)
             if m is None:
                 continue
-            cs2 = cs[:i] + (m,) + cs[i + 1:]
-            lo2 = min(cs2)
-            if lo2 == lo:
-                nxt.append((p, cs2, ls, lt, lens))
-                continue
-            p2 = max(p, lo2)
-            lens2 = lens[lo2 - lo:] if lo2 < p else ()
-            nxt.append((p2, cs2, ls and p2 - lo2 > low, lt and sum(lens2) > low_tokens, lens2))
+            cs2 = cs[:c] + (m,) + cs[c + 1:]
+            ps2, ls2, lt2, lens2 = list(ps), list(ls), list(lt), list(lens)
+            for n, nd in enumerate(nodes):
+                lo2 = min(pos[n] for pos in cs2)
+                if lo2 == los[n]:
+                    continue
+                ps2[n] = max(ps[n], lo2)
+                lens2[n] = lens[n][lo2 - los[n]:] if lo2 < ps[n] else ()
+                ls2[n] = ls[n] and ps2[n] - lo2 > nd.low
+                lt2[n] = lt[n] and sum(lens2[n]) > nd.low_tokens
+            nxt.append((tuple(ps2), cs2, tuple(ls2), tuple(lt2), tuple(lens2)))
         if not nxt:
             return SimResult(stall=True, witness=state, states=len(seen))
         for s in nxt:
             s = norm(*s)
             if s not in seen:
                 if len(seen) >= max_states:
-                    raise RuntimeError(f"simulate_node: more than max_states={max_states} states; shrink the config")
+                    raise RuntimeError(f"simulate_nodes: more than max_states={max_states} states; shrink the config")
                 seen.add(s)
                 todo.append(s)
     return SimResult(stall=False, witness=None, states=len(seen))

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from shared_teacher import (
     AdmissionConfigError,
     CompatKey,
     NodeLimits,
+    SimNode,
     SimStudent,
     SourceConfig,
     SourceConfigError,
     StudentSpec,
+    node_epoch_sizes,
     preflight,
     simulate_node,
+    simulate_nodes,
 )
 
 KEY = CompatKey(teacher_fingerprint="t", tokenizer="tok", signals=["logprobs"], max_length=64)
@@ -38,7 +41,7 @@ def test_watermark_below_quantum_is_refused_with_numbers():
     assert info.value.details[0] == {"node": "n0", "student": "draft", "check": "high_samples >= quantum",
                                      "need": 8, "have": 6}
     res = simulate_node(students=[SimStudent(quantum=8)], epoch_size=64, high=6, low=6)
-    assert res.stall and res.witness[:2] == (6, (0,))
+    assert res.stall and res.witness[:2] == ((6,), ((0,),))
 
 
 def test_hysteresis_remainder_stalls_a_plain_latch_but_not_ours():
@@ -48,7 +51,7 @@ def test_hysteresis_remainder_stalls_a_plain_latch_but_not_ours():
     q = [SimStudent(quantum=64)]
     for low in (0, 57):
         plain = simulate_node(students=q, epoch_size=640, high=250, low=low, starvation_release=False)
-        assert plain.stall and plain.witness[0] - plain.witness[1][0] == 58, plain.witness[:2]
+        assert plain.stall and plain.witness[0][0] - plain.witness[1][0][0] == 58, plain.witness[:2]
         assert not simulate_node(students=q, epoch_size=640, high=250, low=low).stall
         preflight(_cfg(high=250, low=low, students=[s], d=640))
     assert not simulate_node(students=q, epoch_size=640, high=250, low=58, starvation_release=False).stall
@@ -63,7 +66,7 @@ def _spec(i, kind, ranks, acc, size):
 
 @st.composite
 def mixed_node_configs(draw):
-    """One node: 1-3 students, unpacked (Q ≤ D) or packed (budget ≥ max_seq_len), lengths in [s, m],
+    """One node: 1-3 students, unpacked (Q ≤ D) or packed (budget ≥ max_seq_len, T ≤ D·s), lengths in [s, m],
     sample/token watermarks, a byte cap with a remainder below one object, any lag cap."""
     s = draw(st.integers(1, 3))
     m = draw(st.integers(s, s + 1))
@@ -72,7 +75,10 @@ def mixed_node_configs(draw):
     for i in range(draw(st.integers(1, 3))):
         ranks, acc = draw(st.integers(1, 2)), draw(st.integers(1, 2))
         if draw(st.booleans()):
-            students.append(_spec(i, "packed", ranks, acc, draw(st.integers(m, m + 2))))
+            budget = draw(st.integers(m, m + 2))
+            if ranks * acc * budget > d * s:  # keep D·s ≥ T (structural check): one bin of max_seq_len
+                ranks, acc, budget = 1, 1, m
+            students.append(_spec(i, "packed", ranks, acc, budget))
         else:
             if ranks * acc > d:
                 ranks = acc = 1
@@ -130,9 +136,111 @@ def test_equivalence_cases_on_both_sides():
     # a token latch far below T never stalls (it yields to the starving packed student)
     assert _preflight_accepts(dict(base, high=3, cap=0, high_tokens=1)) and not _simulate(
         dict(base, high=3, cap=0, high_tokens=1)).stall
-    # the whole epoch rest also forms a packed window: D = 2 < ceil(T/s) = 3 needs only 2 samples
+    # an epoch that may hold fewer than T tokens is refused as a structural error (partial or dropped windows)
     c = dict(base, d=2, students=[packed], high=2, cap=0)
-    assert _preflight_accepts(c) and not _simulate(c).stall
+    with pytest.raises(AdmissionConfigError, match="epoch_size\\*min_seq_len >= quantum_tokens: need 6, have 4"):
+        preflight(SourceConfig(key=KEY, dataset_size=2, max_sample_bytes=10, max_seq_len=3, min_seq_len=2,
+                               students=[packed], nodes={"n0": NodeLimits(high_samples=2, low_samples=0)}))
+
+
+STRUCTURAL = {"ranks_on_node", "windows_per_epoch", "pack_budget_tokens >= max_seq_len",
+              "epoch_size*min_seq_len >= quantum_tokens"}
+
+
+@st.composite
+def two_node_configs(draw, *, same_order: bool):
+    """Two nodes, 1-2 students. ``same_order``: unpacked with per-node quanta proportional across
+    nodes (``ranks_cn = g_c·h_n``); otherwise any rank split, packed or unpacked."""
+    s = draw(st.integers(1, 2))
+    m = draw(st.integers(s, s + 1)) if same_order else s
+    d = draw(st.integers(2, 10 if same_order else 8))
+    sizes = node_epoch_sizes(d, ["n0", "n1"])
+    h = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    students = []
+    for i in range(draw(st.integers(1, 2))):
+        acc = draw(st.integers(1, 2))
+        if same_order:
+            g = draw(st.integers(1, 2))
+            ranks = {"n0": h[0] * g, "n1": h[1] * g}
+        else:
+            ranks = {"n0": draw(st.integers(1, 3)), "n1": draw(st.integers(1, 3))}
+        if not same_order and draw(st.booleans()):
+            students.append(StudentSpec(name=f"p{i}", ranks_per_node=ranks, accumulation_steps=acc, packed=True,
+                                        pack_budget_tokens=draw(st.integers(m, m + 2))))
+        else:
+            most = max(1, min(sizes[n] // (ranks[n] * acc) for n in ranks))
+            students.append(StudentSpec(name=f"u{i}", ranks_per_node=ranks, accumulation_steps=acc,
+                                        micro_batch_size=draw(st.integers(1, most))))
+    nodes = {}
+    for n in ("n0", "n1"):
+        high = draw(st.integers(1, 6 if same_order else 4))
+        cap = draw(st.sampled_from([0, draw(st.integers(1, 7)) * 10 + draw(st.integers(0, 9))]))
+        nodes[n] = NodeLimits(high_samples=high, low_samples=draw(st.integers(0, high)), byte_cap=cap)
+    return SourceConfig(key=KEY, dataset_size=d, max_sample_bytes=10, max_seq_len=m, min_seq_len=s, students=students,
+                        lag_cap_samples=draw(st.sampled_from([0, 2, 1 << 30])), nodes=nodes)
+
+
+def _preflight_or_none(cfg):
+    """The report, None if refused for progress; the example is skipped if refused for structure."""
+    try:
+        return preflight(cfg)
+    except AdmissionConfigError as e:
+        assume(not any(d["check"] in STRUCTURAL for d in e.details))
+        return None
+
+
+def _simulate_config(cfg):
+    sizes = node_epoch_sizes(cfg.dataset_size, list(cfg.nodes))
+    nodes = [SimNode(epoch_size=sizes[n], high=lim.high_samples, low=lim.low_samples, high_tokens=lim.high_tokens,
+                     low_tokens=lim.low_tokens, byte_cap_samples=lim.byte_cap // cfg.max_sample_bytes)
+             for n, lim in cfg.nodes.items()]
+    students = [tuple(SimStudent(quantum=x.quantum(n), pack_budget=x.pack_budget_tokens if x.packed else 0,
+                                 bins=x.ranks_per_node[n] * x.accumulation_steps) for n in cfg.nodes)
+                for x in cfg.students]
+    lengths_matter = any(x.packed for x in cfg.students) or any(lim.high_tokens for lim in cfg.nodes.values())
+    return simulate_nodes(students=students, nodes=nodes, lag_cap=cfg.lag_cap_samples,
+                          lengths=tuple(range(cfg.min_seq_len, cfg.max_seq_len + 1)) if lengths_matter else (1,))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(two_node_configs(same_order=True))
+def test_two_nodes_same_order_preflight_is_exact(cfg):
+    """Every node orders the students the same way: preflight accepts ⇔ the two-node simulator never stalls."""
+    report = _preflight_or_none(cfg)
+    res = _simulate_config(cfg)
+    event("stall" if res.stall else "progress")
+    assert (report is not None) == (not res.stall), (cfg, res)
+    if report is not None:
+        assert report.same_order_on_all_nodes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(two_node_configs(same_order=False))
+def test_two_nodes_any_topology_preflight_refusals_all_stall(cfg):
+    """Packed students / uneven splits over two nodes: every refused config stalls (the condition is
+    necessary); an accepted config that stalls is never flagged ``same_order_on_all_nodes``."""
+    report = _preflight_or_none(cfg)
+    res = _simulate_config(cfg)
+    event("stall" if res.stall else "progress")
+    if report is None:
+        assert res.stall, cfg
+    elif res.stall:
+        assert not report.same_order_on_all_nodes, (cfg, res)
+
+
+def test_cross_node_skew_stalls_what_the_per_node_condition_accepts():
+    """The documented limit: ranks (1, 3) vs (3, 1) over two nodes (12 positions per epoch each) pass
+    preflight with H ≥ 3 and the report says the nodes do not share an order. Windows move the students
+    apart ((k, 3k) vs (3k, k)), so H ≤ 8 stalls on the skew; H = 10 runs."""
+    students = [StudentSpec(name="a", ranks_per_node={"n0": 1, "n1": 3}),
+                StudentSpec(name="b", ranks_per_node={"n0": 3, "n1": 1})]
+    for high in (3, 8):
+        cfg = _cfg(high=high, low=0, students=students, nodes=("n0", "n1"), d=24)
+        assert not preflight(cfg).same_order_on_all_nodes
+        res = _simulate_config(cfg)
+        (a0, a1), (b0, b1) = res.witness[1]
+        assert res.stall and a0 < b0 and a1 > b1, res.witness  # each student is behind on one node
+    assert not _simulate_config(_cfg(high=10, low=0, students=students, nodes=("n0", "n1"), d=24)).stall
 
 
 def test_packed_tokens_bytes_and_topology_checks():
