@@ -161,7 +161,8 @@ class Publisher:
 
         ``meta`` (name → (shape, dtype)) lets the checks run before the iterator is consumed,
         so a lazy Megatron gather (:func:`colocate.megatron.iter_hf_weights`) is never
-        materialised whole; without it the iterator is drained first. Raises
+        materialised whole; without it the iterator is drained first. Yielded tensors must stay
+        unchanged until this call returns (they are packed, or read in place, later). Raises
         :class:`PoisonedVersionError` for a reused/poisoned/old version and
         :class:`PublishError` for any failure during the publish.
         """
@@ -305,6 +306,11 @@ class Publisher:
                 return
             key, storage, entries = group
             group = None
+            spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries)
+            for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+                if start < end:  # e.g. a generator that reuses one buffer for successive tensors
+                    raise ValueError(f"weights {a!r} and {b!r} are overlapping views of one storage; tensors must "
+                                     "stay unchanged and distinct until publish returns")
             wait_slot()
             if storage.is_cuda:
                 torch.cuda.current_stream(storage.device).synchronize()  # producer writes done

@@ -225,3 +225,22 @@ def test_inprocess_inplace_storage_verified_against_sender_checksums():
         pub.publish(changes_after_yield(), version=2, meta={n: (tuple(t.shape), t.dtype) for n, t in w2.items()})
     assert ei.value.phase == "load" and 2 in pub.poisoned
     assert engine.weight_version() == 1 and engine.checksums() == {n: tensor_checksum(t) for n, t in w1.items()}
+
+
+def test_inplace_rejects_a_reused_buffer():
+    """A generator that yields successive tensors through one reused buffer would leave the
+    receiver reading only the last contents: refused before anything is handed over."""
+    engine = HFEngine(DENSE)
+    pub = Publisher(engine, PublishConfig(bucket_bytes=16 << 10), share_min_bytes=1)
+    w = _weights(DENSE, 1)
+    scratch = torch.empty(max(t.numel() for t in w.values()))
+
+    def reused():
+        for n, t in w.items():
+            out = scratch[: t.numel()].view(t.shape)
+            out.copy_(t)
+            yield n, out
+
+    with pytest.raises(PublishError, match="overlapping views of one storage"):
+        pub.publish(reused(), version=1, meta={n: (tuple(t.shape), t.dtype) for n, t in w.items()})
+    assert engine.weight_version() is None
