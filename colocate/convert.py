@@ -54,6 +54,7 @@ __all__ = [
     "gdn_in_proj_to_hf",
     "gdn_in_proj_split",
     "merge_tp_sections",
+    "merge_named_tp_shards",
     "gdn_tp_sections",
 ]
 
@@ -392,6 +393,17 @@ def gdn_tp_sections(spec: Qwen3HybridSpec, tp: int, *, which: str) -> list[int]:
     if which == "conv1d":
         return [qk, qk, v]
     raise ConversionError(f"gdn_tp_sections: which must be 'in_proj' or 'conv1d', got {which!r}")
+
+
+def merge_named_tp_shards(name: str, shards: list[torch.Tensor], *, kind: str, spec: HFModelSpec) -> torch.Tensor:
+    """:func:`merge_tp_shards` that also knows the stacked GDN shards of a hybrid: for a
+    :class:`Qwen3HybridSpec`, ``self_attention.in_proj.weight`` and ``self_attention.conv1d.weight``
+    (column-parallel, several tensors per shard) merge section by section."""
+    if isinstance(spec, Qwen3HybridSpec) and len(shards) > 1 and kind == "col":
+        for suffix, which in (("self_attention.in_proj.weight", "in_proj"), ("self_attention.conv1d.weight", "conv1d")):
+            if name.endswith(suffix):
+                return merge_tp_sections(shards, gdn_tp_sections(spec, len(shards), which=which))
+    return merge_tp_shards(shards, kind=kind)
 
 
 _NEXT_NORMS = {  # Megatron layer-relative name → HF name (zero-centered HF norms)

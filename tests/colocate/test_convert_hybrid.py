@@ -23,6 +23,8 @@ from colocate.convert import (
     split_qkv_gated,
 )
 
+from ._hybrid_ranks import build_hybrid
+
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -141,21 +143,6 @@ def test_spec_validation_and_layer_type_checks():
     assert torch.equal(megatron_to_hf("decoder.layers.0.input_layernorm.weight", w, spec=spec)[0][1], w - 1)
 
 
-def _build_hybrid(pattern: str, *, vocab: int):
-    from megatron.core.models.gpt import GPTModel
-
-    from harts.gdn_megatron import hybrid_block_spec
-    from mcore_distill.testing import TinyGPTConfig, transformer_config
-
-    extra = dict(linear_conv_kernel_dim=4, linear_key_head_dim=6, linear_value_head_dim=5, linear_num_key_heads=2,
-                 linear_num_value_heads=4, attention_output_gate=True)
-    cfg = TinyGPTConfig(vocab_size=vocab, params_dtype=torch.float32, num_layers=len(pattern), hidden_size=24,
-                        num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=20, extra=extra)
-    return GPTModel(config=transformer_config(cfg), transformer_layer_spec=hybrid_block_spec(pattern),
-                    vocab_size=vocab, max_sequence_length=128, position_embedding_type="rope", rotary_percent=0.25,
-                    share_embeddings_and_output_weights=False).eval()
-
-
 @pytest.mark.timeout(180)
 def test_hybrid_megatron_to_hf_logits_roundtrip(cpu_megatron, monkeypatch):
     """Tiny hybrid (G G A G: GDN, GDN, gated attention, GDN), fp32 → HF ``Qwen3NextForCausalLM``
@@ -175,7 +162,7 @@ def test_hybrid_megatron_to_hf_logits_roundtrip(cpu_megatron, monkeypatch):
             monkeypatch.setattr(mod, fn, getattr(f, "__wrapped__", f))
     seed_all(3)
     pattern, vocab = "GGAG", 40
-    model = _build_hybrid(pattern, vocab=vocab)
+    model = build_hybrid(pattern, vocab=vocab)
     with torch.no_grad():  # make norms, gates and decay parameters non-trivial
         g = torch.Generator().manual_seed(11)
         for n, p in model.named_parameters():
@@ -242,3 +229,16 @@ def test_moe_hybrid_names_and_shapes_match_hf_model():
         "model.layers.1.mlp.shared_expert_gate.weight"
     r = megatron_to_hf("decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight", torch.zeros(24, 6), spec=spec)
     assert r[0][0] == "model.layers.2.mlp.experts.3.down_proj.weight"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_hybrid_tp2_gather_convert_logits():
+    """Real Megatron TP=2 shards (gloo): GDN ``in_proj``/``conv1d`` merged section by section
+    (``merge_named_tp_shards``), converted to the Qwen3.5 layout, strict load, logits ≤ 1e-5."""
+    from mcore_distill.testing import run_ranks
+
+    from ._hybrid_ranks import hybrid_tp_roundtrip
+
+    out = run_ranks(hybrid_tp_roundtrip, 2, "qwen3_5", timeout=220)
+    assert out[0]["max_abs"] <= 1e-5 and out[0]["scale"] > 0.1, out[0]
