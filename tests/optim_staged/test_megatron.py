@@ -115,6 +115,15 @@ def _params(model):
     return {n: p.detach().float().cpu().numpy().copy() for n, p in model.named_parameters()}
 
 
+def _deterministic_gpu() -> None:
+    """Deterministic GPU kernels, no TF32 (with CUBLAS_WORKSPACE_CONFIG set by the launcher), so
+    the DP=2 and DP=1 runs compute the same gradients from the same params and data."""
+    if torch.cuda.is_available():
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def dp2_body(rank: int, world_size: int, ckpt_dir: str):
     from mcore_distill.testing import init_megatron
     from optim_staged.megatron import save_checkpoint, staged_leaves
@@ -124,10 +133,7 @@ def dp2_body(rank: int, world_size: int, ckpt_dir: str):
     staged_model, staged = _build(staged=True)
     assert len(staged_leaves(staged)) == 1 and not staged_leaves(native)
     norms = []
-    if torch.cuda.is_available():  # deterministic GPU kernels, no TF32 (the CPU run is exact)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    _deterministic_gpu()
     for step in range(SAVE_AT):
         norms.append(_train_pair(native_model, native, staged_model, staged, step, [rank]))
         if step == 1:  # RL colocation: drop slots between steps, then continue
@@ -165,6 +171,7 @@ def dp1_body(rank: int, world_size: int, ckpt_dir: str):
     assert not os.path.exists(f"{ckpt_dir}.tmp")  # published by rename
     init_megatron(tp=1, pp=1, seed=7)
     model, optim = _build(staged=True, seed=99)  # different init: everything must come from the ckpt
+    _deterministic_gpu()
     load_checkpoint(model, optim, ckpt_dir)
     steps = {g["step"] for g in optim.chained_optimizers[0].optimizer.param_groups}
     # both DP=2 micro-batches, same global batch
@@ -214,7 +221,7 @@ def _check_dp2_and_reshard(ckpt: str, *, backend: str) -> None:
     for name in r0["final_params"]:
         np.testing.assert_array_equal(r0["final_params"][name], r1["final_params"][name], err_msg=name)
     # DP=2 -> DP=1 resume == uninterrupted DP=2 run.
-    (d1,) = run_ranks(dp1_body, 1, ckpt, timeout=120, backend=backend)
+    (d1,) = run_ranks(dp1_body, 1, ckpt, timeout=120, backend=backend, env=env)
     assert d1["steps_after_load"] == [SAVE_AT]
     # First step after loading: same params + data => same grad norm (restored exactly).
     assert abs(d1["cont_norms"][0] - r0["cont_norms"][0]) <= 1e-12 * r0["cont_norms"][0]
