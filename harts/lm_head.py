@@ -258,7 +258,7 @@ class _TreeHead(torch.autograd.Function):
 def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, parent: torch.Tensor, *,
                  chunk_size: int = 1024, temperature: float = 1.0, tp_group=None, vocab_start: int | None = None,
                  entropy_requires_grad: bool = False, reduce_grad_input: bool = True,
-                 edges: HeadEdges | None = None, fused: bool | None = None) -> TreeHeadOutput:
+                 edges: HeadEdges | None = None, fused: bool = False) -> TreeHeadOutput:
     """Edge log-probs and entropies of a (tree-)packed row, chunked over rows.
 
     Args:
@@ -277,8 +277,9 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
         edges: :func:`head_edges` of ``(tokens, parent)`` built ahead (default: built here, one
             device-to-host copy).
         fused: run the per-chunk softmax statistics and the logit gradient as ``torch.compile``-d
-            kernels (one or two passes over the chunk instead of eight to ten). Default: on CUDA.
-            The forward statistics stay eager under TP (the max is all-reduced first).
+            kernels (one or two passes over the chunk instead of eight to ten; compiled on first
+            use). Off by default. The forward statistics stay eager under TP (the max is
+            all-reduced first).
 
     Returns:
         ``(logp [T], entropy [T])`` in fp32 (fp64 for fp64 inputs).
@@ -297,8 +298,6 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
         edges = head_edges(tokens, parent)
     elif len(edges.offsets) != hidden.shape[0] + 1:
         raise ValueError(f"edges were built for {len(edges.offsets) - 1} rows, hidden has {hidden.shape[0]}")
-    if fused is None:
-        fused = hidden.is_cuda
     logp, ent = _TreeHead.apply(hidden, weight, edges.child, edges.parent, edges.token, edges.offsets, chunk_size,
                                 1.0 / temperature, tp_group, vocab_start, reduce_grad_input, fused)
     if not entropy_requires_grad:

@@ -110,8 +110,9 @@ def test_chunked_head_bf16_inputs(fused):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
 @pytest.mark.parametrize("ent_grad", [False, True], ids=["logp", "logp+entropy"])
-def test_chunked_head_peak_memory_bf16(ent_grad):
+def test_chunked_head_peak_memory_bf16(ent_grad, fused):
     """Memory bound (not timing): fwd+bwd of the bf16 chunked head allocates at most 1.25 fp32
     [chunk, V] buffers beyond the gradients (bf16 dW, dh) and their fp32 accumulators."""
     t, h, v, chunk = 8192, 1024, 65536, 1024
@@ -123,14 +124,16 @@ def test_chunked_head_peak_memory_bf16(ent_grad):
     from harts.lm_head import head_edges
 
     edges = head_edges(tokens, parent)
-    lp, ent = tree_lm_head(hid[:2048], w, tokens[:2048], parent[:2048], chunk_size=chunk, entropy_requires_grad=ent_grad)
-    (lp.sum() + (ent.sum() if ent_grad else 0.0)).backward()  # compile the fused kernels outside the measurement
+    lp, ent = tree_lm_head(hid[:2048], w, tokens[:2048], parent[:2048], chunk_size=chunk, entropy_requires_grad=ent_grad,
+                           fused=fused)
+    (lp.sum() + (ent.sum() if ent_grad else 0.0)).backward()  # warm-up (compiles the fused kernels)
     hid.grad = w.grad = None
     del lp, ent
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    lp, ent = tree_lm_head(hid, w, tokens, parent, chunk_size=chunk, entropy_requires_grad=ent_grad, edges=edges)
+    lp, ent = tree_lm_head(hid, w, tokens, parent, chunk_size=chunk, entropy_requires_grad=ent_grad, edges=edges,
+                           fused=fused)
     (lp.sum() + (ent.sum() if ent_grad else 0.0)).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
@@ -208,7 +211,7 @@ def test_head_and_label_gathers_do_not_sync():
     w = (0.05 * torch.randn(4000, 128, device="cuda", generator=g)).bfloat16().requires_grad_(True)
     edges = head_edges(f.tokens, f.parent)
     lp, ent = tree_lm_head(h, w, f.tokens, f.parent, chunk_size=128, entropy_requires_grad=True, edges=edges)
-    (lp.sum() + ent.sum()).backward()  # compile the fused kernels (both chunk shapes) before checking
+    (lp.sum() + ent.sum()).backward()  # warm-up before checking
     h.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
