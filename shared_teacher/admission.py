@@ -11,49 +11,44 @@ its epoch end).
    ``bytes + max_sample_bytes ≤ byte_cap`` (if set). Nothing overrides these; they bound memory.
 2. *Hysteresis latches.* An admission that brings samples to ``≥ high_samples`` (tokens to
    ``≥ high_tokens``) latches a pause; a free that brings the gauge to ``≤ low`` clears it.
-3. *Starvation release.* The node is *starving* when a live student holding its oldest dispatch
-   position (``lo = min_c pos_c``) cannot start its next window share from admitted samples.
-   A starving node clears its latches (checked after every admission, dispatch and free).
+3. *Starvation release.* The node is *starving* when some live student's next window share on it
+   is not admitted yet (its window waits on this node). A starving node clears its latches
+   (checked at every admission attempt, so after every admission, dispatch, ack and free).
 
 **Why rule 3.** With a plain latch, a drain can stop with ``low < in-flight < Q`` (e.g.
 ``H = 250, Q = 64``: 58 samples remain after three windows, ``L < 58`` waits forever), and with
 several window sizes, packed token counts and a lag cap the reachable remainders have no simple
-closed form. With rule 3 the latches can never hold a starving node, so the only way to stall is a
-*hard cap* reached while the oldest student still cannot start, which gives an exact condition.
+closed form. With rule 3 a latch never holds a node some student waits on, so the only way to
+stall is a *hard cap*, which gives an exact condition.
 
-**Exact condition (one node).** Let ``C_n = min(high_samples, floor(byte_cap / max_sample_bytes))``
+**Exact condition.** Let ``C_n = min(high_samples, floor(byte_cap / max_sample_bytes))``
 (``byte_cap = 0``: no byte term) and, for student ``c`` on node ``n``,
-
-* unpacked: ``need_cn = Q_cn = ranks_cn × micro_batch × accumulation`` samples;
-* packed: ``need_cn = min(ceil(T_cn / min_seq_len), D_n)`` with ``T_cn = ranks_cn × pack_budget ×
-  accumulation`` tokens and ``D_n`` the node's samples per epoch (a packed window forms once
-  ``T_cn`` tokens are ready, or from the whole rest of the epoch).
-
-Admission and dispatch can always progress **iff** ``C_n ≥ need_cn`` for every student.
+``need_cn = Q_cn = ranks_cn × micro_batch × accumulation`` samples (unpacked) or
+``need_cn = ceil(T_cn / min_seq_len)`` with ``T_cn = ranks_cn × pack_budget × accumulation``
+tokens (packed: a window forms once ``T_cn`` tokens are admitted). On one node, admission and
+dispatch can always progress **iff** ``C_n ≥ need_cn`` for every student.
 *Necessary:* at the start every student sits at ``lo = 0``; admission stops at ``C_n`` samples; if
-all of them have length ``min_seq_len`` a student with ``need_cn > C_n`` cannot start, keeps
-``lo = 0`` and nothing is ever freed. *Sufficient:* a stall needs a blocked admission and no
-startable window. By rule 3 a latch cannot block while the student at ``lo`` starves; a hard cap
-blocks only with ``≥ C_n ≥ need_cn`` samples admitted from ``lo``, which is the student's whole
-share (``≥ T_cn`` tokens, or past the epoch end), so the student at ``lo`` can start (it is never
-lag-capped: the lag cap only holds back students ahead of the slowest). Low watermarks, token
-watermarks and the lag cap therefore impose no condition; they only shape throughput and memory
-below the hard caps. :func:`shared_teacher.reference.simulate_node` explores every interleaving
-and every sequence of lengths and checks this equivalence (tests).
+all have ``min_seq_len`` tokens a student with ``need_cn > C_n`` cannot start, keeps ``lo = 0`` and
+nothing is ever freed. *Sufficient:* at a stall the student at ``lo`` cannot start, so it waits on
+the node, which is starving: its latches are clear and only a hard cap can block, with
+``≥ C_n ≥ need_cn`` samples admitted from ``lo`` — the student's whole share. The lag cap never
+holds back the slowest student. Low watermarks, token watermarks and the lag cap therefore impose
+no condition. :func:`shared_teacher.reference.simulate_node` explores every interleaving and every
+sequence of lengths; the tests check the equivalence.
 
-**Several nodes.** A student's window needs its share on every node. The condition above is
-necessary on every node; it is sufficient when one student holds ``lo`` on every node at once,
-which holds when all students are unpacked and each student's per-node quanta are proportional
-across nodes (``Q_cn = g_c·h_n``: every node orders the students the same way).
-:attr:`PreflightReport.same_order_on_all_nodes` says whether the config is of that kind. Otherwise
-(packed students, or uneven rank splits, on several nodes) positions can skew across nodes so
-that on node ``n`` a student's next share ends more than ``C_n`` past ``lo_n``; leave headroom
-(``C_n ≥ need_cn`` plus the skew you expect); the watchdog turns such a stall into
-:class:`~shared_teacher.errors.SourceStalledError` instead of a hang.
+**Several nodes.** A window needs its share on every node. The condition is necessary on every
+node. It is sufficient when one student is at ``lo`` on every node at once (the argument above
+applies to the node it waits on), which holds when all students are unpacked with per-node quanta
+proportional across nodes (``Q_cn = g_c·h_n``); :attr:`PreflightReport.same_order_on_all_nodes`
+says so. Otherwise (packed students, or uneven rank splits, on several nodes) students can drift
+apart differently on each node and a hard cap can stall them; check such a topology with
+:func:`shared_teacher.reference.simulate_nodes` at small scale and give the nodes headroom. The
+watchdog turns a stall into :class:`~shared_teacher.errors.SourceStalledError` instead of a hang.
 
 Structural checks: every student has ranks on every node (samples on a node without its readers
-could never be settled), unpacked students get at least one window per epoch on every node, and
-``max_seq_len ≤ pack_budget_tokens`` for packed ones.
+could never be settled); an unpacked student gets at least one window per epoch on every node;
+a packed one has ``max_seq_len ≤ pack_budget_tokens`` and ``D_n × min_seq_len ≥ T_cn`` (an epoch
+holds at least one window's tokens).
 """
 
 from __future__ import annotations
