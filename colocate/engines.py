@@ -177,6 +177,7 @@ class HFEngine:
         self._pause = threading.Event()
         self._abort_epoch = 0
         self._destroyed = False
+        self._freed = False
         self.tokens_generated = 0
         """Decode steps run by this engine (all rows of one step count 1); progress for monitors."""
         weights = TensorOffload(lambda: self._params, keep_contents=False)
@@ -371,21 +372,29 @@ class HFEngine:
 
     def destroy(self, *, timeout: float = 30.0) -> None:
         """Abort in-flight generation (bounded by ``timeout``), then free the weights and the staging
-        shadow. Later calls raise :class:`EngineDestroyedError`. Idempotent."""
-        if self._destroyed:
+        shadow. Later calls raise :class:`EngineDestroyedError` (from the moment it is called). On
+        :class:`ControlTimeoutError` the weights are not freed yet; call it again. Idempotent."""
+        if self._freed:
             return
         deadline = time.monotonic() + timeout
-        self._destroyed = True
-        self.abort(timeout=max(0.0, deadline - time.monotonic()))
-        with self._lock:
+        self._destroyed = True  # refuses new work at once; a timed-out destroy can be retried
+        try:
+            self.abort(timeout=max(0.0, deadline - time.monotonic()))
+        except ControlTimeoutError as exc:
+            raise ControlTimeoutError("destroy", timeout, str(exc)) from exc
+        self._acquire("destroy", deadline, timeout)
+        try:
             for p in self._params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._shadow = self._shadow_views = None
             self._views = {}
             self._pending = None
             self._pause.clear()
+            self._freed = True
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+        finally:
+            self._lock.release()
 
     def _checkpoint(self, epoch: int, partial: Callable[[], GenerateResult]) -> None:
         """Between decode steps (lock held): park while paused, raise on abort / destroy."""

@@ -260,10 +260,14 @@ def test_control_timeout_is_typed_and_names_the_request():
     with pytest.raises(ControlTimeoutError, match=r"pause: not done within timeout=0.1s") as ei:
         e.pause(timeout=0.1)
     assert ei.value.op == "pause" and isinstance(ei.value, TimeoutError)
-    with pytest.raises(ControlTimeoutError, match="destroy|abort"):
+    with pytest.raises(ControlTimeoutError, match=r"^destroy: not done within timeout=0.1s"):
         e.destroy(timeout=0.1)
+    with pytest.raises(EngineDestroyedError):  # a destroy that timed out still refuses new work
+        e.generate([[1]])
     release.set()
     th.join(5)
+    e.destroy(timeout=BOUND)  # the retry frees the weights
+    assert sum(p.numel() for p in e.model.parameters()) == 0
     with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
         _engine().generate([[1]], chunk_rows=0)
 
