@@ -335,7 +335,8 @@ class HFEngine:
         """Stop generation at the next decode step (in place: KV cache and sampled tokens kept) and
         return once the engine is quiescent. New ``generate`` calls wait at their first step. While
         paused, weight updates and :meth:`abort` / :meth:`destroy` proceed; :meth:`resume` continues
-        (tokens sampled after it use the weights then current). Raises :class:`ControlTimeoutError`."""
+        (tokens sampled after it use the weights then current). Raises :class:`ControlTimeoutError`;
+        the pause then stays requested (generation parks when it reaches a step) until :meth:`resume`."""
         deadline = time.monotonic() + timeout
         self._pause.set()
         self._acquire("pause", deadline, timeout)  # held by a generation only between checkpoints
@@ -358,8 +359,9 @@ class HFEngine:
 
     def abort(self, *, timeout: float = 30.0) -> None:
         """Make every in-flight ``generate`` raise :class:`GenerationAbortedError` (with its partial
-        result) at its next decode step, and return once none is left. The pause state is unchanged.
-        Raises :class:`ControlTimeoutError`."""
+        result) at its next decode step (parked ones are woken), and return once they have let go of
+        the engine. Calls started after it are not affected; the pause state is unchanged. Raises
+        :class:`ControlTimeoutError`."""
         deadline = time.monotonic() + timeout
         self._abort_epoch += 1
         self._acquire("abort", deadline, timeout)
