@@ -174,3 +174,15 @@ def test_engine_policy_is_token_in_token_out():
             assert abs(float(lp[pos - 1, traj.ids[pos]]) - rec) < 1e-4, (pos, rec)
     # different seeds per episode: the group branches after the shared prompt
     assert len({tuple(t.ids) for t, _ in eps}) > 1
+
+
+def test_run_script_logs_sharing_per_step(capsys):
+    from examples.agent.run import main
+
+    rows = main(["--steps", "2", "--tasks", "3", "--group-size", "4", "--seed", "1"])
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["episodes"] == 12 and r["compression"] == pytest.approx(r["total_tokens"] / r["tree_tokens"])
+        assert 0.0 < r["sharing_ratio"] < 1.0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 3 and "ρ" in out.splitlines()[0]
