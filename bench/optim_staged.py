@@ -16,7 +16,8 @@ Sections (each row: case, provider, ms p50, ratio vs the case baseline):
   ``optim_staged_snapshot_{gpu,staged}.pickle`` and ``optim_staged_memory.json``.
 
 Run: ``python bench/optim_staged.py`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds);
-``--only adamw|muon|megatron`` runs one section.
+``--only adamw|muon|megatron`` runs one section; ``--targets`` runs only the cases behind the
+issue's targets (H200: well under a minute).
 Writes ``optim_staged.json`` / ``optim_staged.png`` into ``$OUT`` (or ``outputs/bench``)."""
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _free():
         torch.cuda.empty_cache()
 
 
-def adamw_rows(n: int, duplex: float | None, iters: int, sweep) -> list[dict]:
+def adamw_rows(n: int, duplex: float | None, iters: int, sweep, hdo_fractions=(1.0, 0.5)) -> list[dict]:
     """torch fused AdamW (GPU state) vs StagedAdamW over a slot sweep (one set of host slabs,
     re-sliced per config) vs Megatron's HybridDeviceOptimizer."""
     rows: list[dict] = []
@@ -143,7 +144,7 @@ def adamw_rows(n: int, duplex: float | None, iters: int, sweep) -> list[dict]:
     if CUDA:
         from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-        for frac in (1.0, 0.5):
+        for frac in hdo_fractions:
             try:
                 ps = [torch.zeros(s, device=DEV, dtype=torch.bfloat16, requires_grad=True) for s in sizes]
                 opt = HybridDeviceOptimizer(ps, offload_fraction=frac, cpu_optimizer_cls=torch.optim.AdamW,
@@ -181,7 +182,9 @@ MUON_CASES = [
 MUON_QUICK = [("256x512x6", [(256, 512)] * 6), ("mixed_quick", [(256, 512), (64, 512), (512, 256)] * 2)]
 
 
-def muon_rows(case: str, shapes: list[tuple[int, int]], iters: int, num_slots: int = 3) -> list[dict]:
+def muon_rows(case: str, shapes: list[tuple[int, int]], iters: int, num_slots: int = 3,
+              variants: tuple[tuple[str, bool], ...] = (("staged_muon", True), ("staged_muon_nocache", False))
+              ) -> list[dict]:
     """Native TensorParallelMuon (fp32 params, momentum and grads on the GPU) vs StagedMuon (bf16
     params on the GPU, fp32 grads as Megatron's main grads, fp32 master + momentum in host slabs)."""
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
@@ -207,7 +210,7 @@ def muon_rows(case: str, shapes: list[tuple[int, int]], iters: int, num_slots: i
             slot_numel=max(a * b for a, b in shapes), num_slots=num_slots))
         opt.initialize_state()
         _grads(ps, fp32=True)
-        for provider, keep in (("staged_muon", True), ("staged_muon_nocache", False)):
+        for provider, keep in variants:
             opt.set_slot_config(SlotConfig(slot_numel=opt.slot_config.slot_numel, num_slots=num_slots,
                                            keep_resident=keep))
             ms = _timer(opt.step, iters)
@@ -319,7 +322,12 @@ def main() -> None:
     ap.add_argument("--no-megatron", action="store_true", help="skip the Megatron model step")
     ap.add_argument("--no-snapshot", action="store_true", help="skip the CUDA allocator snapshots")
     ap.add_argument("--only", choices=("adamw", "muon", "megatron"), default=None, help="run one section")
+    ap.add_argument("--targets", action="store_true",
+                    help="short run of the issue's target cases only (AdamW 134M sweep + HDO 1.0, Muon on the "
+                         "issue's shapes at stack sizes; no Megatron step); H200: well under a minute")
     args = ap.parse_args()
+    if args.targets:
+        args.no_megatron = True
     rows: list[dict] = []
     extra: dict = {}
     duplex = None
@@ -331,18 +339,26 @@ def main() -> None:
     if args.only in (None, "adamw"):
         if args.quick:
             plan = [(1 << 20, [(1, 2, True), (1, 3, True), (1, 3, False)])]
+        elif args.targets:
+            plan = [(134_000_000, [(2, 3, True), (4, 3, True), (8, 3, True)])]
         else:
             plan = [(134_000_000, [(2, 3, True), (4, 2, True), (4, 3, True), (4, 4, True), (8, 3, True),
                                    (16, 3, True), (4, 3, False)]),
                     (1_000_000_000, [(4, 3, True), (8, 3, True), (4, 3, False)])]
         for n, sweep in plan:
-            rows += adamw_rows(n, duplex, iters=3 if args.quick else 5, sweep=sweep)
+            rows += adamw_rows(n, duplex, iters=3 if args.quick else 5, sweep=sweep,
+                               hdo_fractions=(1.0,) if args.targets else (1.0, 0.5))
         best = {r["case"]: r["provider"] for r in rows if r.get("best")}
         extra["adamw_best_config"] = best
         extra["default_slots"] = repr(SlotConfig())
     if args.only in (None, "muon"):
-        for case, shapes in (MUON_QUICK if args.quick else MUON_CASES):
-            rows += muon_rows(case, shapes, iters=3 if args.quick else 4)
+        if args.targets:
+            cases = [c for c in MUON_CASES if c[0] in ("4096x4096x32", "4096x14336x12", "8192x28672x6")]
+            for case, shapes in cases:
+                rows += muon_rows(case, shapes, iters=4, variants=(("staged_muon", True),))
+        else:
+            for case, shapes in (MUON_QUICK if args.quick else MUON_CASES):
+                rows += muon_rows(case, shapes, iters=3 if args.quick else 4)
     if CUDA and not args.no_megatron and args.only in (None, "megatron"):
         try:
             rows += megatron_rows(args.quick, snapshot=not args.no_snapshot)
