@@ -19,7 +19,9 @@ Sections:
   ones. Reported per case: ms per provider, C, packed C (after cap splits, which duplicate a
   prefix, and padding), S_attn, harts speedup vs the best THD, per C and per packed C, peak
   memory, planner and prep ms, and whether harts ran the same plan as ``treev`` or ``thdv``
-  (then any gap between them is measurement noise).
+  (then any gap between them is measurement noise). ``attn_share`` is softmax attention's share
+  of the THD step's FLOPs, ``S_flops`` the FLOP ratio THD / harts of the two plans (the speedup
+  that perfectly efficient kernels would give, padding and prefix duplication included).
   The calibration line reports the crossover: the smallest C at which the forced tree (best
   backend) is at least as fast as the best THD, interpolated between measured cases.
 * ``head``: fwd+bwd of per-row log-probs + entropy at V = 151,936, bf16 weights: full logits
@@ -146,11 +148,29 @@ def _plan_signature(plan):
     return [(mb.mode, tuple(mb.seq_ids), mb.rows) for mb in plan.microbatches]
 
 
+def _flop_model(cfg):
+    """(FLOPs per row, FLOPs per attended pair) of one fwd+bwd step of the benchmark GPT: dense
+    layers 6·params per row, the chunked head 8·V·H (forward, recomputation, two backward GEMMs),
+    attention 4·Hq·D per pair forward and ×3.5 with the backward."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    d = cfg.kv_channels or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    layer = h * (q + 2 * kv) + q * h + 3 * h * f
+    per_row = cfg.num_layers * 6 * layer + 8 * cfg.vocab_size * h
+    per_pair = cfg.num_layers * 4 * q * 3.5
+    return per_row, per_pair
+
+
+def _plan_flops(plan, fm):
+    return sum(fm[0] * mb.rows + fm[1] * mb.attn_pairs for mb in plan.microbatches)
+
+
 def bench_model(args, dev, rows, plots):
     from harts.config import PlannerConfig
     from harts.planner import plan_step, sharing_stats
 
     model, cfg = _model(args.quick, dev)
+    fm = _flop_model(cfg)
     table = []
     for case, seqs in _workloads(args.quick, cfg.vocab_size):
         st = sharing_stats(seqs)
@@ -221,6 +241,12 @@ def bench_model(args, dev, rows, plots):
                       "peak_GiB": hp.get("peak", 0) / 2**30 if hp else nan,
                       "plan_ms": hp.get("planner_ms", nan), "prep_ms": hp.get("prep_ms", nan),
                       "harts_plan": same or "own"})
+        thd_plan = runs["thdv"]["plan"] if "thdv" in runs else runs["thd"]["plan"] if "thd" in runs else None
+        if thd_plan is not None and hp:
+            attn = fm[1] * sum(mb.attn_pairs for mb in thd_plan.microbatches)
+            table[-1]["attn_share"] = attn / _plan_flops(thd_plan, fm)  # of the THD step's FLOPs
+            table[-1]["S_flops"] = _plan_flops(thd_plan, fm) / _plan_flops(hp["plan"], fm)  # ideal harts speedup
+            table[-1]["x/S_flops"] = table[-1]["x_best_thd"] / table[-1]["S_flops"]
     return table
 
 
@@ -363,7 +389,7 @@ def main():
           f"(smallest C with forced tree >= best THD, interpolated): {cross}")
     if model_table:
         print_table(model_table, ["case", "C", "C_packed", "S_attn", "thd", "thdv", "tree", "treev", "harts",
-                                  "x_best_thd", "x/C", "x/C_packed", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
+                                  "x_best_thd", "x/C", "x/C_packed", "attn_share", "S_flops", "x/S_flops", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
     if head_table:
         print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "extra_chunks"])
 
