@@ -87,3 +87,10 @@ def hybrid_tp_roundtrip(rank: int, world_size: int, layout: str) -> dict:
         result["scale"] = mg.abs().max().item()
     destroy_megatron()
     return result
+
+
+def dense_moe_and_hybrid(rank: int, world_size: int, cases: list[dict]):
+    """The Qwen3 dense/MoE round trips and the hybrid TP round trip in one spawned run."""
+    from ._ranks import convert_and_publish
+
+    return convert_and_publish(rank, world_size, cases), hybrid_tp_roundtrip(rank, world_size, "qwen3_5")

@@ -23,7 +23,7 @@ from colocate import (
 )
 from mcore_distill.testing import run_ranks
 
-from ._ranks import convert_and_publish as _both
+from ._hybrid_ranks import dense_moe_and_hybrid
 
 
 @pytest.mark.parametrize("Q,G,D,H", [(6, 2, 5, 7), (8, 8, 3, 4), (12, 3, 4, 9), (4, 1, 16, 3)],
@@ -130,16 +130,20 @@ def test_check_params_reports_first_ten_with_both_sides():
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_megatron_tp2_ep2_to_hf_logits_and_publish_roundtrip():
     """One spawned 2-rank run: dense TP=2, MoE TP=2 with tied embeddings, MoE EP=2.
 
     (a) gathered + converted weights loaded into a config-built transformers model give the
     Megatron logits (fp32, ≤1e-5); (b) the same weights published lazily in small buckets into
-    the embedded engine arrive bit for bit and its logits equal Megatron's (≤1e-5)."""
+    the embedded engine arrive bit for bit and its logits equal Megatron's (≤1e-5); (c) a
+    Qwen3.5-style hybrid (GDN + gated attention) at TP=2: shards gathered, GDN ``in_proj`` /
+    ``conv1d`` merged section by section (``merge_named_tp_shards``), converted, loaded strictly
+    into ``Qwen3_5ForCausalLM``, logits ≤1e-5 (same spawned run: multi-rank runs are expensive)."""
     cases = [{"id": "dense-tp2", "tp": 2}, {"id": "moe-tp2-tied", "tp": 2, "experts": 4, "tied": True},
              {"id": "moe-ep2", "tp": 1, "ep": 2, "experts": 4, "extra": {"expert_model_parallel_size": 2}}]
-    conv, pub = run_ranks(_both, 2, cases, timeout=220)[0]
+    (conv, pub), hybrid = run_ranks(dense_moe_and_hybrid, 2, cases, timeout=280)[0]
+    assert hybrid["max_abs"] <= 1e-5 and hybrid["scale"] > 0.1, hybrid
     for c in conv:
         assert c["max_abs"] <= 1e-5, c
         assert c["ref_scale"] > 0.1, c  # logits are not trivially zero
