@@ -22,11 +22,22 @@ import torch
 
 from examples.train.config import ArchConfig, TrainConfig
 
-__all__ = ["build_model", "estimate_bytes", "make_rollouts", "response_mask", "run", "DeviceMemoryError"]
+__all__ = ["build_model", "check_fits", "estimate_bytes", "make_rollouts", "response_mask", "run", "DeviceMemoryError"]
 
 
 class DeviceMemoryError(MemoryError):
     """The selected model would not fit the device (estimate in the message)."""
+
+
+def check_fits(cfg: TrainConfig, *, need: int, free: int, total: int) -> None:
+    """Raise :class:`DeviceMemoryError` when ``need`` bytes exceed ``run.memory_margin`` of ``free``."""
+    r = cfg.run
+    if need > r.memory_margin * free:
+        raise DeviceMemoryError(
+            f"model={cfg.model.name}: about {need / 2**30:.1f} GiB resident (student + teacher weights, fp32 "
+            f"grads{', fp32 optimizer state' if r.residency == 'gpu' else ''}) before activations, but only "
+            f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free; this entry point runs on one device "
+            f"(use expert/tensor parallelism in your trainer, or a scaled-down config)")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -169,12 +180,7 @@ def run(cfg: TrainConfig) -> dict:
     need = estimate_bytes(cfg.model, residency=r.residency)
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
-        if need > r.memory_margin * free:
-            raise DeviceMemoryError(
-                f"model={cfg.model.name}: about {need / 2**30:.1f} GiB resident (student + teacher weights, fp32 "
-                f"grads{', fp32 optimizer state' if r.residency == 'gpu' else ''}) before activations, but only "
-                f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB are free; this entry point runs on one device "
-                f"(use expert/tensor parallelism in your trainer, or a scaled-down config)")
+        check_fits(cfg, need=need, free=free, total=total)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     student = build_model(cfg.model, seed=r.seed, device=device)

@@ -195,3 +195,21 @@ def test_gpu_configs_scaled_down_by_overrides_step_on_cpu(cpu_megatron):
         assert res["params"] == param_count(cfg.model)
         x = res["steps"][0]
         assert abs(x["loss"] - x["sampled_kl"]) < 1e-5 and x["tree_tokens"] < x["tokens"]
+
+
+def test_one_gpu_memory_check_names_model_and_sizes():
+    from examples.train.runner import DeviceMemoryError, check_fits, estimate_bytes
+
+    gib = 2**30
+    h200_free, h200_total = 139 * gib, 140 * gib
+    for name in ("qwen3_dense_0p6b", "qwen3_dense_1p7b", "qwen3_dense_8b", "qwen3_moe_small", "qwen3_next_hybrid_small"):
+        cfg = _cfg([f"model={name}"])
+        check_fits(cfg, need=estimate_bytes(cfg.model, residency="staged"), free=h200_free, total=h200_total)
+    big = _cfg(["model=qwen3_moe_30b_a3b"])
+    need = estimate_bytes(big.model, residency="staged")
+    assert need == 30_532_122_624 * (2 * 2 + 4)  # bf16 student + teacher, fp32 grads
+    with pytest.raises(DeviceMemoryError, match=r"model=qwen3_moe_30b_a3b: about 227\.5 GiB .* 139\.0 of 140\.0 GiB"):
+        check_fits(big, need=need, free=h200_free, total=h200_total)
+    eight = _cfg(["model=qwen3_dense_8b", "run.residency=gpu"])  # + fp32 master and moments on the device
+    with pytest.raises(DeviceMemoryError, match="fp32 optimizer state"):
+        check_fits(eight, need=estimate_bytes(eight.model, residency="gpu"), free=h200_free, total=h200_total)
