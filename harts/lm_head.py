@@ -19,8 +19,9 @@ Memory: one ``[chunk, V_local]`` buffer in the compute dtype (fp32 for bf16/fp16
 at a time. Forward turns it in place into ``e = exp(z − m)`` and then ``e · log e``; backward into
 ``log p`` and then ``dz``. The entropy gradient needs ``p`` and ``log p`` together and runs over
 row blocks of ``chunk / 8`` (one ``[chunk/8, V]`` temporary). For bf16/fp16 weights ``dz`` is
-rounded to the model dtype (as Megatron's own head does) in vocabulary slices, so the rounded
-copy and the per-slice products stay ≤ 1/32 and ≤ 1/16 of the chunk. Besides the chunk, backward
+rounded to the model dtype (as Megatron's own head does) in eight vocabulary slices, whose
+products accumulate into the fp32 ``dh``/``dW`` in place (``addmm(out_dtype=float32, out=acc)``
+on CUDA; where a build rejects that, smaller slices keep the product temporaries ≤ 1/16 chunk). Besides the chunk, backward
 keeps an fp32 ``dW`` accumulator ``[V_local, H]`` (the size of Megatron's ``main_grad``) and an
 fp32 ``dh [T, H]``.
 """
@@ -129,31 +130,69 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
     return a.to(cdtype) @ b.to(cdtype)
 
 
-def _vocab_slice(n: int, vl: int, h: int) -> int:
-    """Columns per slice so that the ``[slice, H]`` fp32 product is ≤ 1/16 and the rounded
-    ``[n, slice]`` copy ≤ 1/32 of an ``[n, V_local]`` fp32 chunk (at least 128 columns)."""
-    s = max(128, min(math.ceil(n * vl / (_SLICE_FRACTION * max(h, 1))), math.ceil(vl / _SLICE_FRACTION)))
-    return min(vl, -(-s // 128) * 128)
+def _vocab_slice(n: int, vl: int, h: int, in_place: bool) -> int:
+    """Columns per vocabulary slice of the chunk (a multiple of 128, at least 128).
+
+    With in-place fp32 accumulation only the rounded ``[n, slice]`` copy is extra: 8 slices
+    (≤ 1/16 of an fp32 chunk). Otherwise the ``[slice, H]`` fp32 product is too, and slices are
+    sized so that it stays ≤ 1/16 and the copy ≤ 1/32 of the chunk.
+    """
+    if in_place:
+        s = math.ceil(vl / 8)
+    else:
+        s = min(math.ceil(n * vl / (_SLICE_FRACTION * max(h, 1))), math.ceil(vl / _SLICE_FRACTION))
+    return min(vl, -(-max(s, 128) // 128) * 128)
+
+
+@functools.cache
+def _fp32_accumulating_addmm(device: torch.device) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates bf16 products
+    into an fp32 ``acc`` in place on ``device`` (CUDA builds whose ``addmm.dtype`` accepts an fp32
+    ``self``); probed once per device with a 2×2 product."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        acc = torch.full((2, 2), 0.5, device=device)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool((acc == 2.5).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _use_inplace_accumulation(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _low_precision_cuda(h, weight) and _fp32_accumulating_addmm(h.device)
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with fp32 ``acc`` and bf16/fp16 ``a, b``, in place (one GEMM, no temporary)."""
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
 
 
 def _accumulate_grads(dz: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, dh: torch.Tensor,
                       dw: torch.Tensor) -> None:
     """``dh += dz W`` and ``dw += dzᵀ h`` without a second ``[n, V]`` or ``[V, H]`` temporary.
 
-    ``dz [n, V_local]`` (compute dtype), ``h [n, H]``, ``dh [n, H]`` and ``dw [V_local, H]`` are
-    accumulators in the compute dtype.
+    ``dz [n, V_local]`` (compute dtype), ``h [n, H]``, and the contiguous accumulators
+    ``dh [n, H]``, ``dw [V_local, H]`` in the compute dtype. Low-precision weights: ``dz`` is
+    rounded to the model dtype one vocabulary slice at a time.
     """
     if h.dtype == weight.dtype == dz.dtype == dw.dtype:
         dh.addmm_(dz, weight)
         dw.addmm_(dz.T, h)
         return
     vl = weight.shape[0]
-    step = _vocab_slice(dz.shape[0], vl, h.shape[1])
+    in_place = _use_inplace_accumulation(h, weight)
+    step = _vocab_slice(dz.shape[0], vl, h.shape[1], in_place)
     for v0 in range(0, vl, step):
         v1 = min(v0 + step, vl)
         d = dz[:, v0:v1].to(h.dtype)  # logit gradients rounded to the model dtype, one slice at a time
-        dh.add_(_mm(d, weight[v0:v1], dh.dtype))
-        dw[v0:v1].add_(_mm(d.T, h, dw.dtype))
+        if in_place:
+            _addmm_fp32_(dh, d, weight[v0:v1])
+            _addmm_fp32_(dw[v0:v1], d.T, h)
+        else:
+            dh.add_(_mm(d, weight[v0:v1], dh.dtype))
+            dw[v0:v1].add_(_mm(d.T, h, dw.dtype))
 
 
 class _TreeHead(torch.autograd.Function):

@@ -139,14 +139,20 @@ def test_head_keeps_one_chunk_alive(ent_grad):
     assert probe_ref.peak > 4 * chunk_bytes
 
 
-def test_chunked_head_bf16_vocab_slices():
+@pytest.mark.parametrize("in_place", [False, True], ids=["product-slices", "in-place-addmm"])
+def test_chunked_head_bf16_vocab_slices(in_place, monkeypatch):
     """bf16 weights take the vocab-sliced gradient path (dz rounded to bf16 slice by slice, fp32
-    accumulators): several slices per chunk, compared with the fp64 head on the same bf16 values."""
-    from harts.lm_head import _vocab_slice
+    accumulators): several slices per chunk, compared with the fp64 head on the same bf16 values.
+    ``in_place``: the CUDA branch that accumulates with ``addmm(out_dtype=float32, out=acc)``,
+    here with that one call emulated on CPU (fp32 product of the bf16 operands, added in place)."""
+    import harts.lm_head as lm
 
+    if in_place:
+        monkeypatch.setattr(lm, "_use_inplace_accumulation", lambda h, w: h.dtype == torch.bfloat16)
+        monkeypatch.setattr(lm, "_addmm_fp32_", lambda acc, a, b: acc.add_(a.float() @ b.float()))
     f = build_forest([list(range(1, 30)), list(range(1, 12)) + [40, 41, 42], [7, 8, 9]])
     t, h, v, chunk = f.num_nodes, 8, 1000, 16
-    assert _vocab_slice(chunk, v, h) < v // 4  # at least four slices
+    assert lm._vocab_slice(chunk, v, h, in_place) <= v // 4  # at least four slices
     g = torch.Generator().manual_seed(5)
     hid = torch.randn(t, h, generator=g).bfloat16().requires_grad_(True)
     w = (0.5 * torch.randn(v, h, generator=g)).bfloat16().requires_grad_(True)
