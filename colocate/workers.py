@@ -379,6 +379,9 @@ class RayWorker:
             except WorkerStartTimeout:
                 self.kill()
                 raise WorkerStartTimeout(f"worker {self.spec.role!r} (ray actor) not ready within {limit:.1f}s") from None
+            except WorkerError:
+                self.kill()  # the actor died: drop its ready folder too
+                raise
             if st["info"] is not None:
                 self.info = st["info"]
                 return self.info

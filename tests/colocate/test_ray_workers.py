@@ -78,7 +78,12 @@ def test_ray_actor_on_owner_node_env_gpu_ids_kill(ray_cluster):
     assert one.info["cuda_visible_devices"] == "2"  # owner's logical 1 is physical 2
     with pytest.raises(WorkerError, match=r"devices=\[2\] outside"):
         sched.fork(WorkerSpec(role="teacher", command=WORKER, devices=[2]))
-    one.kill()
+    # the actor dies under us (ray.kill, no stop() first): its command and the command's child
+    # go too, through the guard's watcher; health reports it
+    ray.kill(one.actor, no_restart=True)
+    assert _gone(one.info["pid"], timeout=30) and _gone(one.info["child"], timeout=30)
+    assert not one.alive() and not one.healthy()
+    one.kill()  # still fine after the actor is gone
 
     w.kill()
     assert _gone(info["pid"]) and _gone(info["child"]), "command or its child outlived kill()"
