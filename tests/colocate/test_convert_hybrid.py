@@ -229,3 +229,13 @@ def test_moe_hybrid_names_and_shapes_match_hf_model():
         "model.layers.1.mlp.shared_expert_gate.weight"
     r = megatron_to_hf("decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight", torch.zeros(24, 6), spec=spec)
     assert r[0][0] == "model.layers.2.mlp.experts.3.down_proj.weight"
+
+
+def test_hybrid_spec_is_a_hydra_structured_config():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.structured(_spec()), OmegaConf.from_dotlist(["gdn_layout=qwen3_5"]))
+    spec = OmegaConf.to_object(cfg)
+    assert isinstance(spec, Qwen3HybridSpec) and spec.gdn_layout == "qwen3_5" and spec.layer_types[2] == "full_attention"
+    with pytest.raises(ConfigError, match="gdn_layout must be"):
+        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(_spec()), {"gdn_layout": "mamba"}))
