@@ -392,6 +392,26 @@ def main():
                                   "x_best_thd", "x/C", "x/C_packed", "attn_share", "S_flops", "x/S_flops", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
     if head_table:
         print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "extra_chunks"])
+    for line in _target_lines(model_table, head_table):
+        print(line)
+
+
+def _target_lines(model_table, head_table):
+    """The issue's targets, checked against this run's numbers."""
+    out = []
+    for r in model_table:
+        c, x = r["C"], r["x_best_thd"]
+        if 2.0 <= c <= 6.0:
+            out.append(f"target x >= 0.90 C  {r['case']}: x/C = {x / c:.3f} (x/C_packed {r['x/C_packed']:.3f}) "
+                       f"{'met' if x >= 0.9 * c else 'NOT met'}")
+        elif c < 1.05:
+            out.append(f"target C~1 within 3 %  {r['case']}: harts/best THD time = {1 / x:.3f} "
+                       f"{'met' if 1 / x <= 1.03 else 'NOT met'}")
+    for r in head_table:
+        if r["provider"].startswith("chunk"):
+            out.append(f"target head {r['provider']}: extra {r['extra_chunks']:.2f} chunks (<= 1), speed "
+                       f"{r['speed_vs_full']:.2f}x full (>= 0.9)")
+    return out
 
 
 if __name__ == "__main__":
