@@ -202,7 +202,7 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
 def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128) -> TreePackedSeqParams:
     """Per-microbatch tree metadata, built once (ahead of the step, e.g. in the data loader): the
     flex BlockMask or varlen gather plan, the LM head's edge list and host-side sizes, so the
-    forward/backward itself needs no device-to-host synchronization."""
+    forward/backward parts that harts owns need no device-to-host synchronization."""
     if backend not in ("flex", "varlen", "dense"):
         raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
