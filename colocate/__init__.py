@@ -3,28 +3,48 @@
 Re-exports only; ``import colocate`` needs neither CUDA nor sglang (both imported lazily).
 """
 
+from colocate.awex_transport import (
+    AwexUnavailable,
+    awex_capabilities,
+    bounded_reader_class,
+    install_bounded_reader,
+    resident_megatron_engine,
+)
 from colocate.buckets import Entry, pack_bucket, plan_buckets, tensor_checksum, unpack_bucket
 from colocate.config import ConfigError, EngineConfig, HFModelSpec, PublishConfig, WorkerSpec
 from colocate.convert import (
     ConversionError,
     ParamMismatchError,
+    Qwen3HybridSpec,
     check_params,
+    gdn_in_proj_split,
+    gdn_in_proj_to_hf,
+    gdn_tp_sections,
     globalize_name,
+    hf_gated_q_proj,
     hf_param_specs,
     megatron_to_hf,
+    merge_named_tp_shards,
     merge_qkv,
+    merge_tp_sections,
     merge_tp_shards,
     split_qkv,
+    split_qkv_gated,
 )
 from colocate.cycle import ColocatedCycle
 from colocate.engines import (
+    AsyncEngine,
+    ControlTimeoutError,
+    EngineDestroyedError,
     GenerateResult,
+    GenerationAbortedError,
     HFEngine,
     UpdateError,
     WeightReceiver,
     build_hf_model,
     hf_checkpoint_views,
     hf_config,
+    off_loop,
 )
 from colocate.megatron import (
     awex_megatron_engine,
@@ -59,6 +79,8 @@ from colocate.transports import (
 from colocate.workers import (
     ForkedWorker,
     LocalScheduler,
+    RayScheduler,
+    RayWorker,
     SlurmScheduler,
     WorkerError,
     WorkerStartTimeout,
@@ -69,6 +91,10 @@ from colocate.workers import (
 )
 
 __all__ = [
+    "AsyncEngine", "AwexUnavailable", "ControlTimeoutError", "EngineDestroyedError", "GenerationAbortedError",
+    "Qwen3HybridSpec", "RayScheduler", "RayWorker", "awex_capabilities", "bounded_reader_class",
+    "gdn_in_proj_split", "gdn_in_proj_to_hf", "gdn_tp_sections", "hf_gated_q_proj", "install_bounded_reader",
+    "merge_named_tp_shards", "merge_tp_sections", "off_loop", "resident_megatron_engine", "split_qkv_gated",
     "ENGINE_TAGS", "TRAINER_TAGS", "BusyError", "ColocatedCycle", "ConfigError", "ConversionError", "EngineConfig",
     "Entry", "ForkedWorker", "GenerateResult", "HFEngine", "HFModelSpec", "LocalScheduler", "NotResidentError",
     "ParamMismatchError", "PoisonedVersionError", "PublishConfig", "PublishError", "PublishReport", "Publisher",

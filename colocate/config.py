@@ -172,8 +172,8 @@ class WorkerSpec:
             raise ConfigError(f"WorkerSpec.role must be a non-empty identifier, got {self.role!r}")
         if not self.command or not all(isinstance(a, str) for a in self.command):
             raise ConfigError(f"WorkerSpec.command must be a non-empty list of str, got {self.command!r}")
-        if self.scheduler not in ("local", "slurm"):
-            raise ConfigError(f"WorkerSpec.scheduler must be 'local' or 'slurm', got {self.scheduler!r}")
+        if self.scheduler not in ("local", "slurm", "ray"):
+            raise ConfigError(f"WorkerSpec.scheduler must be 'local', 'slurm' or 'ray', got {self.scheduler!r}")
         if self.devices is not None and (not self.devices or any(not isinstance(d, int) or d < 0 for d in self.devices)):
             raise ConfigError(f"WorkerSpec.devices must be None or non-negative ints, got {self.devices!r}")
         bad = {k: v for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from colocate.config import HFModelSpec
-from colocate.convert import globalize_name, megatron_to_hf, merge_tp_shards
+from colocate.convert import globalize_name, megatron_to_hf, merge_named_tp_shards
 
 __all__ = ["unwrap_model", "model_spec_from_megatron", "iter_hf_weights", "publish_megatron",
            "megatron_residency_hooks", "awex_megatron_engine"]
@@ -99,7 +99,7 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, sp
             is_expert = ".experts." in name and ".shared_experts." not in name
             kind = _kind(name, p)
             shards = _all_gather(p, etp if is_expert else tp) if kind != "replicated" else [p.detach()]
-            full = merge_tp_shards(shards, kind=kind)
+            full = merge_named_tp_shards(name, shards, kind=kind, spec=spec)
             if is_expert and ep_size > 1:
                 local = spec.num_experts // ep_size
                 for r, t in enumerate(_all_gather(full, ep)):
