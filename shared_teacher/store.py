@@ -183,8 +183,15 @@ class _DirStore:
         return removed
 
     def pool_bytes(self, node: str) -> int:
+        """Bytes of the node's files now; a file renamed or removed while we scan counts as gone."""
         d = self.root / node
-        return sum(p.stat().st_size for p in d.iterdir()) if d.exists() else 0
+        total = 0
+        for p in (d.iterdir() if d.exists() else ()):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # a writer's temp file was just renamed, or a release unlinked it
+                pass
+        return total
 
     def objects(self) -> list[tuple[str, str, int]]:
         """(node, sample_id, generation) of every committed object (for tests and leak checks)."""

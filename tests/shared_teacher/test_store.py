@@ -89,3 +89,19 @@ def test_refs_are_metadata_only():
         assert_no_tensors(SampleRef(sample_id="e0-i1", generation=1, node="n0", nbytes=1, num_tokens=1,
                                     schema_key=[torch.ones(1)], epoch=0, position=0))
     assert parse_sample_id(sample_id(3, 17)) == (3, 17)
+
+
+def test_pool_bytes_tolerates_files_vanishing_mid_scan(store, monkeypatch):
+    """A writer renames its temp file (or a release unlinks) between listing and stat: the scan
+    counts it as gone instead of raising (seen on the H200 bench's memory watcher)."""
+    import pathlib
+
+    keep = _put(store, {"x": torch.ones(8)})
+    real_iterdir = pathlib.Path.iterdir
+
+    def iterdir_with_ghost(self):
+        yield from real_iterdir(self)
+        yield self / ".e0-i9.g1.gone.tmp"  # listed, then gone before stat()
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", iterdir_with_ghost)
+    assert store.pool_bytes("n0") == keep.nbytes
