@@ -253,9 +253,9 @@ class TeacherTreeConfig:
     """Most compact rows per tree micro-batch, alignment padding included (harts planner)."""
     align: int = 128
     """Compact rows of each micro-batch are padded to a multiple of this; divides ``token_cap``."""
-    fallback_compression: float = 1.15
+    fallback_compression: float = 1.05
     """Micro-batches compressing less than this (C = ΣL / T) run as plain packed sequences
-    through the same kernels."""
+    through the same kernels (same default as ``harts.PlannerConfig``)."""
 
     def __post_init__(self) -> None:
         _choice("teacher_tree.backend", self.backend, TREE_BACKENDS)

@@ -217,12 +217,17 @@ def mopd_step(st: Student, cfg: DemoConfig, data: TaskData, pool, step: int, g: 
 def build_pool(cfg: DemoConfig, data: TaskData, folders: dict):
     """One frozen Megatron host (teacher architecture) shared by both teachers, in a TeacherPool."""
     from mcore_distill.testing import build_tiny_gpt
-    from mopd import TeacherPool, TeacherPoolConfig
+    from mopd import TeacherPool, TeacherPoolConfig, TeacherTreeConfig
     from mopd.megatron import MegatronTeacher, MegatronTeacherHost
 
     n = cfg.mopd.prompts_per_step * cfg.mopd.group_size
     host = MegatronTeacherHost(build_tiny_gpt(tiny_cfg(cfg.teacher.model, max_len=data.prompt_len + cfg.length)),
                                micro_batch_size=n)
-    backends = {TEACHER_OF[t]: MegatronTeacher(TEACHER_OF[t], host, folders[t], temperature=cfg.mopd.temperature)
+    # teachers score the student's rollouts with the same kernels as the student: harts tree packing
+    # (each GRPO group's prompt once) and the tree-aware chunked LM head when the student runs trees
+    tree = TeacherTreeConfig(enabled=cfg.mopd.forward == "tree", backend=cfg.mopd.attention_backend, align=16,
+                             token_cap=8192)
+    backends = {TEACHER_OF[t]: MegatronTeacher(TEACHER_OF[t], host, folders[t], temperature=cfg.mopd.temperature,
+                                               tree=tree)
                 for t in DOMAINS}
     return TeacherPool(backends, config=TeacherPoolConfig())
