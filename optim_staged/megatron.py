@@ -107,9 +107,17 @@ class StagedDistributedOptimizer(DistributedOptimizer):
                 "reload_model_params(state_dict=...) is not supported with staged state; load the model "
                 "weights first, then call reload_model_params() without a state_dict")
         opt = self.optimizer
-        for g in opt.param_groups:
-            for p in g["params"]:
-                opt.set_scaled_state(p, "master_param", p.detach().float())
+        params = [p for g in opt.param_groups for p in g["params"]]
+        # Cold path. The model params were just changed by code outside the optimizer (a
+        # checkpoint loader, an RL weight sync on its own stream or through NCCL, a test's
+        # in-place op): a device-wide barrier orders every such write before the reads below,
+        # whichever stream issued it. The optimizer's own last param writes (compute stream) are
+        # already joined into the caller's stream by step(); drain() settles its transfers.
+        if params and params[0].is_cuda:
+            torch.cuda.synchronize(params[0].device)
+        opt.drain(release=False)
+        for p in params:
+            opt.set_scaled_state(p, "master_param", p.detach().float())
 
     @property
     def gpu_state_bytes(self) -> int:

@@ -10,6 +10,8 @@
 * :class:`SlotRing` — ``num_slots`` device buffers per key, one fp32 scratch buffer, and three
   streams (H2D, compute, D2H) with per-slot events. Ordering points:
 
+  0. Slot buffers are allocated on the H2D stream, their first writer (not on the caller's
+     stream, whose queued work the first H2D would not be ordered after).
   1. H2D into a slot waits on that slot's previous D2H (reuse only after drain-out); once per
      step the H2D stream also waits for the D2H stream, so a host range is read only after its
      last write-back.
@@ -253,15 +255,29 @@ class SlotRing:
         return n + (0 if self._scratch is None else self._scratch.numel() * self._scratch.element_size())
 
     def ensure_allocated(self) -> None:
+        """Allocate the slot buffers on the H2D stream, their first writer (ordering point 0).
+
+        Allocated on the caller's stream instead, two writes race with the first H2D into a
+        fresh slot, which nothing orders after the caller's queued work: the caching allocator
+        may hand out a block the caller freed while its kernels (a backward temporary, a pending
+        NCCL all-gather) still use it, and with ``torch.use_deterministic_algorithms(True)``
+        ``torch.empty`` enqueues a NaN fill of the new block on the caller's stream. On the H2D
+        stream both happen before the copies. The buffers are also marked as used by the compute
+        and D2H streams (``record_stream``), so that if they are freed without :meth:`drain`
+        the allocator waits for those streams before reusing the memory."""
         if self.slots:
             return
-        for _ in range(self.num_slots):
-            bufs = {k: torch.empty(self.slot_numel, dtype=torch.float32, device=self.device) for k in self.keys}
-            slot = _Slot(bufs)
-            if self.cuda:
-                slot.h2d_early, slot.h2d_late, slot.compute_early, slot.compute, slot.d2h = (
-                    torch.cuda.Event() for _ in range(5))
-            self.slots.append(slot)
+        with self._stream(self.h2d_stream if self.cuda else None):
+            for _ in range(self.num_slots):
+                bufs = {k: torch.empty(self.slot_numel, dtype=torch.float32, device=self.device) for k in self.keys}
+                slot = _Slot(bufs)
+                if self.cuda:
+                    for b in bufs.values():
+                        b.record_stream(self.compute_stream)
+                        b.record_stream(self.d2h_stream)
+                    slot.h2d_early, slot.h2d_late, slot.compute_early, slot.compute, slot.d2h = (
+                        torch.cuda.Event() for _ in range(5))
+                self.slots.append(slot)
 
     def scratch(self, numel: int) -> torch.Tensor:
         """An fp32 buffer of ``numel`` elements for the unit being computed (e.g. a gradient cast
@@ -288,9 +304,15 @@ class SlotRing:
             self._reset_cache()
 
     def forget(self) -> None:
-        """Drop the cache after the host slabs were written or replaced (call after :meth:`drain`)."""
+        """Drop the cache after the host slabs were written or replaced (call after :meth:`drain`).
+
+        Also waits for the ring's transfer streams (a no-op after :meth:`drain`): no H2D may
+        still read, and no D2H still write, a host range whose cache entry is dropped here."""
         if any(d is not None for d in self._dirty):
             raise RuntimeError("SlotRing.forget() with unwritten slots: call drain() first")
+        if self.cuda:
+            self.d2h_stream.synchronize()
+            self.h2d_stream.synchronize()
         self._reset_cache()
 
     # --------------------------------------------------------------- pipeline

@@ -158,7 +158,11 @@ def dp2_body(rank: int, world_size: int, ckpt_dir: str):
     for p in leaf.model_param_group_index_map:
         master = leaf._get_main_param_and_optimizer_states(p)["param"]
         r = leaf._get_model_param_range_map(p)["param"]
-        assert torch.equal(master.cpu(), p.detach().view(-1)[r.start:r.end].float().cpu())
+        want = p.detach().view(-1)[r.start:r.end].float().cpu()
+        # NaN != NaN: a NaN here means the params were corrupted during training, not by the reload.
+        assert torch.isfinite(want).all(), f"rank {rank}: model param shard has non-finite values before reload"
+        assert torch.equal(master.cpu(), want), (
+            f"rank {rank}: master != param shard, max |diff| {(master.cpu() - want).abs().max().item():.3e}")
     return result
 
 

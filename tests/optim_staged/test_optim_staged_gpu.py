@@ -168,3 +168,91 @@ def test_staged_muon_identity_exact_vs_native_streams(num_slots, keep):
     for i, (a, b) in enumerate(zip(ref, out)):
         assert torch.equal(a, b), f"param{i}"
         assert torch.equal(o_ref.state[a]["momentum_buffer"].cpu(), o_out.state[b]["momentum_buffer"]), f"mom{i}"
+
+
+_BUSY_CYCLES = 20_000_000  # torch.cuda._sleep: ~10 ms of GPU time at H200 clocks
+
+
+@pytest.mark.parametrize("hazard", ["nan_fill", "block_reuse"])
+def test_fresh_slots_not_raced_by_busy_caller_stream(hazard):
+    """Regression for the intermittent DP=2 NCCL failure (NaN params, then master != param after
+    reload). Slots are allocated at the first prefetch and again after every drain(release=True)
+    (offload_to_cpu). Allocated on the caller's stream, the first H2D into them was not ordered
+    after the caller's queued work: with deterministic algorithms ``torch.empty`` queues a NaN
+    fill there (``nan_fill``), and the caching allocator may return a block whose pending
+    writes are still queued there (``block_reuse``). The caller's stream is held busy by a sleep
+    (as behind a backward pass or an NCCL all-gather waiting for a peer) so that, unordered,
+    those writes land after the H2D. Six fresh allocations, bitwise vs torch's fused AdamW."""
+    g, ref, out, o_ref, o_out = _pair(1024, 2)
+    o_out.initialize_state()  # host layout now: its blocking copies would sync the caller in the loop
+    was_det, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        if hazard == "nan_fill":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        for it in range(6):
+            for a, b in zip(ref, out):
+                gr = torch.randn(a.shape, generator=g, device="cuda")
+                a.grad, b.grad = gr.clone(), gr.clone()
+            o_ref.step()
+            torch.cuda._sleep(_BUSY_CYCLES)  # caller stream busy
+            if hazard == "block_reuse":
+                junk = [torch.empty(1024, device="cuda") for _ in range(8)]  # slot-sized blocks
+                for j in junk:
+                    j.fill_(7.0)  # queued behind the sleep
+                del junk  # freed by the host while their fills are still pending
+            o_out.prefetch()  # allocates fresh slots and starts their H2D
+            o_out.step()
+            o_out.drain(release=True)  # next iteration allocates again
+            torch.cuda.synchronize()
+            for i, (a, b) in enumerate(zip(ref, out)):
+                assert torch.isfinite(b).all(), f"iter {it} param{i}: non-finite (slot overwritten after its H2D)"
+                assert torch.equal(a, b), f"iter {it} param{i}: max diff {(a - b).abs().max().item():.3e}"
+    finally:
+        torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
+    for i, (a, b) in enumerate(zip(ref, out)):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(o_ref.state[a][k].cpu(), o_out.state[b][k]), f"{k}{i}"
+
+
+def test_reload_masters_while_ring_streams_are_busy():
+    """Megatron's reload_model_params path (``set_scaled_state(p, 'master_param', float(p))``)
+    with the ring's compute and D2H streams held busy: the bf16 param writes of the step and the
+    write-backs of evicted/cached slots land late. The caller then halves the params on its own
+    stream and reloads the masters. Each reloaded master must equal float(param) exactly, and
+    the next steps must start from it: checked bitwise against torch's fused AdamW on fp32
+    copies that are reset to the same values at each reload. Five rounds; slot cache on."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    init = [torch.randn(s, generator=g, device="cuda").bfloat16() for s in SHAPES]
+    ps = [w.clone().requires_grad_() for w in init]
+    ref = [w.float().requires_grad_() for w in init]
+    opt = StagedAdamW(ps, lr=1e-2, weight_decay=0.1, impl="fused", slots=SlotConfig(slot_numel=1024, num_slots=2))
+    o_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    opt.initialize_state()
+    ring = opt._ring
+    for rnd in range(5):
+        for _ in range(2):
+            for p, r in zip(ps, ref):
+                gr = torch.randn(p.shape, generator=g, device="cuda").bfloat16()
+                p.grad, r.grad = gr, gr.float()
+            o_ref.step()
+            with torch.cuda.stream(ring.compute_stream):
+                torch.cuda._sleep(_BUSY_CYCLES)  # the step's param writes land late
+            with torch.cuda.stream(ring.d2h_stream):
+                torch.cuda._sleep(2 * _BUSY_CYCLES)  # and its write-backs of evicted slots later still
+            opt.step()
+        for i, (p, r) in enumerate(zip(ps, ref)):
+            assert torch.equal(p, r.detach().bfloat16()), f"round {rnd} param{i}: bf16 param != bf16(master)"
+        with torch.no_grad():
+            for p, r in zip(ps, ref):
+                p.mul_(0.5)  # caller stream, right after step() returned
+                r.copy_(p.float())
+        for p in ps:  # as StagedDistributedOptimizer._copy_model_params_to_main_params
+            opt.set_scaled_state(p, "master_param", p.detach().float())
+        for i, p in enumerate(ps):
+            master = opt.get_unscaled_state(p, "master_param")
+            assert torch.equal(master, p.detach().float().cpu()), f"round {rnd} param{i}: master != float(param)"
+    opt.drain()
+    for i, (p, r) in enumerate(zip(ps, ref)):
+        assert torch.equal(opt.state[p]["master_param"], r.detach().cpu()), f"master{i}"
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k], o_ref.state[r][k].cpu()), f"{k}{i}"
