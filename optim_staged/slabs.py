@@ -283,8 +283,15 @@ class SlotRing:
         """An fp32 buffer of ``numel`` elements for the unit being computed (e.g. a gradient cast
         to fp32). One buffer serves every slot: all compute runs on one stream. Allocated once."""
         if self._scratch is None or self._scratch.numel() < numel:  # grows only for whole resident params
+            cur = torch.cuda.current_stream(self.device) if self.cuda else None
+            off_ring = self.cuda and cur != self.compute_stream  # resident units compute on the caller's stream
+            if off_ring:  # the allocation (block reuse, deterministic NaN fill) after the caller's uses
+                self.compute_stream.wait_stream(cur)
             with self._stream(self.compute_stream if self.cuda else None):
                 self._scratch = torch.empty(max(numel, self.slot_numel), dtype=torch.float32, device=self.device)
+            if off_ring:  # and the caller's writes after the allocation
+                cur.wait_stream(self.compute_stream)
+                self._scratch.record_stream(cur)
         return self._scratch[:numel]
 
     def drain(self, *, release: bool = True) -> None:

@@ -256,3 +256,43 @@ def test_reload_masters_while_ring_streams_are_busy():
         assert torch.equal(opt.state[p]["master_param"], r.detach().cpu()), f"master{i}"
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][k], o_ref.state[r][k].cpu()), f"{k}{i}"
+
+
+def test_scratch_grown_from_caller_stream_is_ordered():
+    """Resident units (``staged_fraction < 1``) compute on the caller's stream and may grow the
+    ring's fp32 scratch (bf16 grads of a whole resident param). The scratch is allocated on the
+    compute stream, so its deterministic-mode NaN fill runs there; with the compute stream busy
+    the caller's write must still land after it. Then a full resident+staged bf16 run vs fused
+    AdamW on fp32 copies."""
+    was_det, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        g = torch.Generator(device="cuda").manual_seed(4)
+        init = [torch.randn(s, generator=g, device="cuda").bfloat16() for s in SHAPES]
+        ps = [w.clone().requires_grad_() for w in init]
+        ref = [w.float().requires_grad_() for w in init]
+        opt = StagedAdamW(ps, lr=1e-2, weight_decay=0.1, impl="fused", staged_fraction=0.005,
+                          slots=SlotConfig(slot_numel=1024, num_slots=2))
+        o_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+        opt.initialize_state()
+        assert opt.residency["resident_numel"] > 200_000  # the (640, 333) param is resident
+        ring = opt._ring
+        x = torch.randn(300_000, generator=g, device="cuda")
+        with torch.cuda.stream(ring.compute_stream):
+            torch.cuda._sleep(_BUSY_CYCLES)
+        buf = ring.scratch(x.numel())  # grows, called from the caller's stream
+        buf.copy_(x)
+        torch.cuda.synchronize()
+        assert torch.equal(buf, x), "scratch written by the caller before its allocation's fill ran"
+        for _ in range(3):
+            for p, r in zip(ps, ref):
+                gr = torch.randn(p.shape, generator=g, device="cuda").bfloat16()
+                p.grad, r.grad = gr, gr.float()
+            o_ref.step()
+            with torch.cuda.stream(ring.compute_stream):
+                torch.cuda._sleep(_BUSY_CYCLES)
+            opt.step()
+        for i, (p, r) in enumerate(zip(ps, ref)):
+            assert torch.equal(p, r.detach().bfloat16()), f"param{i}"
+    finally:
+        torch.use_deterministic_algorithms(was_det, warn_only=was_warn)
