@@ -8,6 +8,7 @@ from shared_teacher.admission import (
     NodeGate,
     PreflightReport,
     admission_capacity,
+    cross_node_skew,
     need_samples,
     node_epoch_sizes,
     preflight,
@@ -16,6 +17,7 @@ from shared_teacher.client import StudentReader, Window, run_producer
 from shared_teacher.config import SIGNALS, CompatKey, NodeLimits, SourceConfig, StudentSpec
 from shared_teacher.errors import (
     AdmissionConfigError,
+    CrossNodeSkewError,
     IncompatibleSubscriptionError,
     LeaseExpiredError,
     SharedTeacherError,
@@ -49,13 +51,13 @@ from shared_teacher.source import SharedTeacherSource
 from shared_teacher.store import FeatureStore, FileStore, ShmStore, open_store
 
 __all__ = [
-    "SIGNALS", "AdmissionConfigError", "CompatKey", "FeatureStore", "FileStore", "IncompatibleSubscriptionError",
+    "SIGNALS", "AdmissionConfigError", "CompatKey", "CrossNodeSkewError", "FeatureStore", "FileStore", "IncompatibleSubscriptionError",
     "LeaseExpiredError", "MegatronTeacher", "NodeGate", "NodeLimits", "PreflightReport", "SampleRef",
     "SharedTeacherError", "SharedTeacherSource", "ShmStore", "SimNode", "SimResult", "SimStudent", "SourceClient", "SourceClosedError",
     "SourceConfig", "SourceConfigError", "SourceServer", "SourceStalledError", "SourceTeardownBlockedError",
     "StaleRefError", "StoreError", "StudentCursor", "StudentReader", "StudentSpec", "TeacherFeatureFn", "Window",
     "collate", "epoch_order", "export_hf_state_dict", "features_from_logits", "fingerprint_state_dict",
-    "admission_capacity", "need_samples", "node_epoch_sizes", "open_store", "preflight", "run_producer", "sample_id",
+    "admission_capacity", "cross_node_skew", "need_samples", "node_epoch_sizes", "open_store", "preflight", "run_producer", "sample_id",
     "simulate_node", "simulate_nodes",
     "teacher_features_reference", "topk_distill_loss", "train_window",
 ]

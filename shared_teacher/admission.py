@@ -36,14 +36,44 @@ holds back the slowest student. Low watermarks, token watermarks and the lag cap
 no condition. :func:`shared_teacher.reference.simulate_node` explores every interleaving and every
 sequence of lengths; the tests check the equivalence.
 
-**Several nodes.** A window needs its share on every node. The condition is necessary on every
-node. It is sufficient when one student is at ``lo`` on every node at once (the argument above
-applies to the node it waits on), which holds when all students are unpacked with per-node quanta
-proportional across nodes (``Q_cn = g_c·h_n``); :attr:`PreflightReport.same_order_on_all_nodes`
-says so. Otherwise (packed students, or uneven rank splits, on several nodes) students can drift
-apart differently on each node and a hard cap can stall them; check such a topology with
-:func:`shared_teacher.reference.simulate_nodes` at small scale and give the nodes headroom. The
-watchdog turns a stall into :class:`~shared_teacher.errors.SourceStalledError` instead of a hang.
+**Several nodes.** A window needs its share on every node, so students' positions couple across
+nodes and can drift apart differently on each (``a`` reads 1:3 from two nodes, ``b`` 3:1: after
+``k`` windows each, ``a`` trails ``b`` by ``2k`` on the first node and leads by ``2k`` on the
+second). The per-node condition is still necessary, not sufficient. Preflight adds a *skew bound*
+and requires, for every node ``n`` and student ``c``,
+
+    ``C_n ≥ need_cn + S_cn``,  ``S_cn = max(0, max_{b≠c} skew(c, b, n))``
+
+where ``skew(c, b, n)`` bounds ``x_cn − x_bn`` (node positions) over states in which ``c`` waits on
+``n``, ``b`` is in the same epoch and ``adv_b ≥ adv_c`` (``adv``: positions passed this epoch,
+summed over nodes). Bounds used (``D_n`` epoch size on ``n``, ``R_n = Σ_{m≠n} D_m``, unpacked
+``q = Q_cn``, ``W = Σ_m Q_cm``, ``K`` windows per epoch; an unpacked student after ``k`` windows
+sits at ``k·Q`` on every node):
+
+* ``c`` unpacked: ``x_cn = k·q_c`` with ``k ≤ min(K_c, floor(D_n/q_c) − 1)`` (its share on ``n``
+  fits the epoch, else it is a tail drop, not a wait). ``b`` unpacked: smallest ``k_b`` with
+  ``k_b·W_b ≥ k·W_c`` (``≤ K_b``), skew ``k·q_c − ceil(k·W_c/W_b)·q_b``; ``b`` packed:
+  ``x_bn ≥ adv_b − R_n``, skew ``k·q_c − max(0, k·W_c − R_n)``.
+* ``c`` packed: ``x_cn ≤ D_n − 1``; against unpacked ``b`` skew ``a − ceil(a/W_b)·q_b`` for
+  ``a ≤ min(D_n − 1, K_b·W_b)``; against packed ``b``, ``min(D_n − 1, R_n)``.
+
+*Proof that the condition suffices.* Take a stall and ``s`` the student with the smallest
+positions summed over nodes; the lag cap never holds it, so it waits on some node ``n``. A node
+some student waits on has its latches released, so it is at a hard cap: ``P_n − lo_n ≥ C_n``,
+while ``P_n − x_sn ≤ need_sn − 1``. Hence the student ``b`` at ``lo_n`` trails ``s`` on ``n`` by
+``≥ C_n − need_sn + 1 ≥ 1``, and ``Σ_m x_bm ≥ Σ_m x_sm`` by the choice of ``s``. If ``b`` were in
+an earlier epoch all its positions would be ``≤`` those of ``s`` and one strictly smaller;
+in a later epoch it could not trail on ``n``. So both are in one epoch and
+``C_n − need_sn + 1 ≤ skew(s, b, n) ≤ S_sn``, contradicting the condition. ∎
+
+On one node, and when all students are unpacked with per-node quanta proportional across nodes
+(``Q_cn = g_c·h_n``, :attr:`PreflightReport.same_order_on_all_nodes`), every skew is ``≤ 0``, so
+the condition *is* the exact per-node one. Elsewhere it is sufficient only; a config that passes
+the per-node checks but not this one raises :class:`~shared_teacher.errors.CrossNodeSkewError`
+unless ``SourceConfig.allow_unproven_layout`` is set (then preflight warns and the watchdog turns
+a stall into :class:`~shared_teacher.errors.SourceStalledError`). The argument, like
+:func:`shared_teacher.reference.simulate_nodes`, models students that start an epoch together;
+resume skip sets are not part of it.
 
 Structural checks: every student has ranks on every node (samples on a node without its readers
 could never be settled); an unpacked student gets at least one window per epoch on every node;
@@ -54,12 +84,14 @@ holds at least one window's tokens).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 from shared_teacher.config import NodeLimits, SourceConfig, StudentSpec
-from shared_teacher.errors import AdmissionConfigError
+from shared_teacher.errors import AdmissionConfigError, CrossNodeSkewError
 
-__all__ = ["node_epoch_sizes", "windows_per_epoch", "need_samples", "admission_capacity", "preflight",
+__all__ = ["node_epoch_sizes", "windows_per_epoch", "need_samples", "admission_capacity", "cross_node_skew",
+           "preflight",
            "NodeGate", "PreflightReport"]
 
 
@@ -106,7 +138,14 @@ class PreflightReport:
     """node → ``C_n`` (samples the hard caps always admit)."""
     same_order_on_all_nodes: bool
     """True when one node, or all students unpacked with per-node quanta proportional across nodes:
-    then the per-node condition is exact for the whole run (see the module docstring)."""
+    then every skew is 0 and the condition is exact (see the module docstring)."""
+    skew: dict[str, dict[str, int]] = field(default_factory=dict)
+    """node → student → ``S_cn``, the cross-node skew bound (0 on one node and same-order layouts)."""
+    proven: bool = True
+    """Progress is proven (``C_n ≥ need_cn + S_cn`` everywhere). False only with
+    ``allow_unproven_layout``; then :attr:`unproven` lists the shortfalls."""
+    unproven: list[dict] = field(default_factory=list)
+    """The rows :class:`~shared_teacher.errors.CrossNodeSkewError` would have reported."""
 
 
 def _same_order(config: SourceConfig) -> bool:
@@ -118,6 +157,53 @@ def _same_order(config: SourceConfig) -> bool:
     base = config.students[0]
     return all(s.quantum(n) * base.quantum(nodes[0]) == base.quantum(n) * s.quantum(nodes[0])
                for s in config.students for n in nodes)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _skew_pair(c: StudentSpec, b: StudentSpec, node: str, sizes: dict[str, int]) -> int:
+    """``skew(c, b, node)`` of the module docstring: a bound on ``x_c − x_b`` on ``node`` over states where
+    ``c`` waits on ``node``, both are in one epoch and ``b`` has passed at least as many positions."""
+    d, rest = sizes[node], sum(sizes.values()) - sizes[node]
+    wb, qb = sum(b.quantum(m) for m in sizes), b.quantum(node)
+    if c.packed:
+        if b.packed:
+            return min(d - 1, rest)
+        top = min(d - 1, windows_per_epoch(b, sizes) * wb)
+        return max(a - _ceil_div(a, wb) * qb for a in (top, top // wb * wb))
+    qc, wc = c.quantum(node), sum(c.quantum(m) for m in sizes)
+    kmax = min(windows_per_epoch(c, sizes), d // qc - 1)
+    if b.packed:
+        k1 = min(kmax, rest // wc)
+        return max(k * qc - max(0, k * wc - rest) for k in (0, k1, min(kmax, k1 + 1)))
+    kmax = min(kmax, windows_per_epoch(b, sizes) * wb // wc)  # b cannot pass more than K_b windows
+    if kmax < 0:
+        return 0
+    # f(k) = k·q_c − ceil(k·W_c/W_b)·q_b is linear plus a term of period W_b/gcd: its maximum lies in
+    # the last period when the slope q_c·W_b − W_c·q_b is ≥ 0, else in the first.
+    period = wb // math.gcd(wc, wb)
+    ks = (range(max(0, kmax - period + 1), kmax + 1) if qc * wb >= wc * qb else range(min(kmax, period - 1) + 1))
+    return max(k * qc - _ceil_div(k * wc, wb) * qb for k in ks)
+
+
+def cross_node_skew(config: SourceConfig) -> dict[str, dict[str, tuple[int, str]]]:
+    """node → student ``c`` → ``(S_cn, b)``: the skew bound of the module docstring and the student ``b``
+    it is measured against (``''`` when 0). Assumes the structural checks of :func:`preflight` passed."""
+    sizes = node_epoch_sizes(config.dataset_size, list(config.nodes))
+    out: dict[str, dict[str, tuple[int, str]]] = {}
+    for n in config.nodes:
+        out[n] = {}
+        for c in config.students:
+            best = (0, "")
+            for b in config.students:
+                if b is not c:
+                    k = _skew_pair(c, b, n, sizes)
+                    if k > best[0]:
+                        best = (k, b.name)
+            out[n][c.name] = best
+    return out
 
 
 def preflight(config: SourceConfig) -> PreflightReport:
@@ -163,14 +249,51 @@ def preflight(config: SourceConfig) -> PreflightReport:
                      lim.byte_cap)
     if bad:
         raise _error(bad)
-    return PreflightReport(epoch_sizes=sizes, quanta=quanta, needs=needs, capacity=capacity,
-                           same_order_on_all_nodes=_same_order(config))
+    skews = cross_node_skew(config)
+    short: list[dict] = []
+    for n in nodes:
+        lim = config.nodes[n]
+        for s in config.students:
+            k, against = skews[n][s.name]
+            if capacity[n] < needs[n][s.name] + k:
+                short.append({"node": n, "student": s.name, "check": "capacity >= share + cross_node_skew",
+                              "need": needs[n][s.name] + k, "have": capacity[n], "share": needs[n][s.name],
+                              "skew": k, "against": against, "high_samples": lim.high_samples,
+                              "byte_cap": lim.byte_cap})
+    report = PreflightReport(epoch_sizes=sizes, quanta=quanta, needs=needs, capacity=capacity,
+                             same_order_on_all_nodes=_same_order(config),
+                             skew={n: {c: v[0] for c, v in row.items()} for n, row in skews.items()},
+                             proven=not short, unproven=short)
+    if short:
+        err = _skew_error(short, config.max_sample_bytes)
+        if not config.allow_unproven_layout:
+            raise err
+        warnings.warn(f"allow_unproven_layout=True: starting without a progress proof; the watchdog "
+                      f"(watchdog_s={config.watchdog_s}) is the only guard. {err}", RuntimeWarning, stacklevel=2)
+    return report
 
 
 def _error(bad: list[dict]) -> AdmissionConfigError:
     lines = [f"node {b['node']!r} student {b['student']!r}: {b['check']}: need {b['need']}, have {b['have']}"
              for b in bad]
     return AdmissionConfigError("admission preflight failed (progress not guaranteed):\n  " + "\n  ".join(lines), bad)
+
+
+def _skew_error(short: list[dict], max_sample_bytes: int) -> CrossNodeSkewError:
+    lines = [f"node {b['node']!r} student {b['student']!r}: capacity {b['have']} (high_samples={b['high_samples']}, "
+             f"byte_cap={b['byte_cap']}) < share {b['share']} + cross-node skew {b['skew']} against "
+             f"{b['against']!r} = {b['need']}" for b in short]
+    fix = {}
+    for b in short:
+        fix[b["node"]] = max(fix.get(b["node"], 0), b["need"])
+    todo = "; ".join(f"node {n!r}: high_samples >= {k}" + (f" and byte_cap >= {k * max_sample_bytes}"
+                     if any(b["byte_cap"] and b["node"] == n for b in short) else "") for n, k in fix.items())
+    return CrossNodeSkewError(
+        "admission preflight cannot prove progress: students drift apart differently on different nodes "
+        "(uneven rank splits or packed students across nodes) and a node's caps may fill with samples the "
+        "trailing student does not need yet:\n  " + "\n  ".join(lines) +
+        f"\nfix: raise {todo}; or give every student the same per-node rank proportions (skew 0); or set "
+        "SourceConfig.allow_unproven_layout=True to start with the watchdog as the only guard.", short)
 
 
 class NodeGate:

@@ -204,6 +204,12 @@ class SourceConfig:
     lag_cap_samples: int = 1 << 30
     """A student may start a window only while it has settled at most this many more samples than the slowest
     live student (the slowest is never held back, so the cap cannot deadlock)."""
+    allow_unproven_layout: bool = False
+    """Opt-in: start even when preflight cannot prove progress for this multi-node layout (uneven rank
+    splits or packed students on several nodes whose caps do not cover the cross-node skew bound;
+    see :func:`shared_teacher.admission.preflight`). Preflight then warns instead of raising
+    :class:`~shared_teacher.errors.CrossNodeSkewError` and the watchdog is the only guard. The per-node
+    necessary checks still raise."""
     lease_timeout_s: float = 10.0
     """A reader that has not heartbeated for this long is considered failed."""
     teardown_timeout_s: float = 10.0

@@ -6,6 +6,7 @@ __all__ = [
     "SharedTeacherError",
     "SourceConfigError",
     "AdmissionConfigError",
+    "CrossNodeSkewError",
     "IncompatibleSubscriptionError",
     "StaleRefError",
     "LeaseExpiredError",
@@ -33,6 +34,16 @@ class AdmissionConfigError(SourceConfigError):
     def __init__(self, message: str, details: list[dict] | None = None) -> None:
         super().__init__(message)
         self.details = list(details or [])
+
+
+class CrossNodeSkewError(AdmissionConfigError):
+    """Every per-node check passes, but students can drift apart differently on different nodes
+    (uneven rank splits or packed students on several nodes) and the capacity does not cover the
+    proven skew bound, so progress is not proven. ``details`` rows add ``quantum_share``,
+    ``skew`` and ``against`` (the student the skew is measured against) to the usual
+    ``{node, student, check, need, have}``. Fix: raise the node's caps to ``need``, give every
+    student the same per-node rank proportions, or set ``SourceConfig.allow_unproven_layout``.
+    """
 
 
 class IncompatibleSubscriptionError(SharedTeacherError, ValueError):
