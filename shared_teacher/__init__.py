@@ -41,6 +41,7 @@ from shared_teacher.reference import (
     SimNode,
     SimResult,
     SimStudent,
+    StateBudgetExceeded,
     simulate_node,
     simulate_nodes,
     teacher_features_reference,
@@ -58,6 +59,6 @@ __all__ = [
     "StaleRefError", "StoreError", "StudentCursor", "StudentReader", "StudentSpec", "TeacherFeatureFn", "Window",
     "collate", "epoch_order", "export_hf_state_dict", "features_from_logits", "fingerprint_state_dict",
     "admission_capacity", "cross_node_skew", "need_samples", "node_epoch_sizes", "open_store", "preflight", "run_producer", "sample_id",
-    "simulate_node", "simulate_nodes",
+    "simulate_node", "simulate_nodes", "StateBudgetExceeded",
     "teacher_features_reference", "topk_distill_loss", "train_window",
 ]

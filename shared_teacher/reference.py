@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SimNode", "SimStudent", "SimResult", "simulate_node", "simulate_nodes", "teacher_features_reference", "topk_distill_loss_reference"]
+__all__ = ["SimNode", "SimStudent", "SimResult", "StateBudgetExceeded", "simulate_node", "simulate_nodes", "teacher_features_reference", "topk_distill_loss_reference"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +74,10 @@ class SimNode:
     """Token low watermark."""
     byte_cap_samples: int = 0
     """Byte cap in units of ``max_sample_bytes`` (0: none; every object is assumed to be that large)."""
+
+
+class StateBudgetExceeded(RuntimeError):
+    """The exhaustive simulation visited more than ``max_states`` states (the config is too large)."""
 
 
 def simulate_node(*, students: list[SimStudent], epoch_size: int, high: int, low: int, high_tokens: int = 0,
@@ -205,7 +209,8 @@ def simulate_nodes(*, students: list[tuple[SimStudent, ...]], nodes: list[SimNod
             s = norm(*s)
             if s not in seen:
                 if len(seen) >= max_states:
-                    raise RuntimeError(f"simulate_nodes: more than max_states={max_states} states; shrink the config")
+                    raise StateBudgetExceeded(f"simulate_nodes: more than max_states={max_states} states; "
+                                              "shrink the config")
                 seen.add(s)
                 todo.append(s)
     return SimResult(stall=False, witness=None, states=len(seen))

@@ -17,12 +17,27 @@ from shared_teacher import (
     SimStudent,
     SourceConfig,
     SourceConfigError,
+    StateBudgetExceeded,
     StudentSpec,
     node_epoch_sizes,
     preflight,
     simulate_node,
     simulate_nodes,
 )
+
+# The property tests enumerate every interleaving; a few random configs have huge state spaces.
+# Those examples are rejected (``assume``) instead of running for minutes: the bound keeps each
+# example well under a second and CI time predictable.
+SIM_MAX_STATES = 20_000
+
+
+def _bounded(sim, **kw):
+    try:
+        return sim(**kw, max_states=SIM_MAX_STATES)
+    except StateBudgetExceeded:
+        event("rejected: state space over the budget")
+        assume(False)
+
 
 KEY = CompatKey(teacher_fingerprint="t", tokenizer="tok", signals=["logprobs"], max_length=64)
 
@@ -113,7 +128,7 @@ def _simulate(c):
     sims = [SimStudent(quantum=x.quantum("n0"), pack_budget=x.pack_budget_tokens if x.packed else 0,
                        bins=x.ranks_per_node["n0"] * x.accumulation_steps) for x in c["students"]]
     lengths_matter = c["high_tokens"] or any(x.packed for x in c["students"])
-    return simulate_node(students=sims, epoch_size=c["d"], high=c["high"], low=c["low"],
+    return _bounded(simulate_node, students=sims, epoch_size=c["d"], high=c["high"], low=c["low"],
                          high_tokens=c["high_tokens"], low_tokens=c["low_tokens"], byte_cap_samples=c["cap"] // 10,
                          lengths=tuple(range(c["s"], c["m"] + 1)) if lengths_matter else (1,), lag_cap=c["lag"])
 
@@ -201,7 +216,7 @@ def _simulate_config(cfg):
                                  bins=x.ranks_per_node[n] * x.accumulation_steps) for n in cfg.nodes)
                 for x in cfg.students]
     lengths_matter = any(x.packed for x in cfg.students) or any(lim.high_tokens for lim in cfg.nodes.values())
-    return simulate_nodes(students=students, nodes=nodes, lag_cap=cfg.lag_cap_samples,
+    return _bounded(simulate_nodes, students=students, nodes=nodes, lag_cap=cfg.lag_cap_samples,
                           lengths=tuple(range(cfg.min_seq_len, cfg.max_seq_len + 1)) if lengths_matter else (1,))
 
 
