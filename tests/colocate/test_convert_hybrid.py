@@ -32,19 +32,7 @@ qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 def _hf_config(spec: Qwen3HybridSpec):
     from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
-    if spec.gdn_layout == "qwen3_5":
-        return Qwen3_5TextConfig(
-            vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
-            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim, hidden_act="silu",
-            rms_norm_eps=spec.rms_norm_eps, tie_word_embeddings=spec.tie_embeddings, attention_bias=False,
-            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
-                             "partial_rotary_factor": spec.partial_rotary_factor},
-            linear_conv_kernel_dim=spec.linear_conv_kernel_dim, linear_key_head_dim=spec.linear_key_head_dim,
-            linear_value_head_dim=spec.linear_value_head_dim, linear_num_key_heads=spec.linear_num_key_heads,
-            linear_num_value_heads=spec.linear_num_value_heads, layer_types=list(spec.layer_types),
-            max_position_embeddings=128)
-    return Qwen3NextConfig(
+    common = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim, hidden_act="silu",
@@ -54,7 +42,10 @@ def _hf_config(spec: Qwen3HybridSpec):
         linear_conv_kernel_dim=spec.linear_conv_kernel_dim, linear_key_head_dim=spec.linear_key_head_dim,
         linear_value_head_dim=spec.linear_value_head_dim, linear_num_key_heads=spec.linear_num_key_heads,
         linear_num_value_heads=spec.linear_num_value_heads, layer_types=list(spec.layer_types),
-        num_experts=0, mlp_only_layers=list(range(spec.num_layers)), max_position_embeddings=128)
+        max_position_embeddings=128)
+    if spec.gdn_layout == "qwen3_5":
+        return Qwen3_5TextConfig(**common)
+    return Qwen3NextConfig(**common, num_experts=0, mlp_only_layers=list(range(spec.num_layers)))
 
 
 def _spec(**kw):
