@@ -9,7 +9,8 @@ Sections:
   the real model. Providers (attention backend in brackets): ``thd`` [flex] and ``thdv`` [varlen]:
   every microbatch plain packing (a chain forest: block-diagonal causal FlexAttention, or
   FlashAttention-2 varlen with one sequence per packed sequence, i.e. standard THD, no gather);
-  ``tree`` [flex] and ``treev`` [varlen]: every microbatch a prefix forest, no fallback;
+  ``tree`` [flex] and ``treev`` [varlen]: every microbatch a prefix forest, no fallback (``treev``
+  with the varlen plan that ``auto`` picks, ``treevg`` forced to the ancestor-path key gather);
   ``harts`` [``--backend``]: the planner with THD fallback below ``--fallback``.
   Per step (all microbatches, fwd+bwd) the timed region holds only model work: the plan
   (``planner_ms``) and the per-microbatch metadata (forests, BlockMask / varlen plan, LM-head edges:
@@ -30,7 +31,7 @@ Sections:
   time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
   peak − (dW, dh in bf16 + their fp32 accumulators).
 
-Run: ``python bench/harts.py`` on a GPU (≈1 min on an H200: providers thdv, treev, harts; add
+Run: ``python bench/harts.py`` on a GPU (≈1.5 min on an H200: providers thdv, treev, treevg, harts; add
 ``--providers all`` for the FlexAttention ones and ``--fused-head`` for the compiled head kernels,
 each costing compile time), ``python bench/harts.py --quick`` for a CPU smoke run (dense
 attention backend, tiny sizes). Writes ``harts.json`` and ``harts.png``
@@ -101,18 +102,19 @@ def _workloads(quick: bool, vocab: int):
 
 PROVIDERS = {  # name: (fallback threshold, backend or None for --backend)
     "thd": (math.inf, "flex"), "thdv": (math.inf, "varlen"), "tree": (0.0, "flex"),
-    "treev": (0.0, "varlen"), "harts": (None, None),
+    "treev": (0.0, "varlen"), "treevg": (0.0, "varlen"), "harts": (None, None),
 }
+VARLEN_MODE = {"treevg": "gather"}  # the others: "auto" (harts.varlen.build_varlen_plan)
 
 
-def _prepare(seqs, plan, backend, dev):
+def _prepare(seqs, plan, backend, dev, varlen_mode="auto"):
     """Per-microbatch metadata built ahead of the step (forest, attention plan, head edges)."""
     from harts.megatron import make_tree_params
 
     out = []
     for mb in plan.microbatches:
         f = mb.build(seqs, device=dev)
-        out.append((f, make_tree_params(f, backend=backend)))
+        out.append((f, make_tree_params(f, backend=backend, varlen_mode=varlen_mode)))
     return out
 
 
@@ -188,7 +190,7 @@ def bench_model(args, dev, rows, plots):
             plan_ms = time_cpu(lambda pc=pc, seqs=seqs: plan_step(seqs, pc), warmup=1, iters=3)["p50"]
             plan = plan_step(seqs, pc)
             t0 = time.perf_counter()
-            prepared = _prepare(seqs, plan, backend, dev)
+            prepared = _prepare(seqs, plan, backend, dev, VARLEN_MODE.get(provider, "auto"))
             _sync()
             prep_ms = (time.perf_counter() - t0) * 1e3
             step = _step_fn(model, prepared)
@@ -235,7 +237,7 @@ def bench_model(args, dev, rows, plots):
         table.append({"case": case, "C": st.compression,
                       "C_packed": hp["plan"].summary()["packed_compression"] if hp else nan,
                       "S_attn": st.attention_ratio, "thd": res["thd"], "thdv": res["thdv"], "tree": res["tree"],
-                      "treev": res["treev"], "harts": res["harts"], "x_best_thd": base / res["harts"],
+                      "treev": res["treev"], "treevg": res["treevg"], "harts": res["harts"], "x_best_thd": base / res["harts"],
                       "x/C": base / res["harts"] / st.compression,
                       "x/C_packed": base / res["harts"] / hp["plan"].summary()["packed_compression"] if hp else nan,
                       "peak_GiB": hp.get("peak", 0) / 2**30 if hp else nan,
@@ -360,7 +362,7 @@ def main():
     ap.add_argument("--backend", default="varlen", choices=["varlen", "flex"], help="attention backend of 'harts'")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--sections", default="model,head")
-    ap.add_argument("--providers", default="thdv,treev,harts",
+    ap.add_argument("--providers", default="thdv,treev,treevg,harts",
                     help=f"subset of {','.join(PROVIDERS)}, or 'all' (the FlexAttention providers thd/tree add "
                          "about a minute of compilation)")
     ap.add_argument("--fused-head", action="store_true", help="also time tree_lm_head(fused=True) (compiles)")
@@ -388,7 +390,7 @@ def main():
     print(f"wrote {path} in {extra['wall_s']:.0f} s; fallback_compression used {args.fallback}; crossover "
           f"(smallest C with forced tree >= best THD, interpolated): {cross}")
     if model_table:
-        print_table(model_table, ["case", "C", "C_packed", "S_attn", "thd", "thdv", "tree", "treev", "harts",
+        print_table(model_table, ["case", "C", "C_packed", "S_attn", "thd", "thdv", "tree", "treev", "treevg", "harts",
                                   "x_best_thd", "x/C", "x/C_packed", "attn_share", "S_flops", "x/S_flops", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
     if head_table:
         print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "extra_chunks"])

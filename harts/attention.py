@@ -8,12 +8,11 @@ Backends (all take ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``Hq % Hkv == 0``
   :class:`BlockMask` is built by :func:`build_block_mask` once per microbatch directly from
   per-block min/max of ``last`` (O(T + nb²) work, never a [T, T] tensor) and reused by every
   layer. On CPU, torch 2.11 runs FlexAttention forward only (no backward).
-* ``"varlen"``: one flash-attention varlen "sequence" per compressed-trie segment: queries are
-  the segment's own (contiguous) rows, keys/values are gathered along its ancestor path
-  (:func:`build_varlen_plan`, once per microbatch) with bottom-right causal alignment, so no
-  masked work is done; the gather's backward sums key/value gradients into shared rows. Runs
-  ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2, bf16/fp16) on CUDA and the
-  per-segment SDPA reference on CPU.
+* ``"varlen"``: FlashAttention-2 varlen kernels over the compressed-trie segments, no masked
+  work: either keys gathered along each segment's ancestor path, or a cascade of causal self
+  attention plus one full attention per tree level merged by log-sum-exp (:mod:`harts.varlen`,
+  plan built once per microbatch by :func:`build_varlen_plan`, chosen by gathered rows). CUDA
+  needs bf16/fp16; CPU runs the same plans on plain-torch kernels.
 
 The dense mask itself lives in :mod:`harts.reference` (:func:`~harts.reference.tree_mask`).
 """
@@ -21,92 +20,17 @@ The dense mask itself lives in :mod:`harts.reference` (:func:`~harts.reference.t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
-from harts.reference import segment_attention_reference, tree_attention_reference
+from harts.reference import tree_attention_reference
+from harts.varlen import VarlenPlan, build_varlen_plan, varlen_tree_attention
 
 __all__ = ["Backend", "VarlenPlan", "build_block_mask", "build_varlen_plan", "tree_attention", "flex_tree_attention",
            "varlen_tree_attention"]
 
 Backend = Literal["dense", "flex", "varlen"]
-
-
-@dataclass(frozen=True, eq=False)
-class VarlenPlan:
-    """Gather plan of the varlen backend: segment ``s`` has queries ``cu_q[s]:cu_q[s+1]`` (compact
-    rows) and keys ``kv_index[cu_k[s]:cu_k[s+1]]`` (its ancestor path, then its own rows)."""
-
-    cu_q: torch.Tensor
-    """[S+1] int32 query offsets (= segment offsets)."""
-    cu_k: torch.Tensor
-    """[S+1] int32 key offsets into ``kv_index``."""
-    kv_index: torch.Tensor | None
-    """[K] int64 compact row of every gathered key, K = Σ_s (depth of the segment's last node + 1);
-    None when every segment is a root (plain THD packing): keys are then the rows themselves and
-    no gather runs."""
-    max_q: int
-    max_k: int
-
-
-def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor) -> VarlenPlan:
-    """:class:`VarlenPlan` from a forest's segments (``keys(s) = keys(parent(s)) ++ rows(s)``)."""
-    so = seg_offsets.cpu().numpy()
-    sp = seg_parent.cpu().numpy()
-    if (sp < 0).all():  # no sharing: exactly the THD varlen call, without gathers
-        cu = seg_offsets.to(torch.int32)
-        mq = int(np.diff(so).max())
-        return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq)
-    keys: list[np.ndarray] = []
-    for s in range(sp.size):
-        own = np.arange(so[s], so[s + 1], dtype=np.int64)
-        keys.append(own if sp[s] < 0 else np.concatenate([keys[sp[s]], own]))
-    klen = np.array([k.size for k in keys], dtype=np.int64)
-    dev = seg_offsets.device
-    cu_k = np.zeros(sp.size + 1, dtype=np.int64)
-    cu_k[1:] = np.cumsum(klen)
-    return VarlenPlan(cu_q=seg_offsets.to(torch.int32), cu_k=torch.as_tensor(cu_k, dtype=torch.int32, device=dev),
-                      kv_index=torch.as_tensor(np.concatenate(keys), device=dev), max_q=int(np.diff(so).max()),
-                      max_k=int(klen.max()))
-
-
-class _GatherRows(torch.autograd.Function):
-    """``x[index]`` whose backward sums duplicate rows in fp32 (one rounding to bf16 per shared
-    row instead of one per copy)."""
-
-    @staticmethod
-    def forward(ctx, x, index):
-        ctx.save_for_backward(index)
-        ctx.shape = x.shape
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, g):
-        (index,) = ctx.saved_tensors
-        acc = torch.promote_types(g.dtype, torch.float32)
-        dx = torch.zeros(ctx.shape, dtype=acc, device=g.device).index_add_(0, index, g.to(acc))
-        return dx.to(g.dtype), None
-
-
-def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: VarlenPlan,
-                          scale: float) -> torch.Tensor:
-    """Tree attention as one varlen causal attention per segment. ``q [T, Hq, D]``,
-    ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``. CUDA needs bf16/fp16 (FlashAttention-2)."""
-    if plan.kv_index is None:  # keys are the rows themselves; v may be a strided slice of a fused QKV
-        kk, vv = _plain_rows(k), _plain_rows(v)
-    else:
-        kk = _GatherRows.apply(k, plan.kv_index)
-        vv = _GatherRows.apply(v, plan.kv_index)
-    if not q.is_cuda:
-        return segment_attention_reference(q, kk, vv, cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"varlen tree attention on CUDA needs bf16 or fp16 inputs, got {q.dtype}; use backend='flex'")
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, window_size=(-1, 0))
 
 
 def _check_last(last: torch.Tensor) -> None:

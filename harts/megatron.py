@@ -36,6 +36,7 @@ from harts.attention import Backend, build_block_mask, build_varlen_plan, tree_a
 from harts.config import HeadConfig
 from harts.forest import Forest, TokenOutOfRangeError
 from harts.lm_head import HeadEdges, TreeHeadOutput, head_edges, tree_lm_head
+from harts.varlen import VarlenMode
 
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
            "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward"]
@@ -199,14 +200,16 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
     return handle
 
 
-def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128) -> TreePackedSeqParams:
+def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128,
+                     varlen_mode: VarlenMode = "auto") -> TreePackedSeqParams:
     """Per-microbatch tree metadata, built once (ahead of the step, e.g. in the data loader): the
-    flex BlockMask or varlen gather plan, the LM head's edge list and host-side sizes, so the
-    forward/backward parts that harts owns need no device-to-host synchronization."""
+    flex BlockMask or varlen plan (``varlen_mode``: see :func:`harts.varlen.build_varlen_plan`),
+    the LM head's edge list and host-side sizes, so the forward/backward parts that harts owns
+    need no device-to-host synchronization."""
     if backend not in ("flex", "varlen", "dense"):
         raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
-    vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent) if backend == "varlen" else None
+    vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent, mode=varlen_mode) if backend == "varlen" else None
     rope_len = int(forest.depth.max()) + 1  # the RoPE table only needs positions 0..max depth
     return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
                                varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len,

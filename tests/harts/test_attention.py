@@ -103,16 +103,30 @@ def test_flex_forward_matches_dense_cpu():
     assert_close("flex vs dense", ref, out, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["gather", "levels", "auto"])
 @pytest.mark.parametrize("seqs", CASES)
-def test_varlen_plan_equals_dense(seqs):
-    """The varlen gather plan (keys = ancestor path, bottom-right causal) is the tree mask, with
-    gradients summed into shared key/value rows by the gather's backward."""
+def test_varlen_plan_equals_dense(seqs, mode):
+    """Both varlen plans are the tree mask: keys gathered along the ancestor path (bottom-right
+    causal, gradients summed into shared rows), and the cascade (causal self part + one full
+    attention per level, merged by log-sum-exp; backward with the merged out/lse). fp64, CPU
+    kernels that follow the flash math."""
     f = build_forest(seqs).padded(4)
-    plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
-    if bool((f.seg_parent < 0).all()):  # a forest of chains: keys are the rows themselves, no gather
-        assert plan.kv_index is None and torch.equal(plan.cu_k, plan.cu_q)
-    else:
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode=mode)
+    chains = bool((f.seg_parent < 0).all())
+    if chains:  # a forest of chains: keys are the rows themselves, no gather, no levels
+        assert plan.kv_index is None and torch.equal(plan.cu_k, plan.cu_q) and not plan.levels
+    elif plan.mode == "gather":
         assert plan.kv_index.numel() == int((f.depth[f.seg_offsets[1:] - 1] + 1).sum())
+    else:  # every row is a query once per strict-ancestor segment, every key row once per level
+        anc = torch.zeros(f.num_nodes, dtype=torch.long)
+        for lv in plan.levels:
+            anc.index_add_(0, lv.q_index, torch.ones_like(lv.q_index))
+            assert lv.k_index.unique().numel() == lv.k_index.numel()
+        seg_depth = torch.zeros(f.seg_parent.numel(), dtype=torch.long)
+        for s in range(f.seg_parent.numel()):
+            p = int(f.seg_parent[s])
+            seg_depth[s] = 0 if p < 0 else seg_depth[p] + 1
+        assert torch.equal(anc, seg_depth[f.node_seg])
     q, k, v = (x.requires_grad_(True) for x in _qkv(f.num_nodes, seed=5))
     out = tree_attention(q, k, v, last=f.last, backend="varlen", varlen_plan=plan, scale=0.4)
     do = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -120,9 +134,33 @@ def test_varlen_plan_equals_dense(seqs):
     q2, k2, v2 = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     ref = tree_attention(q2, k2, v2, last=f.last, backend="dense", scale=0.4)
     grads_r = torch.autograd.grad(ref, [q2, k2, v2], do)
-    assert_close("varlen out", ref, out, atol=1e-12, rtol=1e-12)
+    assert_close(f"varlen[{plan.mode}] out", ref, out, atol=1e-12, rtol=1e-12)
     for name, a, b in zip("qkv", grads_r, grads):
-        assert_close(f"varlen d{name}", a, b, atol=1e-12, rtol=1e-12)
+        assert_close(f"varlen[{plan.mode}] d{name}", a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_varlen_auto_mode_picks_levels_for_grpo_and_gather_for_deep_chains():
+    """``auto`` runs the cascade when the gather plan would duplicate ≥ 4× as many key rows as the
+    cascade gathers query rows (a GRPO group with a long prompt: prefix read once instead of n
+    times), the gather plan otherwise (short prompts, deep trees)."""
+    from harts.varlen import MAX_LEVELS
+
+    grpo = [[1] * 40 + [2 + i] * 10 for i in range(8)]  # prefix 40 shared by 8 responses of 10
+    f = build_forest(grpo)
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
+    assert plan.mode == "levels" and plan.gathered_rows == 80 and len(plan.levels) == 1
+    assert build_varlen_plan(f.seg_offsets, f.seg_parent, mode="gather").gathered_rows == 8 * 40
+    short = [[1] * 10 + [2 + i] * 10 for i in range(8)]  # duplicated keys 80 < 4 × 80 gathered queries
+    f = build_forest(short)
+    assert build_varlen_plan(f.seg_offsets, f.seg_parent).mode == "gather"
+    lv = MAX_LEVELS + 2  # a spine of 100-row segments, a fork at each, 50 leaves at the bottom:
+    deep = [[1] * 100 * (d + 1) + [500 + d] for d in range(lv)] + [[1] * 100 * lv + [600 + i] for i in range(50)]
+    f = build_forest(deep)
+    dup, q = (build_varlen_plan(f.seg_offsets, f.seg_parent, mode=m).gathered_rows for m in ("gather", "levels"))
+    assert dup >= 4 * q  # the cascade would gather fewer rows, but it is deeper than MAX_LEVELS
+    assert build_varlen_plan(f.seg_offsets, f.seg_parent).mode == "gather"
+    with pytest.raises(ValueError, match="mode must be"):
+        build_varlen_plan(f.seg_offsets, f.seg_parent, mode="cascade")
 
 
 def test_bad_attention_input():

@@ -49,10 +49,13 @@ def test_flex_backward_matches_dense(kind):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["gather", "levels"])
 @pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
-def test_varlen_matches_dense_bf16(kind):
-    """FlashAttention-2 varlen per trie segment (bf16) vs the fp64 dense reference on the same
-    bf16-rounded inputs; also checks bottom-right causal alignment of the kernel."""
+def test_varlen_matches_dense_bf16(kind, mode):
+    """FlashAttention-2 varlen (bf16), both plans, vs the fp64 dense reference on the same
+    bf16-rounded inputs: the key gather (also checks the kernel's bottom-right causal alignment)
+    and the cascade (FA2 partials with their log-sum-exp, merged in fp32; the backward calls
+    FA2's backward with the merged output and lse)."""
     seqs = (grpo_groups(2, prompt_len=300, response_len=200, n=4, vocab_size=1000, seed=1) if kind == "grpo"
             else caterpillar(2, turns=4, turn_len=70, branches=2, branch_len=50, vocab_size=1000))
     f = build_forest(seqs, device="cuda")
@@ -61,7 +64,8 @@ def test_varlen_matches_dense_bf16(kind):
     q, k, v = (torch.randn(t, h, 64, device="cuda", generator=g).bfloat16() for h in (8, 2, 2))
     do = torch.randn(t, 8, 64, device="cuda", generator=g).bfloat16()
     qf, kf, vf = (x.clone().requires_grad_(True) for x in (q, k, v))
-    plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode=mode)
+    assert plan.mode == mode
     out = tree_attention(qf, kf, vf, last=f.last, backend="varlen", varlen_plan=plan, scale=0.125)
     out.backward(do)
     qr, kr, vr = (x.double().requires_grad_(True) for x in (q, k, v))

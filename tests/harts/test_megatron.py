@@ -36,10 +36,10 @@ def _grads(model):
 
 
 def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=False, tol, grad_tol=None,
-                  device="cpu", backend="dense", **model_kw):
+                  device="cpu", backend="dense", varlen_mode="auto", **model_kw):
     """Shared by the 1-rank test, the TP=2 rank body and the GPU lane."""
     grad_tol = tol if grad_tol is None else grad_tol
-    from harts.megatron import apply_harts, tree_forward
+    from harts.megatron import apply_harts, make_tree_params, tree_forward
 
     seed_all(1234)
     cfg = TinyGPTConfig(vocab_size=VOCAB + (VOCAB % 2 if torch.distributed.get_world_size() > 1 else 0),
@@ -53,7 +53,9 @@ def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=
     adv = torch.randn(n, generator=g, dtype=torch.float64).to(device)
     seq_ids = forest.pred_seq_ids()
 
-    out = tree_forward(model, forest, backend=backend, chunk_size=chunk_size, entropy_requires_grad=True)
+    params = make_tree_params(forest, backend=backend, varlen_mode=varlen_mode)
+    out = tree_forward(model, forest, params=params, backend=backend, chunk_size=chunk_size,
+                       entropy_requires_grad=True)
     lp, ent = sequence_logprobs(out.logp, forest), sequence_entropy(out.entropy, forest)
     old = (lp.detach() + 0.1 * torch.randn(lp.shape, generator=g, dtype=torch.float64).to(device)).to(lp.dtype)
     loss = _objective(lp, ent, seq_ids, n, old, adv.to(lp.dtype), mode)
@@ -84,10 +86,12 @@ def test_tree_equals_per_sequence_fp64(cpu_megatron, seqs, recompute):
 
 
 @pytest.mark.timeout(120)
-def test_tree_equals_per_sequence_varlen_backend(cpu_megatron):
-    """The varlen (per-segment gather) backend inside the model, fwd+bwd, fp64 (CPU reference kernel)."""
+@pytest.mark.parametrize("varlen_mode", ["gather", "levels"])
+def test_tree_equals_per_sequence_varlen_backend(cpu_megatron, varlen_mode):
+    """The varlen backend inside the model, both plans (ancestor-path key gather; cascade of
+    levels merged by log-sum-exp), fwd+bwd, fp64 (CPU kernels with the flash math)."""
     seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 4, 5, 6], [1, 2], [9, 9, 9]]
-    run_exactness(seqs, dtype=torch.float64, recompute=True, tol=1e-10, backend="varlen")
+    run_exactness(seqs, dtype=torch.float64, recompute=True, tol=1e-10, backend="varlen", varlen_mode=varlen_mode)
 
 
 @pytest.mark.timeout(120)
