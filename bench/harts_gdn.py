@@ -19,8 +19,11 @@ layer), replayed tokens (alignment), exported tokens (chain schedule's state-onl
 If FLA refuses the backward (Hopper + Triton 3.6 without tilelang) the run times forward only and
 says so in the JSON (``mode``).
 
-Run: ``python bench/harts_gdn.py`` on a GPU (≈1–2 min on an H200); ``python bench/harts_gdn.py
---quick`` for a CPU smoke run (tiny sizes, torch recurrence). Writes ``harts_gdn.json`` and
+Run: ``python bench/harts_gdn.py`` on a GPU; ``python bench/harts_gdn.py --quick`` for a CPU smoke
+run (tiny sizes, torch recurrence). On a fresh H200 box two attempts of the full run did not
+finish within 5.5 min (FLA/TileLang kernel autotuning and compilation come first): split it with
+``--sections layer`` / ``--sections model`` and ``--cases``, and bound it with ``--budget-s``; every
+row is printed as it is measured and the JSON is rewritten after each case. Writes ``harts_gdn.json`` and
 ``harts_gdn.png`` into ``bench._common.out_dir()`` and prints the tables last.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -75,6 +79,25 @@ def _model(quick: bool, dev: str, pattern: str):
                      position_embedding_type="rope").to(device=dev, dtype=dtype)
     apply_harts(model)
     return model, cfg
+
+
+def _cases(args, vocab: int):
+    """The workloads selected by ``--cases``, stopping (with a note) once ``--budget-s`` is spent."""
+    for case, seqs in _workloads(args.quick, vocab):
+        if args.cases and case not in args.cases:
+            continue
+        if time.monotonic() - args.t0 > args.budget_s:
+            print(f"[harts_gdn] time budget {args.budget_s:.0f} s spent: skipping {case}", flush=True)
+            args.skipped.append(case)
+            continue
+        yield case, seqs
+
+
+def _checkpoint(args, rows, bwd):
+    """Rows so far to ``harts_gdn.json`` (rewritten after every case, so a killed run keeps its data)."""
+    return write_results("harts_gdn", rows, {"quick": args.quick, "mode": "fwd+bwd" if bwd else "fwd",
+                                             "chunk_size": 64, "skipped_cases": args.skipped,
+                                             "model_attention_backend": args.backend})
 
 
 def _workloads(quick: bool, vocab: int):
@@ -124,7 +147,7 @@ def bench_layer(args, dev, rows, bwd):
     model, cfg = _model(args.quick, dev, "G")
     mixer = model.decoder.layers[0].self_attention
     table = []
-    for case, seqs in _workloads(args.quick, cfg.vocab_size):
+    for case, seqs in _cases(args, cfg.vocab_size):
         res = {}
         for provider in _providers(dev):
             f = _forest_for(provider, seqs, dev)
@@ -163,6 +186,8 @@ def bench_layer(args, dev, rows, bwd):
                          "replay_tokens": plan.replay_tokens if plan else 0,
                          "export_tokens": plan.export_tokens if plan else 0,
                          "pieces": plan.num_pieces if plan else f.num_seqs})
+            print(f"[layer] {case} {provider}: {tm['p50']:.2f} ms", flush=True)
+        _checkpoint(args, rows, bwd)
         st = build_forest_stats(seqs, dev)
         base = res["chain"]
         table.append({"case": case, "C": st[0], "rounds": st[1], "replay": st[2], "chsched_rounds": st[3],
@@ -196,9 +221,10 @@ def bench_model(args, dev, rows, bwd):
     from harts.megatron import tree_forward
 
     model, cfg = _model(args.quick, dev, "GGGA" * (1 if args.quick else 2))
-    backend = "flex" if dev == "cuda" else "dense"
+    backend = args.backend or ("varlen" if dev == "cuda" else "dense")
+    args.backend = backend
     table = []
-    for case, seqs in _workloads(args.quick, cfg.vocab_size):
+    for case, seqs in _cases(args, cfg.vocab_size):
         res, mems = {}, {}
         for provider in ("chain", "tree", "tree_unaligned", "tree_chainsched"):
             f = _forest_for(provider, seqs, dev)
@@ -225,6 +251,8 @@ def bench_model(args, dev, rows, bwd):
                          "compression": f.compression, "rounds": plan.num_rounds, "replay_tokens": plan.replay_tokens,
                          "export_tokens": plan.export_tokens,
                          "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3)})
+            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms", flush=True)
+        _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
         table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
                       "unal_ms": res["tree_unaligned"], "chsched_ms": res["tree_chainsched"],
@@ -261,16 +289,22 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--sections", default="layer,model")
+    ap.add_argument("--cases", default="", help="comma-separated subset of the workloads (default: all)")
+    ap.add_argument("--backend", default=None, choices=["varlen", "flex", "dense"],
+                    help="attention layers of the hybrid model (default: varlen on CUDA, no compilation; dense on CPU)")
+    ap.add_argument("--budget-s", type=float, default=float("inf"),
+                    help="skip the remaining cases once this many seconds have passed (the JSON names them)")
     args = ap.parse_args()
     args.iters = args.iters or (1 if args.quick else 3)
+    args.cases = [c for c in args.cases.split(",") if c]
+    args.t0, args.skipped = time.monotonic(), []
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     _setup()
     bwd = _probe_backward(dev)
     rows = []
     layer = bench_layer(args, dev, rows, bwd) if "layer" in args.sections else []
     model = bench_model(args, dev, rows, bwd) if "model" in args.sections else []
-    path = write_results("harts_gdn", rows, {"quick": args.quick, "mode": "fwd+bwd" if bwd else "fwd",
-                                             "chunk_size": 64})
+    path = _checkpoint(args, rows, bwd)
     _plot(layer, model, out_dir() / "harts_gdn.png")
     print(f"wrote {path}")
     if layer:

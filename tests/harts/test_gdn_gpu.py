@@ -58,7 +58,7 @@ def _forests():
     }
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # a fresh box autotunes FLA kernels first (~260 s)
 @pytest.mark.parametrize("align,schedule", [(True, "level"), (False, "level"), (True, "chain")],
                          ids=["aligned", "unaligned", "chain-schedule"])
 @pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
@@ -128,7 +128,7 @@ def _run(fn, params, hidden, wt):
     return out.detach(), [p.grad.detach().clone() for p in params], h.grad.detach().clone()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # a fresh box autotunes FLA kernels first (~260 s)
 @pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
 def test_layer_tree_within_sequence_noise_bf16(cpu_megatron, kind):
     from harts.gdn_megatron import make_gdn_tree_params
@@ -173,7 +173,7 @@ def test_layer_tree_within_sequence_noise_bf16(cpu_megatron, kind):
         assert err <= tol, f"{label}: tree (aligned) rms {err:.3e} > tol {tol:.3e} (noise {noise:.3e})"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # a fresh box autotunes FLA kernels first (~260 s)
 @pytest.mark.parametrize("attn_backend", ["dense", "flex"])
 def test_hybrid_model_tree_vs_sequence_fp32(cpu_megatron, attn_backend):
     """Integration: TreeGatedDeltaNet (FLA rounds) + tree attention + chunked head vs per-sequence
