@@ -383,7 +383,7 @@ def main():
     head_table = bench_head(args, dev, rows) if "head" in args.sections else []
     cross = crossover([(c, r) for c, r, _, _ in plots])
     extra = {"cap": args.cap, "fallback": args.fallback, "quick": args.quick, "crossover_compression": cross,
-             "wall_s": time.perf_counter() - t_start}
+             "wall_s": time.perf_counter() - t_start, "model_table": model_table, "head_table": head_table}
     path = write_results("harts", rows, extra)
     if plots:
         _plot(plots, out_dir() / "harts.png")

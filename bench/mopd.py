@@ -227,18 +227,23 @@ def _plot(rows) -> None:
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys(r["case"] for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    colors = {p: f"C{i}" for i, p in enumerate(provs)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, key, label in ((axes[0], "value", "ms (p50, fwd+bwd)"), (axes[1], "peak_mib", "peak MiB")):
-        provs = list(dict.fromkeys(r["provider"] for r in rows))
-        width = 0.8 / len(provs)
-        for i, p in enumerate(provs):
-            xs = [c for c in range(len(cases)) if any(r["case"] == cases[c] and r["provider"] == p for r in rows)]
-            ys = [next(r[key] for r in rows if r["case"] == cases[c] and r["provider"] == p) for c in xs]
-            ax.bar([x + i * width for x in xs], ys, width, label=p)
+    for ax, key, label in ((axes[0], "value", "ms, p50 (teacher row: forward only)"), (axes[1], "peak_mib", "peak MiB")):
+        seen = set()
+        for c, case in enumerate(cases):  # the providers of each case, centred on its tick
+            here = [r for r in rows if r["case"] == case]
+            width = 0.8 / len(here)
+            for i, r in enumerate(here):
+                p = r["provider"]
+                ax.bar(c - 0.4 + (i + 0.5) * width, r[key], width, color=colors[p], label=None if p in seen else p)
+                seen.add(p)
         ax.set_xticks(range(len(cases)), cases, rotation=45, ha="right")
         ax.set_ylabel(label)
-        ax.legend()
-    fig.tight_layout()
+        ax.set_yscale("log")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(provs), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(out_dir() / "mopd.png", dpi=120)
 
 
