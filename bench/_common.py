@@ -127,3 +127,33 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+def plot_speedup_vs_c(series: list[tuple[str, str, list[tuple[float, float, str]]]], path: Path, *,
+                      ylabel: str, show_09: bool = True) -> None:
+    """Scatter of measured speedup against compression C with the line speedup = C (and 0.9·C).
+    ``series``: ``(label, marker, [(C, speedup, case name), ...])`` per provider."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    cs = [2.0]
+    for label, marker, pts in series:
+        if not pts:
+            continue
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=label, marker=marker)
+        for c, s, name in pts:
+            ax.annotate(name, (c, s), fontsize=7)
+        cs += [p[0] for p in pts]
+    lim = max(cs) * 1.05
+    ax.plot([1, lim], [1, lim], "k--", lw=0.8, label="speedup = C")
+    if show_09:
+        ax.plot([1, lim], [0.9, 0.9 * lim], "k:", lw=0.8, label="0.9 C")
+    ax.axhline(1.0, color="grey", lw=0.6)
+    ax.set_xlabel("compression C = ΣL / T")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import out_dir, peak_memory, print_table, time_cpu, write_results  # noqa: E402
+from bench._common import out_dir, peak_memory, plot_speedup_vs_c, print_table, time_cpu, write_results  # noqa: E402
 
 
 def _setup():
@@ -329,26 +329,9 @@ def bench_head(args, dev, rows):
 
 
 def _plot(plots, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    cs = [p[0] for p in plots]
-    ax.scatter(cs, [p[1] for p in plots], label="forced tree (best backend) vs best THD", marker="o")
-    ax.scatter(cs, [p[2] for p in plots], label="harts (planner) vs best THD", marker="x")
-    for c, _, s, name in plots:
-        ax.annotate(name, (c, s), fontsize=7)
-    lim = max(cs + [2.0]) * 1.05
-    ax.plot([1, lim], [1, lim], "k--", lw=0.8, label="speedup = C")
-    ax.plot([1, lim], [0.9, 0.9 * lim], "k:", lw=0.8, label="0.9 C")
-    ax.axhline(1.0, color="grey", lw=0.6)
-    ax.set_xlabel("compression C = ΣL / T")
-    ax.set_ylabel("fwd+bwd step speedup")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_speedup_vs_c([("forced tree (best backend) vs best THD", "o", [(c, t, n) for c, t, _, n in plots]),
+                       ("harts (planner) vs best THD", "x", [(c, h, n) for c, _, h, n in plots])],
+                      path, ylabel="fwd+bwd step speedup")
 
 
 def main():

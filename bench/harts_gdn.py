@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import out_dir, peak_memory, print_table, time_cpu, write_results  # noqa: E402
+from bench._common import out_dir, peak_memory, plot_speedup_vs_c, print_table, time_cpu, write_results  # noqa: E402
 
 GDN_QUICK = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                  linear_num_value_heads=4)
@@ -263,25 +263,9 @@ def bench_model(args, dev, rows, bwd):
 
 
 def _plot(layer, model, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for tab, name, m in ((layer, "GDN layer", "o"), (model, "hybrid model", "s")):
-        if tab:
-            ax.scatter([r["C"] for r in tab], [r["tree_x"] for r in tab], label=f"{name}: tree vs chain", marker=m)
-            for r in tab:
-                ax.annotate(r["case"], (r["C"], r["tree_x"]), fontsize=7)
-    cs = [r["C"] for r in layer + model] + [2.0]
-    ax.plot([1, max(cs)], [1, max(cs)], "k--", lw=0.8, label="speedup = C")
-    ax.axhline(1.0, color="grey", lw=0.6)
-    ax.set_xlabel("compression C = ΣL / T")
-    ax.set_ylabel("speedup vs chain (THD) packing")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_speedup_vs_c([(f"{name}: tree vs chain", m, [(r["C"], r["tree_x"], r["case"]) for r in tab])
+                       for tab, name, m in ((layer, "GDN layer", "o"), (model, "hybrid model", "s"))],
+                      path, ylabel="speedup vs chain (THD) packing", show_09=False)
 
 
 def main():
