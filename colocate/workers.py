@@ -206,15 +206,52 @@ class ForkedWorker:
         return self.proc.returncode
 
 
-class LocalScheduler:
+class _Scheduler:
+    """What every scheduler shares: the owner's env, the workers it started, and their shutdown
+    (explicit or at owner exit)."""
+
+    def __init__(self, owner_env: Mapping[str, str] | None):
+        self.owner_env = dict(os.environ if owner_env is None else owner_env)
+        self.workers: list = []
+        self._lock = threading.Lock()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._shutdown_at_exit())
+
+    def _shutdown_at_exit(self) -> None:
+        try:
+            self.shutdown()
+        except WorkerError as e:  # at interpreter exit: report, do not raise
+            print(f"colocate: {e}", file=sys.stderr)
+
+    def _register(self, worker, wait: bool):
+        with self._lock:
+            self.workers.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
+
+    def shutdown(self) -> None:
+        """Kill every worker started here (idempotent). Every worker is tried; the first failure
+        is raised afterwards as :class:`WorkerError`."""
+        with self._lock:
+            workers, self.workers = self.workers, []
+        errors = []
+        for w in workers:
+            try:
+                w.kill()
+            except Exception as e:  # noqa: BLE001 - keep killing the others
+                errors.append((w.spec.role, e))
+        if errors:
+            role, e = errors[0]
+            raise WorkerError(f"shutdown: killing worker {role!r} failed ({len(errors)} of {len(workers)} "
+                              f"failed): {e}") from e
+
+
+class LocalScheduler(_Scheduler):
     """Starts workers as local subprocesses of this (owner) process; kills them all on exit."""
 
     def __init__(self, *, owner_env: Mapping[str, str] | None = None):
-        self.owner_env = dict(os.environ if owner_env is None else owner_env)
-        self.workers: list[ForkedWorker] = []
-        self._lock = threading.Lock()
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().shutdown())
+        super().__init__(owner_env)
 
     def _argv(self, spec: WorkerSpec, env: dict[str, str]) -> list[str]:
         return list(spec.command)
@@ -245,19 +282,7 @@ class LocalScheduler:
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise WorkerError(f"cannot start worker {spec.role!r}: {argv[0]!r}: {e}") from e
-        worker = ForkedWorker(spec, proc, tmp / "ready.json", env, on_kill=self._on_kill)
-        with self._lock:
-            self.workers.append(worker)
-        if wait:
-            worker.wait_ready()
-        return worker
-
-    def shutdown(self) -> None:
-        """Kill every worker started here (idempotent)."""
-        with self._lock:
-            workers, self.workers = self.workers, []
-        for w in workers:
-            w.kill()
+        return self._register(ForkedWorker(spec, proc, tmp / "ready.json", env, on_kill=self._on_kill), wait)
 
 
 class SlurmScheduler(LocalScheduler):
@@ -433,7 +458,7 @@ class RayWorker:
         return self._returncode
 
 
-class RayScheduler:
+class RayScheduler(_Scheduler):
     """Starts workers as Ray actors on the owner's node (``NodeAffinitySchedulingStrategy``,
     ``soft=False``), fate-sharing with the owner.
 
@@ -462,14 +487,10 @@ class RayScheduler:
             raise WorkerError("RayScheduler: ray is not initialized in the owner (call ray.init first)")
         if num_cpus < 0:
             raise WorkerError(f"RayScheduler: num_cpus must be >= 0, got {num_cpus!r}")
-        self.owner_env = dict(os.environ if owner_env is None else owner_env)
+        super().__init__(owner_env)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.num_cpus = num_cpus
         self.prefix = namespace_prefix
-        self.workers: list[RayWorker] = []
-        self._lock = threading.Lock()
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().shutdown())
 
     def fork(self, spec: WorkerSpec, *, wait: bool = True) -> RayWorker:
         """Start ``spec`` in an actor on the owner's node; wait for ready unless ``wait=False``."""
@@ -500,17 +521,4 @@ class RayScheduler:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self.node_id, soft=False),
             runtime_env={"env_vars": actor_env})
         actor = cls.remote(list(spec.command), env, str(tmp / "ready.json"), spec.kill_grace_s)
-        worker = RayWorker(spec, actor, tmp, env, self.node_id)
-        with self._lock:
-            self.workers.append(worker)
-        if wait:
-            worker.wait_ready()
-        return worker
-
-    def shutdown(self) -> None:
-        """Kill every worker started here (idempotent)."""
-        with self._lock:
-            workers, self.workers = self.workers, []
-        for w in workers:
-            with contextlib.suppress(Exception):
-                w.kill()
+        return self._register(RayWorker(spec, actor, tmp, env, self.node_id), wait)

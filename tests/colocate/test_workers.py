@@ -99,6 +99,26 @@ def test_local_fork_env_health_kill_and_timeouts():
 
 
 @pytest.mark.timeout(90)
+def test_shutdown_kills_every_worker_even_when_one_kill_fails():
+    """One worker's kill raising does not leave the others running: shutdown tries all of them,
+    then names the failure."""
+    sched = LocalScheduler(owner_env=_owner_env())
+    spec = dict(command=WORKER, health_timeout_s=60, kill_grace_s=1)
+    a, b = sched.fork(WorkerSpec(role="a", **spec)), sched.fork(WorkerSpec(role="b", **spec))
+    real_kill = a.kill
+
+    def failing_kill():
+        real_kill()
+        raise OSError("simulated kill failure")
+
+    a.kill = failing_kill
+    with pytest.raises(WorkerError, match=r"killing worker 'a' failed \(1 of 2 failed\): simulated"):
+        sched.shutdown()
+    assert _gone(a.pid) and _gone(b.pid) and not b.alive() and sched.workers == []
+    sched.shutdown()  # idempotent: nothing left
+
+
+@pytest.mark.timeout(90)
 def test_no_orphans_when_the_owner_is_killed():
     out = subprocess.run([sys.executable, "-m", "tests.colocate._owner"], env=_owner_env(), capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
