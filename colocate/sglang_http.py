@@ -57,7 +57,7 @@ from colocate.residency import ENGINE_TAGS, Residency
 from colocate.sglang_engine import logprobs_of_prompt
 from colocate.transports import ReceiverDied, ReceiverTimeout
 
-__all__ = ["SGLangHTTPEngine", "serialize_named_tensors", "server_args_to_cli"]
+__all__ = ["SGLangHTTPEngine", "kill_process_group", "serialize_named_tensors", "server_args_to_cli"]
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -306,32 +306,37 @@ class SGLangHTTPEngine:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
-                _kill_group(proc)
+                kill_process_group(proc)
                 raise ReceiverTimeout(f"sglang.launch_server not healthy within {start_timeout_s:.0f}s; log: {log_path}")
             time.sleep(1.0)
         try:
             return cls(url, spec=spec, dtype=param_dtype, timeout_s=timeout_s, process=proc)
         except BaseException:
-            _kill_group(proc)
+            kill_process_group(proc)
             raise
 
     def shutdown(self) -> None:
         """Stop the server if :meth:`launch` started it (its whole process group)."""
         if self.process is not None:
-            _kill_group(self.process)
+            kill_process_group(self.process)
             self.process = None
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, wait ``grace_s`` for the leader, then SIGKILL the whole group
-    (members that outlived the leader included)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
+def kill_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a server started with ``start_new_session=True``: SIGTERM its process group, wait
+    ``grace_s`` for the leader, then SIGKILL the whole group (members that outlived the leader,
+    e.g. SGLang's scheduler and detokenizer, included) and reap the leader."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait(5.0)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass

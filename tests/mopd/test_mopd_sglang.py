@@ -14,7 +14,6 @@ never hangs or kills pytest. The CPU twin of the reply contract checked here is
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import time
 import pytest
 import torch
 
+from colocate.sglang_http import kill_process_group
 from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, free_port, init_megatron, seed_all
 from mopd.backends import HTTPTeacher, TokenBatch
 from mopd.config import RoutingSpec, TeacherPoolConfig
@@ -66,24 +66,6 @@ def megatron_state():
     torch.distributed.destroy_process_group()
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (scheduler/detokenizer children too), then SIGKILL."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 @pytest.fixture(scope="module")
 def sglang_url(megatron_state, tmp_path_factory):
     from transformers import Qwen3ForCausalLM
@@ -122,7 +104,7 @@ def sglang_url(megatron_state, tmp_path_factory):
                     time.sleep(2.0)
             yield url
         finally:
-            _stop(proc)
+            kill_process_group(proc, grace_s=30.0)
 
 
 def _batch() -> TokenBatch:
