@@ -54,10 +54,13 @@ LEVELS_MIN_RATIO = 4.0
 @dataclass(frozen=True, eq=False)
 class VarlenLevel:
     """One cascade level: sequence ``i`` has queries ``q_index[cu_q[i]:cu_q[i+1]]`` (rows below a
-    depth-ℓ segment) and keys ``k_index[cu_k[i]:cu_k[i+1]]`` (that segment's rows)."""
+    depth-ℓ segment) and keys ``k_index[cu_k[i]:cu_k[i+1]]`` (that segment's rows). ``q_local``:
+    positions of ``q_index`` within the first level's ``q_index`` (every non-root row, the rows
+    whose partial outputs are merged)."""
 
     q_index: torch.Tensor
     k_index: torch.Tensor
+    q_local: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
@@ -138,14 +141,17 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
             keys.append(own if sp[s] < 0 else np.concatenate([keys[sp[s]], own]))
         return VarlenPlan(cu_q=cu, cu_k=_cu(path_len, dev), kv_index=torch.as_tensor(np.concatenate(keys), device=dev),
                           max_q=mq, max_k=int(path_len.max()), mode="gather", gathered_rows=k_dup)
-    levels = []
+    levels, merged = [], None
     for lvl in range(int(depth.max())):
         segs = np.nonzero((depth == lvl) & (below > 0))[0]
         if segs.size == 0:
             continue
         qs, qe, ks, ke = so[segs + 1], sub_end[segs], so[segs], so[segs + 1]
+        qi = _ranges(qs, qe)
+        merged = qi if merged is None else merged  # level 0: every non-root row; deeper levels ⊆ it
         levels.append(VarlenLevel(
-            q_index=torch.as_tensor(_ranges(qs, qe), device=dev), k_index=torch.as_tensor(_ranges(ks, ke), device=dev),
+            q_index=torch.as_tensor(qi, device=dev), k_index=torch.as_tensor(_ranges(ks, ke), device=dev),
+            q_local=torch.as_tensor(np.searchsorted(merged, qi), device=dev),
             cu_q=_cu(qe - qs, dev), cu_k=_cu(ke - ks, dev), max_q=int((qe - qs).max()), max_k=int((ke - ks).max())))
     return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq, mode="levels", levels=tuple(levels),
                       gathered_rows=q_rows)
@@ -236,24 +242,31 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class _LevelsAttention(torch.autograd.Function):
-    """Cascade tree attention (module docstring, ``"levels"``); partials merged in fp32."""
+    """Cascade tree attention (module docstring, ``"levels"``). Only the non-root rows ``M`` (the
+    first level's queries) have more than one partial: their outputs and log-sum-exps are merged
+    in an fp32 buffer ``[|M|, Hq, D]`` and written back once; root rows keep the self part as is.
+    In the backward a row's partial gradients are summed in fp32 and rounded once: ``dq`` over
+    ``M``, ``dk``/``dv`` over each level's key rows (disjoint across levels)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: VarlenPlan, scale: float):
         k, v = _rows(k), _rows(v)
-        o, lse = attention_with_lse(q, k, v, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, causal=True, scale=scale)
-        acc = o.to(torch.promote_types(o.dtype, torch.float32))
-        lse = lse.clone()
+        out, lse = attention_with_lse(q, k, v, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q, causal=True, scale=scale)
+        m = plan.levels[0].q_index
+        acc = out.index_select(0, m).to(torch.promote_types(out.dtype, torch.float32))
+        acc_lse = lse.index_select(1, m)
         for lv in plan.levels:
             ol, ll = attention_with_lse(q.index_select(0, lv.q_index), k.index_select(0, lv.k_index),
                                         v.index_select(0, lv.k_index), lv.cu_q, lv.cu_k, lv.max_q, lv.max_k,
                                         causal=False, scale=scale)
-            old = lse.index_select(1, lv.q_index)
+            loc = lv.q_local
+            old = acc_lse.index_select(1, loc)
             new = torch.logaddexp(old, ll)
-            wa, wb = (torch.exp(x - new).transpose(0, 1)[..., None] for x in (old, ll))  # [Q, H, 1]
-            acc.index_copy_(0, lv.q_index, acc.index_select(0, lv.q_index) * wa + ol.to(acc.dtype) * wb)
-            lse.index_copy_(1, lv.q_index, new)
-        out = acc.to(q.dtype)
+            wa, wb = (torch.exp(x - new).transpose(0, 1).unsqueeze(-1) for x in (old, ll))  # [Q, H, 1]
+            acc.index_copy_(0, loc, torch.addcmul(ol.to(acc.dtype) * wb, acc.index_select(0, loc), wa))
+            acc_lse.index_copy_(1, loc, new)
+        out.index_copy_(0, m, acc.to(out.dtype))
+        lse.index_copy_(1, m, acc_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out
@@ -265,18 +278,20 @@ class _LevelsAttention(torch.autograd.Function):
         do = _rows(do)
         dq, dk, dv = attention_backward(do, q, k, v, out, lse, plan.cu_q, plan.cu_q, plan.max_q, plan.max_q,
                                         causal=True, scale=scale)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        dq, dk, dv = dq.to(acc), dk.to(acc), dv.to(acc)
+        m = plan.levels[0].q_index
+        f32 = torch.promote_types(q.dtype, torch.float32)
+        acc_q = dq.index_select(0, m).to(f32)
         for lv in plan.levels:
             qi, ki = lv.q_index, lv.k_index
             gq, gk, gv = attention_backward(do.index_select(0, qi), q.index_select(0, qi), k.index_select(0, ki),
                                             v.index_select(0, ki), out.index_select(0, qi),
-                                            lse.index_select(1, qi).contiguous(), lv.cu_q, lv.cu_k, lv.max_q,
-                                            lv.max_k, causal=False, scale=scale)
-            dq.index_add_(0, qi, gq.to(acc))
-            dk.index_add_(0, ki, gk.to(acc))
-            dv.index_add_(0, ki, gv.to(acc))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+                                            lse.index_select(1, qi), lv.cu_q, lv.cu_k, lv.max_q, lv.max_k,
+                                            causal=False, scale=scale)
+            acc_q.index_add_(0, lv.q_local, gq.to(f32))
+            dk.index_copy_(0, ki, (dk.index_select(0, ki).to(f32) + gk.to(f32)).to(dk.dtype))
+            dv.index_copy_(0, ki, (dv.index_select(0, ki).to(f32) + gv.to(f32)).to(dv.dtype))
+        dq.index_copy_(0, m, acc_q.to(dq.dtype))
+        return dq, dk, dv, None, None
 
 
 def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: VarlenPlan,
