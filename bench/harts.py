@@ -33,7 +33,8 @@ Sections:
 
 Run: ``python bench/harts.py`` on a GPU (≈1.5 min on an H200: providers thdv, treev, treevg, harts; add
 ``--providers all`` for the FlexAttention ones and ``--fused-head`` for the compiled head kernels,
-each costing compile time), ``python bench/harts.py --quick`` for a CPU smoke run (dense
+each costing compile time; ``--cases rho=0.75 --profile rho=0.75`` adds GPU kernel time by kind
+per provider and chrome traces), ``python bench/harts.py --quick`` for a CPU smoke run (dense
 attention backend, tiny sizes). Writes ``harts.json`` and ``harts.png``
 into ``bench._common.out_dir()`` and prints the tables last.
 """
@@ -163,6 +164,49 @@ def _flop_model(cfg):
     return per_row, per_pair
 
 
+def _kernel_category(name: str) -> str:
+    for key, cat in (("nvjet", "gemm"), ("gemm", "gemm"), ("cublas", "gemm"), ("flash", "flash attention"),
+                     ("reduce_kernel", "reduce"), ("indexFunc", "index/gather/scatter"), ("gather", "index/gather/scatter"),
+                     ("scatter", "index/gather/scatter"), ("index", "index/gather/scatter"), ("copy", "copy"),
+                     ("elementwise", "elementwise"), ("layer_norm", "norm"), ("Norm", "norm"), ("Cat", "cat")):
+        if key in name:
+            return cat
+    return "other"
+
+
+def _profile(runs, case, dev):
+    """One profiled step per provider: GPU kernel time grouped by kind (ms), and the chrome traces
+    (``harts_trace_<provider>.json.gz``) — where a tree step spends more than its C-scaled share."""
+    import gzip
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for provider, r in runs.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if dev == "cuda"
+                     else [ProfilerActivity.CPU]) as prof:
+            r["step"]()
+            _sync()
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            prof.export_chrome_trace(tmp.name)
+            trace = json.loads(open(tmp.name).read())
+        with gzip.open(out_dir() / f"harts_trace_{provider}.json.gz", "wt") as f:
+            json.dump(trace, f)
+        cats: dict[str, float] = {}
+        for e in trace.get("traceEvents", []):
+            if e.get("cat") == "kernel":
+                k = _kernel_category(e["name"])
+                cats[k] = cats.get(k, 0.0) + e["dur"] / 1e3
+        out[provider] = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
+    print(f"\nGPU kernel ms by kind, one step of {case}:")
+    kinds = list(dict.fromkeys(k for v in out.values() for k in v))
+    print_table([{"kind": k, **{p: v.get(k, 0.0) for p, v in out.items()}} for k in kinds] +
+                [{"kind": "total", **{p: sum(v.values()) for p, v in out.items()}}], ["kind", *out])
+    return out
+
+
 def _plan_flops(plan, fm):
     return sum(fm[0] * mb.rows + fm[1] * mb.attn_pairs for mb in plan.microbatches)
 
@@ -175,6 +219,8 @@ def bench_model(args, dev, rows, plots):
     fm = _flop_model(cfg)
     table = []
     for case, seqs in _workloads(args.quick, cfg.vocab_size):
+        if args.cases and case not in args.cases.split(","):
+            continue
         st = sharing_stats(seqs)
         runs = {}
         for provider, (thr, backend) in PROVIDERS.items():
@@ -200,6 +246,8 @@ def bench_model(args, dev, rows, plots):
         for _ in range(args.iters):  # interleaved: drift hits every provider alike
             for r in runs.values():
                 r["samples"].append(_timed(r["step"]))
+        if args.profile == case:
+            args.profile_result = {"case": case, "kernel_ms": _profile(runs, case, dev)}
         res = {}
         for provider, r in runs.items():
             r["peak"] = peak_memory(r["step"])
@@ -349,6 +397,10 @@ def main():
                     help=f"subset of {','.join(PROVIDERS)}, or 'all' (the FlexAttention providers thd/tree add "
                          "about a minute of compilation)")
     ap.add_argument("--fused-head", action="store_true", help="also time tree_lm_head(fused=True) (compiles)")
+    ap.add_argument("--profile", default=None, metavar="CASE",
+                    help="also profile one step of every provider on this case (e.g. rho=0.75): kernel ms by kind "
+                         "in the table and JSON, chrome traces harts_trace_<provider>.json.gz")
+    ap.add_argument("--cases", default="", help="comma-separated subset of the model workloads (default: all)")
     args = ap.parse_args()
     args.cap = args.cap or (512 if args.quick else 16384)
     args.providers = list(PROVIDERS) if args.providers == "all" else args.providers.split(",")
@@ -356,6 +408,7 @@ def main():
     if unknown:
         ap.error(f"unknown providers {sorted(unknown)}; choose from {list(PROVIDERS)}")
     args.iters = args.iters or (1 if args.quick else 3)
+    args.profile_result = None
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -366,7 +419,8 @@ def main():
     head_table = bench_head(args, dev, rows) if "head" in args.sections else []
     cross = crossover([(c, r) for c, r, _, _ in plots])
     extra = {"cap": args.cap, "fallback": args.fallback, "quick": args.quick, "crossover_compression": cross,
-             "wall_s": time.perf_counter() - t_start, "model_table": model_table, "head_table": head_table}
+             "wall_s": time.perf_counter() - t_start, "model_table": model_table, "head_table": head_table,
+             "profile": args.profile_result}
     path = write_results("harts", rows, extra)
     if plots:
         _plot(plots, out_dir() / "harts.png")
