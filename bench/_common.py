@@ -8,6 +8,7 @@ and draws a PNG. Output folder: ``$BENCH_OUT``, else ``$OUT`` (GPU lane), else `
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata
 import json
 import os
 import platform
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", "write_results", "print_table"]
+__all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", "write_results", "print_table",
+           "plot_speedup_vs_c"]
 
 
 def out_dir() -> Path:
@@ -39,11 +41,14 @@ def _git_commit() -> str:
 def machine_header() -> dict[str, Any]:
     """Date, host, GPU, and versions of the packages that matter for the numbers."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("triton", "megatron.core", "fla", "emerging_optimizers", "transformers", "sglang"):
+    # from the installed metadata, not by importing: importing megatron.core would switch
+    # torch_memory_saver's hook mode and break an SGLang engine started later in this process
+    for label, dist in (("triton", "triton"), ("megatron.core", "megatron-core"), ("fla", "fla-core"),
+                        ("emerging_optimizers", "emerging-optimizers"), ("transformers", "transformers"),
+                        ("sglang", "sglang")):
         try:
-            m = __import__(mod, fromlist=["__version__"])
-            versions[mod] = getattr(m, "__version__", "?")
-        except Exception:  # noqa: BLE001 - optional packages
+            versions[label] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:  # optional packages
             pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return {
