@@ -180,6 +180,7 @@ def _profile(runs, case, dev):
     import gzip
     import json
     import tempfile
+    from pathlib import Path
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -191,7 +192,7 @@ def _profile(runs, case, dev):
             _sync()
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             prof.export_chrome_trace(tmp.name)
-            trace = json.loads(open(tmp.name).read())
+            trace = json.loads(Path(tmp.name).read_text())
         with gzip.open(out_dir() / f"harts_trace_{provider}.json.gz", "wt") as f:
             json.dump(trace, f)
         cats: dict[str, float] = {}

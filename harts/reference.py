@@ -37,6 +37,12 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.matmul(torch.softmax(s, dim=-1), vv).transpose(0, 1)
 
 
+def bottom_right_causal(nq: int, nk: int, device=None) -> torch.Tensor:
+    """``[nq, nk]`` bool: query ``i`` of ``nq`` may see key ``j`` of ``nk`` iff ``j <= nk − nq + i``
+    (causal mask aligned at the bottom-right, as FlashAttention's varlen kernels do)."""
+    return torch.arange(nk, device=device)[None, :] <= (nk - nq + torch.arange(nq, device=device))[:, None]
+
+
 def segment_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_q: torch.Tensor,
                                 cu_k: torch.Tensor, scale: float) -> torch.Tensor:
     """Varlen attention with bottom-right causal alignment, one segment at a time.
@@ -49,7 +55,7 @@ def segment_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     for s in range(cu_q.numel() - 1):
         a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
         nq, nk = b - a, d - c
-        allowed = torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
+        allowed = bottom_right_causal(nq, nk, q.device)
         qs = q[a:b].transpose(0, 1)
         ks = k[c:d].repeat_interleave(rep, 1).transpose(0, 1)
         vs = v[c:d].repeat_interleave(rep, 1).transpose(0, 1)

@@ -38,7 +38,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from harts.reference import segment_attention_reference
+from harts.reference import bottom_right_causal, segment_attention_reference
 
 __all__ = ["LEVELS_MIN_RATIO", "MAX_LEVELS", "VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
            "build_varlen_plan", "varlen_tree_attention"]
@@ -96,7 +96,7 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     if lens.sum() == 0:
         return np.zeros(0, dtype=np.int64)
     offs = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
-    return (np.arange(int(lens.sum()), dtype=np.int64) + offs).astype(np.int64)
+    return np.arange(int(lens.sum()), dtype=np.int64) + offs
 
 
 def _cu(lens: np.ndarray, dev) -> torch.Tensor:
@@ -182,9 +182,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
 def _scores(q: torch.Tensor, k: torch.Tensor, rep: int, scale: float, causal: bool) -> torch.Tensor:
     sc = (q.transpose(0, 1) @ k.repeat_interleave(rep, 1).transpose(0, 1).transpose(1, 2)) * scale  # [H, nq, nk]
     if causal:
-        nq, nk = q.shape[0], k.shape[0]
-        allowed = torch.arange(nk, device=q.device)[None, :] <= (nk - nq + torch.arange(nq, device=q.device))[:, None]
-        sc = sc.masked_fill(~allowed, float("-inf"))
+        sc = sc.masked_fill(~bottom_right_causal(q.shape[0], k.shape[0], q.device), float("-inf"))
     return sc
 
 
