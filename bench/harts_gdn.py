@@ -225,40 +225,44 @@ def bench_model(args, dev, rows, bwd):
     args.backend = backend
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
-        res, mems = {}, {}
+        res, mems, plans = {}, {}, {}
         for provider in ("chain", "tree", "tree_unaligned", "tree_chainsched"):
             f = _forest_for(provider, seqs, dev)
             gdn = _gdn_config(provider)
+            # metadata is built once per microbatch on the host: timed apart, as in bench/harts.py
+            plan_ms = time_cpu(lambda f=f, gdn=gdn: make_gdn_tree_params(f, config=gdn, backend=backend),
+                               warmup=1, iters=args.iters)["p50"]
+            params = make_gdn_tree_params(f, config=gdn, backend=backend)
+            plan = params.gdn_plan
 
-            def step(f=f, gdn=gdn):
+            def step(f=f, params=params):
                 model.zero_grad(set_to_none=True)
-                params = make_gdn_tree_params(f, config=gdn, backend=backend)
                 with torch.set_grad_enabled(bwd):
                     out = tree_forward(model, f, params=params)
                     lp = sequence_logprobs(out.logp, f)
                     loss = -lp.mean() - 0.01 * sequence_entropy(out.entropy, f).mean()
                 if bwd:
                     loss.backward()
-                return params
 
-            plan = step().gdn_plan
+            step()
             tm = time_cpu(step, warmup=1, iters=args.iters)
             mem = peak_memory(step)
-            res[provider], mems[provider] = tm["p50"], mem
+            res[provider], mems[provider], plans[provider] = tm["p50"], mem, plan_ms
             rows.append({"bench": "harts_gdn", "section": "model", "case": case, "provider": provider,
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
                          "ms_p80": tm["p80"], "peak_bytes": mem, "rows": f.num_nodes, "total_tokens": f.total_tokens,
-                         "compression": f.compression, "rounds": plan.num_rounds, "replay_tokens": plan.replay_tokens,
+                         "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds,
+                         "replay_tokens": plan.replay_tokens,
                          "export_tokens": plan.export_tokens,
                          "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3)})
-            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms", flush=True)
+            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms (plan {plan_ms:.1f} ms)", flush=True)
         _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
         table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
                       "unal_ms": res["tree_unaligned"], "chsched_ms": res["tree_chainsched"],
                       "tree_x": res["chain"] / res["tree"],
                       "tree_x/C": res["chain"] / res["tree"] / c, "chain_MiB": mems["chain"] / 2**20,
-                      "tree_MiB": mems["tree"] / 2**20})
+                      "tree_MiB": mems["tree"] / 2**20, "tree_plan_ms": plans["tree"]})
     return table
 
 
