@@ -32,6 +32,7 @@ the flash math, so the fp64 tests check the decomposition and the backward formu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,7 +42,7 @@ import torch
 from harts.reference import bottom_right_causal, segment_attention_reference
 
 __all__ = ["LEVELS_MIN_RATIO", "MAX_LEVELS", "VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
-           "build_varlen_plan", "varlen_tree_attention"]
+           "build_varlen_plan", "sum_row_copies", "sum_row_copies_reference", "varlen_tree_attention"]
 
 VarlenMode = Literal["auto", "gather", "levels"]
 MAX_LEVELS = 8
@@ -88,6 +89,11 @@ class VarlenPlan:
     levels: tuple[VarlenLevel, ...] = field(default=())
     gathered_rows: int = 0
     """Rows the plan gathers beyond ``T``: duplicated keys (gather) or query rows (levels)."""
+    copy_ptr: torch.Tensor | None = None
+    """[T+1] int32 CSR offsets of the inverse of ``kv_index`` (gather mode): the copies of row ``r``
+    are ``copy_pos[copy_ptr[r]:copy_ptr[r+1]]``, used to sum the key gradients of shared rows."""
+    copy_pos: torch.Tensor | None = None
+    """[K] int64 positions in the gathered keys, grouped by source row (stable)."""
 
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -139,8 +145,11 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
         for s in range(n):
             own = np.arange(so[s], so[s + 1], dtype=np.int64)
             keys.append(own if sp[s] < 0 else np.concatenate([keys[sp[s]], own]))
-        return VarlenPlan(cu_q=cu, cu_k=_cu(path_len, dev), kv_index=torch.as_tensor(np.concatenate(keys), device=dev),
-                          max_q=mq, max_k=int(path_len.max()), mode="gather", gathered_rows=k_dup)
+        kv = np.concatenate(keys)
+        return VarlenPlan(cu_q=cu, cu_k=_cu(path_len, dev), kv_index=torch.as_tensor(kv, device=dev),
+                          max_q=mq, max_k=int(path_len.max()), mode="gather", gathered_rows=k_dup,
+                          copy_ptr=_cu(np.bincount(kv, minlength=t), dev),
+                          copy_pos=torch.as_tensor(np.argsort(kv, kind="stable"), device=dev))
     levels, merged = [], None
     for lvl in range(int(depth.max())):
         segs = np.nonzero((depth == lvl) & (below > 0))[0]
@@ -217,22 +226,65 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 # ---- the two plans ----------------------------------------------------------------------------
 
 
+def sum_row_copies_reference(g: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``dx[r] = Σ_{i: index[i] = r} g[i]`` accumulated in (at least) fp32, rounded once."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    dx = torch.zeros((num_rows, *g.shape[1:]), dtype=acc, device=g.device).index_add_(0, index, g.to(acc))
+    return dx.to(g.dtype)
+
+
+@functools.cache
+def _row_copies_kernel():
+    """Triton segment sum over the copies of each row (compiled lazily on first use)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(g, out, ptr, pos, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        i, end = tl.load(ptr + row), tl.load(ptr + row + 1)
+        while i < end:
+            acc += tl.load(g + tl.load(pos + i).to(tl.int64) * width + cols, mask=mask, other=0.0).to(tl.float32)
+            i += 1
+        tl.store(out + row.to(tl.int64) * width + cols, acc.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+    return kernel
+
+
+def sum_row_copies(g: torch.Tensor, copy_ptr: torch.Tensor, copy_pos: torch.Tensor) -> torch.Tensor:
+    """CUDA: ``dx[r] = Σ_{i ∈ [copy_ptr[r], copy_ptr[r+1])} g[copy_pos[i]]`` in fp32 registers, one
+    rounding, one read of ``g`` and one write of ``dx`` (no fp32 copy of ``g``, no atomics, the
+    same order every run). Equals :func:`sum_row_copies_reference` up to fp32 summation order."""
+    g = _rows(g)
+    num_rows, width = copy_ptr.numel() - 1, g[0].numel() if g.shape[0] else 0
+    out = torch.empty((num_rows, *g.shape[1:]), dtype=g.dtype, device=g.device)
+    if num_rows and width:
+        block = min(1024, 1 << (width - 1).bit_length())
+        _row_copies_kernel()[(num_rows, -(-width // block))](g, out, copy_ptr, copy_pos, width, BLOCK=block,
+                                                              num_warps=4)
+    return out
+
+
 class _GatherRows(torch.autograd.Function):
     """``x[index]`` whose backward sums duplicate rows in fp32 (one rounding to bf16 per shared
-    row instead of one per copy)."""
+    row instead of one per copy): :func:`sum_row_copies` on CUDA when the plan carries the copy
+    CSR, else :func:`sum_row_copies_reference`."""
 
     @staticmethod
-    def forward(ctx, x, index):
-        ctx.save_for_backward(index)
-        ctx.shape = x.shape
+    def forward(ctx, x, index, copy_ptr, copy_pos):
+        ctx.save_for_backward(index, copy_ptr, copy_pos)
+        ctx.rows = x.shape[0]
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, g):
-        (index,) = ctx.saved_tensors
-        acc = torch.promote_types(g.dtype, torch.float32)
-        dx = torch.zeros(ctx.shape, dtype=acc, device=g.device).index_add_(0, index, g.to(acc))
-        return dx.to(g.dtype), None
+        index, copy_ptr, copy_pos = ctx.saved_tensors
+        if g.is_cuda and copy_ptr is not None:
+            return sum_row_copies(g, copy_ptr, copy_pos), None, None, None
+        return sum_row_copies_reference(g, index, ctx.rows), None, None, None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -303,8 +355,8 @@ def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     if plan.kv_index is None:  # keys are the rows themselves; v may be a strided slice of a fused QKV
         kk, vv = _rows(k), _rows(v)
     else:
-        kk = _GatherRows.apply(k, plan.kv_index)
-        vv = _GatherRows.apply(v, plan.kv_index)
+        kk = _GatherRows.apply(k, plan.kv_index, plan.copy_ptr, plan.copy_pos)
+        vv = _GatherRows.apply(v, plan.kv_index, plan.copy_ptr, plan.copy_pos)
     if not q.is_cuda:
         return segment_attention_reference(q, kk, vv, cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)
     from torch.nn.attention.varlen import varlen_attn

@@ -117,6 +117,11 @@ def test_varlen_plan_equals_dense(seqs, mode):
         assert plan.kv_index is None and torch.equal(plan.cu_k, plan.cu_q) and not plan.levels
     elif plan.mode == "gather":
         assert plan.kv_index.numel() == int((f.depth[f.seg_offsets[1:] - 1] + 1).sum())
+        # the copy CSR is the inverse of the gather: row r's copies, in gathered order
+        rows = torch.repeat_interleave(torch.arange(f.num_nodes), plan.copy_ptr.diff().long())
+        assert torch.equal(plan.kv_index[plan.copy_pos], rows)
+        assert all(bool((plan.copy_pos[a:b].diff() > 0).all()) for a, b in zip(plan.copy_ptr[:-1].tolist(),
+                                                                               plan.copy_ptr[1:].tolist(), strict=True))
     else:  # every row is a query once per strict-ancestor segment, every key row once per level
         anc = torch.zeros(f.num_nodes, dtype=torch.long)
         for lv in plan.levels:

@@ -173,6 +173,25 @@ def test_flex_unaligned_strided_fp32(t):
     assert_close("flex dv", vr.grad, v_base.grad[:, :, 48:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("heads,dim", [(8, 128), (2, 64), (3, 40)])
+def test_sum_row_copies_triton_matches_fp64(heads, dim):
+    """The key-gradient segment sum (Triton, fp32 registers, one bf16 rounding) against the fp64
+    index_add of the same copies, on a GRPO + caterpillar gather plan: within one bf16 rounding."""
+    from harts.varlen import sum_row_copies, sum_row_copies_reference
+
+    seqs = grpo_groups(2, prompt_len=300, response_len=90, n=16, vocab_size=1000, seed=2) + \
+        caterpillar(1, turns=3, turn_len=50, branches=2, branch_len=30, vocab_size=1000, seed=3)
+    f = build_forest(seqs, device="cuda")
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode="gather")
+    g = torch.randn(plan.kv_index.numel(), heads, dim, device="cuda",
+                    generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
+    got = sum_row_copies(g, plan.copy_ptr, plan.copy_pos)
+    ref = sum_row_copies_reference(g.double(), plan.kv_index, f.num_nodes)
+    assert got.dtype == torch.bfloat16 and got.shape == (f.num_nodes, heads, dim)
+    assert_close("row copies", ref, got, atol=1e-5, rtol=1.01 * 2**-8)  # half a bf16 ulp + fp32 order
+    assert torch.equal(got, sum_row_copies(g, plan.copy_ptr, plan.copy_pos))  # no atomics: same bits
+
+
 @pytest.mark.timeout(300)
 def test_varlen_chain_forest_is_plain_thd_bf16():
     """A chain forest (THD packing / planner fallback) runs varlen without gathers, also with ``v``
