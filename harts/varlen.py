@@ -20,12 +20,14 @@ itself. Two exact plans, chosen per microbatch by :func:`build_varlen_plan`:
   global softmax weights of its keys and ``D = rowsum(dO ∘ o)`` the global one), and the partial
   gradients add up.
 
-``"auto"`` picks ``"levels"`` when ``"gather"`` would duplicate at least :data:`LEVELS_MIN_RATIO`
-times as many key rows as the cascade gathers query rows (``K − T ≥ 4 Q``) and the forest is at
-most :data:`MAX_LEVELS` segments deep. Calibrated on an H200 (Qwen3-1.7B-width GPT, bf16, 16k-row
-microbatches): the cascade was 6 % faster at ``K − T = 8 Q`` (GRPO, 4000-token prompts), 2 %
-faster at 4 Q, even at 4.8 Q, and 6–10 % slower at 1.1–1.6 Q (its merge passes and per-level
-calls cost more than the duplicated keys save). On CPU the same plans
+The key gradients of the gather plan sum each shared row's copies in one pass
+(:func:`sum_row_copies`, a Triton segment sum over the plan's copy CSR: fp32 registers, one
+rounding, no atomics). ``"auto"`` is ``"gather"``: measured on an H200 (Qwen3-1.7B-width GPT,
+bf16, 16k-row microbatches) with that kernel, the cascade was 0.9 % slower at ``K − T = 8 Q``
+(GRPO, 4000-token prompts) and 4.5 % slower at 4.8 Q (before it, with an fp32 ``index_add``, it
+had been 6 % faster and even). ``"levels"`` stays available: it never materializes the
+``K``-row gathered keys and values (saved for the backward in every attention layer), so it needs
+less activation memory when prompts are long and shared many times. On CPU the same plans
 run on plain-torch kernels (:func:`attention_with_lse`, :func:`attention_backward`) that follow
 the flash math, so the fp64 tests check the decomposition and the backward formula themselves.
 """
@@ -41,15 +43,10 @@ import torch
 
 from harts.reference import bottom_right_causal, segment_attention_reference
 
-__all__ = ["LEVELS_MIN_RATIO", "MAX_LEVELS", "VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
+__all__ = ["VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
            "build_varlen_plan", "sum_row_copies", "sum_row_copies_reference", "varlen_tree_attention"]
 
 VarlenMode = Literal["auto", "gather", "levels"]
-MAX_LEVELS = 8
-"""Deepest forest (in segments) that ``mode="auto"`` runs as levels: each level is one more pair
-of kernel calls and one more merge pass."""
-LEVELS_MIN_RATIO = 4.0
-"""``mode="auto"`` runs levels when duplicated keys (gather) ≥ this × gathered queries (levels)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,7 +109,8 @@ def _cu(lens: np.ndarray, dev) -> torch.Tensor:
 def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
                       mode: VarlenMode = "auto") -> VarlenPlan:
     """:class:`VarlenPlan` of a pre-order forest's segments (``keys(s) = rows(ancestors) ++ rows(s)``),
-    built on the host once per microbatch. ``mode``: ``"gather"``, ``"levels"`` or ``"auto"``."""
+    built on the host once per microbatch. ``mode``: ``"gather"``, ``"levels"`` or ``"auto"``
+    (= ``"gather"``, see the module docstring)."""
     if mode not in ("auto", "gather", "levels"):
         raise ValueError(f"mode must be 'auto', 'gather' or 'levels', got {mode!r}")
     so = seg_offsets.cpu().numpy().astype(np.int64)
@@ -130,26 +128,22 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
         if sp[s] >= 0:
             depth[s] = depth[sp[s]] + 1
             path_len[s] += path_len[sp[s]]
-    sub_end = so[1:].copy()
-    for s in range(n - 1, -1, -1):
-        if sp[s] >= 0:
-            sub_end[sp[s]] = max(sub_end[sp[s]], sub_end[s])
     t = int(so[-1])
-    below = sub_end - so[1:]  # rows strictly below each segment
-    q_rows = int(below.sum())  # a row below s is a query of s's level: Σ_ℓ Q_ℓ
-    k_dup = int(path_len.sum()) - t
-    if mode == "auto":
-        mode = "levels" if k_dup >= LEVELS_MIN_RATIO * q_rows and int(depth.max()) < MAX_LEVELS else "gather"
-    if mode == "gather":
+    if mode in ("auto", "gather"):
         keys = []
         for s in range(n):
             own = np.arange(so[s], so[s + 1], dtype=np.int64)
             keys.append(own if sp[s] < 0 else np.concatenate([keys[sp[s]], own]))
         kv = np.concatenate(keys)
         return VarlenPlan(cu_q=cu, cu_k=_cu(path_len, dev), kv_index=torch.as_tensor(kv, device=dev),
-                          max_q=mq, max_k=int(path_len.max()), mode="gather", gathered_rows=k_dup,
+                          max_q=mq, max_k=int(path_len.max()), mode="gather", gathered_rows=int(path_len.sum()) - t,
                           copy_ptr=_cu(np.bincount(kv, minlength=t), dev),
                           copy_pos=torch.as_tensor(np.argsort(kv, kind="stable"), device=dev))
+    sub_end = so[1:].copy()
+    for s in range(n - 1, -1, -1):
+        if sp[s] >= 0:
+            sub_end[sp[s]] = max(sub_end[sp[s]], sub_end[s])
+    below = sub_end - so[1:]  # rows strictly below each segment; each is a query of s's level
     levels, merged = [], None
     for lvl in range(int(depth.max())):
         segs = np.nonzero((depth == lvl) & (below > 0))[0]
@@ -163,7 +157,7 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
             q_local=torch.as_tensor(np.searchsorted(merged, qi), device=dev),
             cu_q=_cu(qe - qs, dev), cu_k=_cu(ke - ks, dev), max_q=int((qe - qs).max()), max_k=int((ke - ks).max())))
     return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq, mode="levels", levels=tuple(levels),
-                      gathered_rows=q_rows)
+                      gathered_rows=int(below.sum()))
 
 
 # ---- kernels: FlashAttention-2 varlen on CUDA, plain torch (same math) elsewhere --------------

@@ -144,26 +144,23 @@ def test_varlen_plan_equals_dense(seqs, mode):
         assert_close(f"varlen[{plan.mode}] d{name}", a, b, atol=1e-12, rtol=1e-12)
 
 
-def test_varlen_auto_mode_picks_levels_for_grpo_and_gather_for_deep_chains():
-    """``auto`` runs the cascade when the gather plan would duplicate ≥ 4× as many key rows as the
-    cascade gathers query rows (a GRPO group with a long prompt: prefix read once instead of n
-    times), the gather plan otherwise (short prompts, deep trees)."""
-    from harts.varlen import MAX_LEVELS
-
+def test_varlen_plan_modes_and_gathered_rows():
+    """``auto`` is the key gather (the faster plan on the GPU lane once shared rows' gradients are
+    summed by the segment-sum kernel); ``gathered_rows`` counts the duplicated keys (gather) or
+    the extra query rows (levels: each row once per strict-ancestor level); a forest of chains
+    gathers nothing."""
     grpo = [[1] * 40 + [2 + i] * 10 for i in range(8)]  # prefix 40 shared by 8 responses of 10
     f = build_forest(grpo)
     plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
-    assert plan.mode == "levels" and plan.gathered_rows == 80 and len(plan.levels) == 1
-    assert build_varlen_plan(f.seg_offsets, f.seg_parent, mode="gather").gathered_rows == 8 * 40
-    short = [[1] * 10 + [2 + i] * 10 for i in range(8)]  # duplicated keys 80 < 4 × 80 gathered queries
-    f = build_forest(short)
-    assert build_varlen_plan(f.seg_offsets, f.seg_parent).mode == "gather"
-    lv = MAX_LEVELS + 2  # a spine of 100-row segments, a fork at each, 50 leaves at the bottom:
-    deep = [[1] * 100 * (d + 1) + [500 + d] for d in range(lv)] + [[1] * 100 * lv + [600 + i] for i in range(50)]
-    f = build_forest(deep)
-    dup, q = (build_varlen_plan(f.seg_offsets, f.seg_parent, mode=m).gathered_rows for m in ("gather", "levels"))
-    assert dup >= 4 * q  # the cascade would gather fewer rows, but it is deeper than MAX_LEVELS
-    assert build_varlen_plan(f.seg_offsets, f.seg_parent).mode == "gather"
+    assert plan.mode == "gather" and plan.gathered_rows == 8 * 40 and plan.copy_ptr.numel() == f.num_nodes + 1
+    lv = build_varlen_plan(f.seg_offsets, f.seg_parent, mode="levels")
+    assert lv.gathered_rows == 80 and len(lv.levels) == 1 and lv.kv_index is None and lv.copy_ptr is None
+    nested = [[1] * 10 + [2] * 5 + [3 + i] * 4 for i in range(3)] + [[1] * 10 + [9] * 6]
+    f = build_forest(nested)
+    lv = build_varlen_plan(f.seg_offsets, f.seg_parent, mode="levels")
+    assert len(lv.levels) == 2 and lv.gathered_rows == (5 + 12 + 6) + 12  # below the root, below [2]*5
+    chains = build_forest([[1, 2, 3], [4, 5]])
+    assert build_varlen_plan(chains.seg_offsets, chains.seg_parent).gathered_rows == 0
     with pytest.raises(ValueError, match="mode must be"):
         build_varlen_plan(f.seg_offsets, f.seg_parent, mode="cascade")
 
