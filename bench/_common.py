@@ -32,8 +32,9 @@ def out_dir() -> Path:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip() or "unknown"
+        # "-dirty" when the tree differs from HEAD (e.g. a device copy of an uncommitted tree)
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001 - git may be absent on the device
         return "unknown"
 
