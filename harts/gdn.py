@@ -41,7 +41,7 @@ from harts.forest import Forest
 from harts.gdn_reference import chunk_gated_delta_rule_reference
 
 __all__ = ["GdnConfigError", "GdnShapeError", "GdnTreeConfig", "GdnRound", "GdnPlan", "ancestor_table",
-           "build_gdn_plan", "tree_causal_conv1d", "tree_gated_delta_rule", "chain_rounds"]
+           "build_gdn_plan", "resolve_backend", "tree_causal_conv1d", "tree_causal_conv1d_fla", "tree_gated_delta_rule", "chain_rounds"]
 
 
 class GdnConfigError(ValueError):
@@ -133,6 +133,13 @@ class GdnPlan:
     export_tokens: int = 0
     """Rows recomputed by state-only pieces (chain schedule)."""
     schedule: str = "level"
+    conv_cu_seqlens: torch.Tensor | None = None
+    """[S+1] trie segment offsets: the varlen sequences of the FLA tree convolution."""
+    conv_cu_seqlens_cpu: torch.Tensor | None = None
+    """The same on the host."""
+    conv_history: torch.Tensor | None = None
+    """[S, W−1] rows of each segment's ancestors at distance ``W−1 … 1`` (``T`` = a zero row past a
+    root): the FLA convolution's initial state per segment (:func:`tree_causal_conv1d_fla`)."""
 
     @property
     def num_rounds(self) -> int:
@@ -149,7 +156,8 @@ class GdnPlan:
         return GdnPlan(num_nodes=self.num_nodes, chunk_size=self.chunk_size, align=self.align, anc=mv(self.anc),
                        rounds=rounds, inverse=mv(self.inverse), replay_tokens=self.replay_tokens,
                        num_pieces=self.num_pieces, identity=self.identity, export_tokens=self.export_tokens,
-                       schedule=self.schedule)
+                       schedule=self.schedule, conv_cu_seqlens=mv(self.conv_cu_seqlens),
+                       conv_cu_seqlens_cpu=self.conv_cu_seqlens_cpu, conv_history=mv(self.conv_history))
 
 
 def ancestor_table(parent: torch.Tensor, width: int) -> torch.Tensor:
@@ -225,6 +233,35 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if activation not in ("silu", "swish", None):
         raise GdnConfigError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     return _TreeConv.apply(x, weight, bias, anc[:, :w], activation is not None)
+
+
+def tree_causal_conv1d_fla(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                           plan: GdnPlan, activation: str | None = "silu") -> torch.Tensor:
+    """:func:`tree_causal_conv1d` as one FLA ``causal_conv1d`` call (CUDA): every trie segment is a
+    varlen sequence whose initial state holds its ``W−1`` nearest ancestors, so the first rows of a
+    segment read their trie context instead of the previous segment in memory. The ancestor rows
+    are gathered from ``x`` (differentiable: FLA's state gradient flows back into them)."""
+    from fla.modules.convolution import causal_conv1d
+
+    d, w = weight.shape
+    if x.dim() != 2 or x.shape[1] != d:
+        raise GdnShapeError(f"x must be [T, D={d}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    hist = plan.conv_history
+    if hist.shape[1] < w - 1:
+        raise GdnConfigError(f"GdnTreeConfig.conv_width={hist.shape[1] + 1} is smaller than the layer's "
+                             f"conv width {w}")
+    if activation not in ("silu", "swish", None):
+        raise GdnConfigError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+    state = None
+    if w > 1:
+        s = hist.shape[0]
+        xp = torch.cat([x, x.new_zeros(1, d)])
+        h = xp.index_select(0, hist[:, hist.shape[1] - (w - 1):].reshape(-1)).view(s, w - 1, d)
+        # FLA reads position W−m of the state as the input m steps before the sequence (m = 1 … W−1)
+        state = torch.cat([h.new_zeros(s, 1, d), h], 1).transpose(1, 2).contiguous()
+    y, _ = causal_conv1d(x[None], weight, bias, initial_state=state, activation=activation,
+                         cu_seqlens=plan.conv_cu_seqlens, cu_seqlens_cpu=plan.conv_cu_seqlens_cpu)
+    return y[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,11 +457,14 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
     order = np.concatenate(kept_rows) if kept_rows else np.zeros(0, dtype=np.int64)
     inverse = np.empty(t, dtype=np.int64)
     inverse[order] = np.arange(t)
-    plan = GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align,
-                   anc=ancestor_table(forest.parent.cpu(), conv_width), rounds=tuple(rounds),
+    anc = ancestor_table(forest.parent.cpu(), conv_width)
+    hist = anc[torch.as_tensor(seg_start), 1:].flip(1)  # distance W−1 … 1 before each segment
+    seg_cu = torch.as_tensor(seg_off.astype(np.int64))
+    plan = GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align, anc=anc, rounds=tuple(rounds),
                    inverse=torch.as_tensor(inverse), replay_tokens=replay, num_pieces=int(n_p),
                    identity=len(rounds) == 1 and bool(np.array_equal(order, np.arange(t))) and not skip_a.any(),
-                   export_tokens=export, schedule=schedule)
+                   export_tokens=export, schedule=schedule, conv_cu_seqlens=seg_cu, conv_cu_seqlens_cpu=seg_cu,
+                   conv_history=torch.where(hist >= 0, hist, t))
     return plan.to(forest.parent.device)
 
 
@@ -448,7 +488,8 @@ def chain_rounds(forest: Forest) -> int:
 # ---------------------------------------------------------------------------------------------
 # execution
 # ---------------------------------------------------------------------------------------------
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` → ``fla`` on CUDA, ``torch`` elsewhere; ``fla`` off CUDA is a :class:`GdnConfigError`."""
     if backend not in _BACKENDS:
         raise GdnConfigError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -503,7 +544,7 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         raise GdnShapeError(f"inputs have T={q.shape[0]} rows but the plan was built for T={t}")
     if state_dtype not in (torch.float32, torch.float64):
         raise GdnConfigError(f"state_dtype must be torch.float32 (or float64 for fp64 tests), got {state_dtype}")
-    backend = _resolve_backend(backend, q.device)
+    backend = resolve_backend(backend, q.device)
     if state_dtype == torch.float64 and (backend != "torch" or q.dtype != torch.float64):
         raise GdnConfigError(f"state_dtype=float64 needs backend 'torch' and fp64 inputs, got {backend!r}, {q.dtype}")
     if backend == "torch" and q.dtype == torch.float64 and state_dtype != torch.float64:

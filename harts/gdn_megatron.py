@@ -39,7 +39,9 @@ from harts.gdn import (
     GdnShapeError,
     GdnTreeConfig,
     build_gdn_plan,
+    resolve_backend,
     tree_causal_conv1d,
+    tree_causal_conv1d_fla,
     tree_gated_delta_rule,
 )
 from harts.gdn_reference import (
@@ -149,11 +151,16 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         weight = self.conv1d.weight.squeeze(1)  # [D, W]
         bias = self.conv1d.bias if self.conv_bias else None
         if psp is not None:
+            # deterministic_mode: the base module swaps FLA for torch kernels; so does the tree path
+            backend = "torch" if psp.gdn_backend == "auto" and self.config.deterministic_mode else psp.gdn_backend
             anc = psp.gdn_plan.anc
             if anc.shape[1] < weight.shape[1]:
                 raise GdnConfigError(f"GdnTreeConfig.conv_width={anc.shape[1]} is smaller than the layer's "
                                      f"linear_conv_kernel_dim={weight.shape[1]}")
-            qkv = tree_causal_conv1d(qkv[0], weight, bias, anc=anc, activation=self.activation)[None]
+            if resolve_backend(backend, qkv.device) == "fla":  # FLA's conv kernels, trie context as state
+                qkv = tree_causal_conv1d_fla(qkv[0], weight, bias, plan=psp.gdn_plan, activation=self.activation)[None]
+            else:
+                qkv = tree_causal_conv1d(qkv[0], weight, bias, anc=anc, activation=self.activation)[None]
         else:
             qkv = causal_conv1d_reference(qkv, weight, bias, activation=self.activation)
         fast = qkv.is_cuda
@@ -163,8 +170,6 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         g_beta = self._compute_g_and_beta if fast else _plain_g_beta
         g, beta = g_beta(self.A_log, self.dt_bias, alpha, beta)
         if psp is not None:
-            # deterministic_mode: the base module swaps FLA for a torch chunk loop; so does the tree path
-            backend = "torch" if psp.gdn_backend == "auto" and self.config.deterministic_mode else psp.gdn_backend
             o = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], plan=psp.gdn_plan,
                                       backend=backend, state_dtype=psp.gdn_state_dtype)[None]
         else:

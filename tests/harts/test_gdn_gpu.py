@@ -2,6 +2,8 @@
 
 * FLA varlen rounds with fp32 state handoff vs the fp64 torch tree path (itself checked against
   per-sequence execution on CPU), forward and backward;
+* the tree convolution on FLA's ``causal_conv1d`` (trie ancestors as each segment's initial state)
+  in bf16 vs the fp64 torch tree conv;
 * one ``TreeGatedDeltaNet`` layer in bf16: tree vs Megatron's own per-sequence ``GatedDeltaNet``
   forward, within the noise of sequence-wise execution measured in the test (self-rerun and the
   same sequences THD-packed), outputs and every parameter gradient;
@@ -89,6 +91,32 @@ def test_fla_rounds_match_fp64_tree(kind, align, schedule):
         r = _rms_ratio(a.grad, b.grad)
         print(f"  {name} rms={r:.2e}")
         assert r < 1e-2, f"{name}: rms ratio {r:.3e}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
+def test_fla_tree_conv_matches_fp64_bf16(kind):
+    """The layer's CUDA conv path (FLA ``causal_conv1d`` per trie segment, ancestors as initial
+    state) in bf16 vs the fp64 torch tree conv on the same bf16 inputs, outputs and gradients."""
+    from harts.gdn import tree_causal_conv1d, tree_causal_conv1d_fla
+
+    f = build_forest(_forests()[kind], device="cuda")
+    plan = build_gdn_plan(f, chunk_size=64, conv_width=4)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x0 = torch.randn(f.num_nodes, 256, device="cuda", generator=g).bfloat16()
+    w0 = (0.5 * torch.randn(256, 4, device="cuda", generator=g)).bfloat16()
+    b0 = (0.1 * torch.randn(256, device="cuda", generator=g)).bfloat16()
+    dy = torch.randn(f.num_nodes, 256, device="cuda", generator=g).bfloat16()
+    x, w, b = (z.clone().requires_grad_(True) for z in (x0, w0, b0))
+    y = tree_causal_conv1d_fla(x, w, b, plan=plan, activation="silu")
+    y.backward(dy)
+    xr, wr, br = (z.double().requires_grad_(True) for z in (x0, w0, b0))
+    yr = tree_causal_conv1d(xr, wr, br, anc=plan.anc, activation="silu")
+    yr.backward(dy.double())
+    for name, ref, out in (("y", yr, y), ("dx", xr.grad, x.grad), ("dw", wr.grad, w.grad), ("db", br.grad, b.grad)):
+        r = _rms_ratio(ref, out)
+        print(f"{kind} conv {name} rms={r:.2e}")
+        assert r < 1e-2, f"{name}: rms ratio {r:.3e}"  # bf16 rounding of outputs/gradients: ~4e-3
 
 
 def _layer(dtype):
