@@ -11,7 +11,7 @@ Backends (all take ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``Hq % Hkv == 0``
 * ``"varlen"``: FlashAttention-2 varlen kernels over the compressed-trie segments, no masked
   work: either keys gathered along each segment's ancestor path, or a cascade of causal self
   attention plus one full attention per tree level merged by log-sum-exp (:mod:`harts.varlen`,
-  plan built once per microbatch by :func:`build_varlen_plan`, chosen by gathered rows). CUDA
+  plan built once per microbatch by :func:`build_varlen_plan`; ``auto`` = the key gather). CUDA
   needs bf16/fp16; CPU runs the same plans on plain-torch kernels.
 
 The dense mask itself lives in :mod:`harts.reference` (:func:`~harts.reference.tree_mask`).
