@@ -29,14 +29,16 @@ def main(cases: dict[str, list[list[int]]]) -> dict[str, float]:
         plan = build_gdn_plan(f, chunk_size=16, conv_width=4)
         for width in (4, 2, 1):
             g = torch.Generator().manual_seed(width)
-            x0, w0, b0 = torch.randn(f.num_nodes, 6, generator=g), torch.randn(6, width, generator=g), torch.randn(6)
+            # x is a column slice of a wider tensor, as the conv channels are of Megatron's in_proj output
+            x0, w0, b0 = torch.randn(f.num_nodes, 10, generator=g), torch.randn(6, width, generator=g), torch.randn(6)
             outs = []
             for fla in (True, False):
-                x, w, b = (z.clone().requires_grad_(True) for z in (x0, w0, b0))
+                xw, w, b = (z.clone().requires_grad_(True) for z in (x0, w0, b0))
+                x = xw[:, 2:8]
                 y = (tree_causal_conv1d_fla(x, w, b, plan=plan, activation="silu") if fla
                      else tree_causal_conv1d(x, w, b, anc=plan.anc, activation="silu"))
                 y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
-                outs.append((y.detach(), x.grad, w.grad, b.grad))
+                outs.append((y.detach(), xw.grad, w.grad, b.grad))
             err[f"{name}/W{width}"] = max(float((a - r).abs().max()) for a, r in zip(*outs, strict=True))
     return err
 
