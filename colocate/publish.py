@@ -169,7 +169,7 @@ class Publisher:
         if version in self.poisoned or (self.last_good is not None and version <= self.last_good):
             raise PoisonedVersionError(f"weight_version {version} is poisoned or not newer than the last good "
                                        f"version {self.last_good} (poisoned: {sorted(self.poisoned)})")
-        timings = dict.fromkeys(("convert", "bucket", "transfer", "load", "verify"), 0.0)
+        timings = dict.fromkeys(("convert", "begin", "bucket", "transfer", "load", "release", "verify"), 0.0)
         phase = "check"
         began = False
         try:
@@ -179,17 +179,20 @@ class Publisher:
                 items = list(items)
                 timings["convert"] += time.perf_counter() - t0
                 meta = {n: (tuple(t.shape), t.dtype) for n, t in items}
+            t0 = time.perf_counter()
             check_params(meta, self.receiver.param_specs(), require_all=require_all)
             self._cap = sum(align(_nbytes(s, d)) for s, d in meta.values())
             phase = "begin"
             self.receiver.begin_update(version)
             began = True
+            timings["begin"] = time.perf_counter() - t0
             phase = "transfer"
             report = self._send(iter(items), meta, version, timings)
             phase = "load"
             t0 = time.perf_counter()
             self.receiver.end_update(version, report.pop("checksums"))
             timings["load"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             if not self.keep_shared:
                 self._drop_shared()
             if self._fresh:
@@ -198,6 +201,7 @@ class Publisher:
             if self._fresh or not self.keep_shared:
                 if torch.cuda.is_available():
                     torch.cuda.ipc_collect()  # free the IPC-limbo blocks the receiver has let go
+            timings["release"] = time.perf_counter() - t0
             phase = "verify"
             t0 = time.perf_counter()
             got = self.receiver.weight_version()
