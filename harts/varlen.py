@@ -35,6 +35,7 @@ the flash math, so the fp64 tests check the decomposition and the backward formu
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -253,9 +254,9 @@ def sum_row_copies(g: torch.Tensor, copy_ptr: torch.Tensor, copy_pos: torch.Tens
     rounding, one read of ``g`` and one write of ``dx`` (no fp32 copy of ``g``, no atomics, the
     same order every run). Equals :func:`sum_row_copies_reference` up to fp32 summation order."""
     g = _rows(g)
-    num_rows, width = copy_ptr.numel() - 1, g[0].numel() if g.shape[0] else 0
+    num_rows, width = copy_ptr.numel() - 1, math.prod(g.shape[1:])
     out = torch.empty((num_rows, *g.shape[1:]), dtype=g.dtype, device=g.device)
-    if num_rows and width:
+    if num_rows and width:  # every row is written (zeros for a row without copies)
         block = min(1024, 1 << (width - 1).bit_length())
         _row_copies_kernel()[(num_rows, -(-width // block))](g, out, copy_ptr, copy_pos, width, BLOCK=block,
                                                               num_warps=4)
