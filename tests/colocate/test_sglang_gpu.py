@@ -44,8 +44,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from .sglang_driver import PROMPTS  # noqa: F401 - the driver's prompts, defined there once
-
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
 LP_MAX, LP_MEAN = 0.05, 0.01  # nats: bf16 engine vs fp32 reference on the same bf16 weights
