@@ -11,13 +11,13 @@ import json
 import os
 import signal
 import time
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
-from mcore_distill.testing import free_port
 from shared_teacher import (
     CompatKey,
     NodeLimits,
@@ -43,15 +43,18 @@ def _launch(cfg: SourceConfig, plans: dict[str, dict], out: Path, *, n_samples: 
     server = SourceServer(src)
     ctx = mp.get_context("spawn")
     prod_out = str(out / "producer.json")
+    def rendezvous(name: str) -> str:  # a fresh file-store path per process group
+        return str(out / f"{name}.{uuid.uuid4().hex}.rdzv")
+
     procs = {"producer": [ctx.Process(target=workers.producer_main,
-                                      args=(server.connect_info, store.spec(), asdict(KEY), n_samples, free_port(),
-                                            prod_out))]}
+                                      args=(server.connect_info, store.spec(), asdict(KEY), n_samples,
+                                            rendezvous("producer"), prod_out))]}
     for spec in cfg.students:
         p = plans[spec.name]
-        port = free_port()
+        rdzv = rendezvous(spec.name)
         procs[spec.name] = [
             ctx.Process(target=workers.student_main,
-                        args=(r, spec.world_size, port, server.connect_info, store.spec(), asdict(KEY), spec.name,
+                        args=(r, spec.world_size, rdzv, server.connect_info, store.spec(), asdict(KEY), spec.name,
                               p["hidden"], p["lr"], spec.packed, p.get("seed", 11), str(out), p.get("resume"),
                               p.get("step_limit", 0), p.get("delay", 0.0)))
             for r in range(spec.world_size)]
@@ -107,11 +110,16 @@ def _all_ids(n: int, epoch: int) -> set[str]:
     return {sample_id(epoch, i) for i in epoch_order(n, seed=KEY.seed, epoch=epoch)}
 
 
-def _wait(src, procs, names, timeout):
+def _wait(src, procs, names, timeout, prod_out: str | None = None):
+    """Until every process in ``names`` exits; fails at once on a source error or, with
+    ``prod_out``, when the producer died with an error (instead of at the source's watchdog)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all(not p.is_alive() for n in names for p in procs[n]):
             return
+        if prod_out is not None and not procs["producer"][0].is_alive() and Path(prod_out).exists():
+            err = json.loads(Path(prod_out).read_text()).get("error")
+            assert err is None, f"producer failed:\n{err}"
         if src.errors and not all(type(e).__name__ == "SourceTeardownBlockedError" for e in src.errors):
             raise src.errors[0]
         time.sleep(0.2)
@@ -136,7 +144,7 @@ def test_three_students_share_one_teacher_stream(tmp_path):
              "accum": {"hidden": 32, "lr": 1e-2}}
     src, server, store, procs, prod_out = _launch(cfg, plans, tmp_path, n_samples=n)
     try:
-        _wait(src, procs, list(procs), timeout=380)
+        _wait(src, procs, list(procs), timeout=380, prod_out=prod_out)
         stats = _producer_stats(prod_out)
         # one teacher forward per sample, not per student
         assert stats["forward_samples"] == n and stats["teacher_sequences"] == n, stats
@@ -202,7 +210,7 @@ def test_sigkill_one_student_then_resume_from_different_checkpoints(tmp_path):
         victim = procs["slow"][0]
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        _wait(src, procs, ["fast", "producer"], timeout=200)
+        _wait(src, procs, ["fast", "producer"], timeout=200, prod_out=prod_out)
         src.wait_finished(timeout=30)
         st = src.stats()
         assert st["students"]["slow"]["status"] == "fenced", st["students"]
@@ -227,7 +235,7 @@ def test_sigkill_one_student_then_resume_from_different_checkpoints(tmp_path):
              for name, k in resume.items()}
     src, server, store, procs, prod_out = _launch(config("s2"), plans, out2, n_samples=n)
     try:
-        _wait(src, procs, list(procs), timeout=200)
+        _wait(src, procs, list(procs), timeout=200, prod_out=prod_out)
         assert src.stats()["start_epoch"] == 0
         stats = _producer_stats(prod_out)
         assert stats["forward_samples"] + stats["skipped"] == 2 * n

@@ -24,14 +24,15 @@ def dataset(n: int, *, seed: int = 0, lo: int = 4, hi: int = 12) -> list[torch.T
     return [torch.randint(0, VOCAB, (n_,), generator=g) for n_ in lengths]
 
 
-def _init_group(rank: int, world: int, port: int, seed: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _init_group(rank: int, world: int, rendezvous: str, seed: int) -> None:
+    """gloo group through a file store at ``rendezvous`` (a fresh path per group): no TCP port to
+    pick ahead of time, which the students' own client connections could take first (EADDRINUSE)."""
     torch.set_num_threads(1)
     from mcore_distill import cpu_compat
     from mcore_distill.testing import init_megatron
 
     cpu_compat.enable()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     init_megatron(seed=seed)
 
 
@@ -42,10 +43,10 @@ def teacher_model(seed: int = 7):
     return build_tiny_gpt(TinyGPTConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, max_sequence_length=64))
 
 
-def producer_main(connect: dict, store_spec: dict, key_dict: dict, n_samples: int, port: int, out: str) -> None:
+def producer_main(connect: dict, store_spec: dict, key_dict: dict, n_samples: int, rendezvous: str, out: str) -> None:
     """Teacher process: real Megatron GPT teacher → run_producer; writes its stats to ``out``."""
     try:
-        _init_group(0, 1, port, seed=7)
+        _init_group(0, 1, rendezvous, seed=7)
         from shared_teacher import CompatKey, MegatronTeacher, run_producer
 
         key = CompatKey(**key_dict)
@@ -70,13 +71,13 @@ def _save_ckpt(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def student_main(rank: int, world: int, port: int, connect: dict, store_spec: dict, key_dict: dict, name: str,
+def student_main(rank: int, world: int, rendezvous: str, connect: dict, store_spec: dict, key_dict: dict, name: str,
                  hidden: int, lr: float, packed: bool, seed: int, out_dir: str, resume: str | None,
                  step_limit: int, step_delay: float) -> None:
     """One rank of one student: own gloo group, model, optimizer; logs every step, checkpoints on rank 0."""
     log = open(os.path.join(out_dir, f"{name}.r{rank}.log"), "a")
     try:
-        _init_group(rank, world, port, seed=seed)
+        _init_group(rank, world, rendezvous, seed=seed)
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
