@@ -216,6 +216,16 @@ class _TreeConv(torch.autograd.Function):
         return dx[:-1].to(x.dtype), dw.to(weight.dtype), db, None, None
 
 
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> tuple[int, int]:
+    """``(D, W)`` of a depthwise conv ``weight [D, W]`` after checking ``x [T, D]`` and ``activation``."""
+    d, w = weight.shape
+    if x.dim() != 2 or x.shape[1] != d:
+        raise GdnShapeError(f"x must be [T, D={d}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    if activation not in ("silu", "swish", None):
+        raise GdnConfigError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+    return d, w
+
+
 def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                        anc: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
     """Depthwise causal conv along trie paths: ``x [T, D]``, ``weight [D, W]``, ``anc [T, W']`` (W' ≥ W).
@@ -225,13 +235,9 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``x.dtype``); the backward is a scatter-add into ``x`` (``index_put_(accumulate=True)``). Only
     ``x`` and the ancestor table are saved (the pre-activation is recomputed).
     """
-    d, w = weight.shape
-    if x.dim() != 2 or x.shape[1] != d:
-        raise GdnShapeError(f"x must be [T, D={d}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    d, w = _check_conv(x, weight, activation)
     if anc.dim() != 2 or anc.shape[0] != x.shape[0] or anc.shape[1] < w:
         raise GdnShapeError(f"ancestor table {tuple(anc.shape)} must be [T={x.shape[0]}, >= W={w}]")
-    if activation not in ("silu", "swish", None):
-        raise GdnConfigError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     return _TreeConv.apply(x, weight, bias, anc[:, :w], activation is not None)
 
 
@@ -243,20 +249,17 @@ def tree_causal_conv1d_fla(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     are gathered from ``x`` (differentiable: FLA's state gradient flows back into them)."""
     from fla.modules.convolution import causal_conv1d
 
-    d, w = weight.shape
-    if x.dim() != 2 or x.shape[1] != d:
-        raise GdnShapeError(f"x must be [T, D={d}] to match weight {tuple(weight.shape)}, got {tuple(x.shape)}")
+    d, w = _check_conv(x, weight, activation)
     hist = plan.conv_history
     if hist.shape[1] < w - 1:
         raise GdnConfigError(f"GdnTreeConfig.conv_width={hist.shape[1] + 1} is smaller than the layer's "
                              f"conv width {w}")
-    if activation not in ("silu", "swish", None):
-        raise GdnConfigError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
     state = None
     if w > 1:
-        s = hist.shape[0]
-        xp = torch.cat([x, x.new_zeros(1, d)])
-        h = xp.index_select(0, hist[:, hist.shape[1] - (w - 1):].reshape(-1)).view(s, w - 1, d)
+        s, t = hist.shape[0], x.shape[0]
+        idx = hist[:, hist.shape[1] - (w - 1):]
+        # only the S·(W−1) history rows are read; rows past a root (index T) become zeros
+        h = x.index_select(0, idx.clamp(max=t - 1).reshape(-1)).view(s, w - 1, d) * (idx < t)[..., None]
         # FLA reads position W−m of the state as the input m steps before the sequence (m = 1 … W−1)
         state = torch.cat([h.new_zeros(s, 1, d), h], 1).transpose(1, 2).contiguous()
     y, _ = causal_conv1d(x[None], weight, bias, initial_state=state, activation=activation,
