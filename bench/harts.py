@@ -408,7 +408,7 @@ def main():
     unknown = set(args.providers) - set(PROVIDERS)
     if unknown:
         ap.error(f"unknown providers {sorted(unknown)}; choose from {list(PROVIDERS)}")
-    args.iters = args.iters or (1 if args.quick else 3)
+    args.iters = args.iters or (1 if args.quick else 5)
     args.profile_result = None
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda":
