@@ -283,9 +283,9 @@ class _TreeHead(torch.autograd.Function):
             if g_edge is not None:
                 tl = e_tok[a0:a1] - vocab_start
                 own = (tl >= 0) & (tl < vl)
-                # dz[row, tok] += g as a flat index_add: no host sync (index_put_ with accumulate
-                # checks its index range with .item() calls, twice per chunk). A trie node's children
-                # have distinct tokens, so no two adds meet; edges of other vocab shards add an exact 0.
+                # dz[row, tok] += g as one flat index_add kernel (index_put_ with accumulate launches
+                # ~20: index-range checks and a sort). A trie node's children have distinct tokens,
+                # so no two adds meet; edges of other vocab shards add an exact 0.
                 dz.view(-1).index_add_(0, rows * vl + tl.clamp(0, vl - 1), torch.where(own, g, 0.0))
             if inv_temp != 1.0:
                 dz.mul_(inv_temp)
