@@ -18,6 +18,12 @@ residency surface of :class:`~colocate.engines.HFEngine`:
   same weights and the engine's logprobs against a reference HF model.
 * Loads are in place: a failure in the middle leaves SGLang half-updated; :meth:`restore_from_disk`
   reloads a checkpoint (SGLang rolls back a failed disk load by itself).
+* SGLang's processes start with Megatron hidden (:func:`hide_megatron_dir`): SGLang's scheduler
+  imports ``megatron.core`` whenever it can (its debug dumper), and importing ``megatron.core``
+  sets ``torch_memory_saver.hook_mode = "torch"`` (``inference/contexts/dynamic_context.py``),
+  a mode that cannot pause CUDA graphs — so an engine with ``enable_memory_saver`` and CUDA graphs
+  died in graph capture wherever Megatron was installed ("Only hook_mode=preload supports
+  pauseable CUDA Graph currently"). SGLang needs nothing from Megatron.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +45,42 @@ from colocate.convert import check_params, hf_param_specs
 from colocate.engines import UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
 
-__all__ = ["SGLangEngine", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args", "write_hf_checkpoint"]
+__all__ = ["SGLangEngine", "hide_megatron_dir", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args",
+           "sglang_process_env", "write_hf_checkpoint"]
+
+_MEGATRON_STUB = (
+    '"""Stand-in that hides Megatron from SGLang\'s processes (mcore-distill colocate.sglang_engine)."""\n'
+    "raise ImportError('megatron is hidden from this SGLang process by mcore-distill: importing megatron.core "
+    "would switch torch_memory_saver to hook_mode=\"torch\", which cannot pause CUDA graphs')\n")
+
+
+def hide_megatron_dir() -> str:
+    """A directory whose ``megatron`` package raises ``ImportError`` when imported; put first on
+    the path of SGLang's processes (see the module docstring for why). Created once per user
+    under the temp directory (written aside, then renamed into place) and reused."""
+    base = Path(tempfile.gettempdir()) / f"mcore_distill_hide_megatron_{os.getuid()}"
+    init = base / "megatron" / "__init__.py"
+    if not init.is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=base.name + ".", dir=base.parent))
+        (tmp / "megatron").mkdir()
+        (tmp / "megatron" / "__init__.py").write_text(_MEGATRON_STUB)
+        try:
+            os.rename(tmp, base)
+        except OSError:  # created meanwhile by another process
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not init.is_file():
+        raise RuntimeError(f"could not create the Megatron stand-in at {init}: remove {base} and retry")
+    return str(base)
+
+
+def sglang_process_env(env: dict[str, str | None] | None = None, *, hide_megatron: bool = True) -> dict[str, str]:
+    """Environment for an SGLang server process: this process's environment with ``env`` merged
+    over it (``None`` removes a variable) and, with ``hide_megatron``, :func:`hide_megatron_dir`
+    first on ``PYTHONPATH`` (SGLang's spawned schedulers inherit the server's ``sys.path``)."""
+    full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    if hide_megatron:
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (hide_megatron_dir(), full.get("PYTHONPATH")) if p)
+    return full
 
 
 def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, spec: HFModelSpec,
@@ -85,8 +127,8 @@ def sglang_engine_args(model_path: str, *, cuda_graph: bool = True, memory_saver
     carry (Triton attention, no tokenizer: token ids in and out). With ``cuda_graph`` the decode
     graphs for batch sizes 1, 2, 4 are captured (prefill graphs off); pausing them with the memory
     saver needs ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in the environment before the engine starts
-    and a process where Megatron was never imported (it switches torch_memory_saver's hook
-    mode). ``overrides`` replace or add arguments."""
+    (:meth:`SGLangEngine.launch` also hides Megatron from SGLang's processes, see the module
+    docstring). ``overrides`` replace or add arguments."""
     kw: dict[str, Any] = dict(model_path=model_path, skip_tokenizer_init=True, attention_backend="triton",
                               sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.3,
                               max_total_tokens=65536, dtype="bfloat16", random_seed=0, log_level="error",
@@ -166,13 +208,24 @@ class SGLangEngine:
                                    owner="sglang")
 
     @classmethod
-    def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16,
+    def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16, hide_megatron: bool = True,
                **engine_kwargs: Any) -> SGLangEngine:
         """Start ``sglang.Engine(**engine_kwargs)`` (lazy import; ``engine_kwargs`` may hold the
-        engine's own ``dtype``) and wrap it; ``param_dtype`` is the dtype the publisher sends."""
+        engine's own ``dtype``) and wrap it; ``param_dtype`` is the dtype the publisher sends.
+        With ``hide_megatron`` the engine is started with :func:`hide_megatron_dir` first on
+        ``sys.path``, which SGLang's spawned processes inherit; this process keeps its own
+        ``sys.path`` (and any Megatron it has imported)."""
         import sglang
 
-        return cls(sglang.Engine(**engine_kwargs), spec=spec, dtype=param_dtype)
+        shadow = hide_megatron_dir() if hide_megatron else None
+        if shadow is not None:
+            sys.path.insert(0, shadow)
+        try:
+            engine = sglang.Engine(**engine_kwargs)
+        finally:
+            if shadow is not None and shadow in sys.path:
+                sys.path.remove(shadow)
+        return cls(engine, spec=spec, dtype=param_dtype)
 
     def checksum(self) -> str:
         """The engine's current weight checksum (SGLang's weight checker)."""

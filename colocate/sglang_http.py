@@ -54,7 +54,7 @@ from colocate.config import HFModelSpec
 from colocate.convert import check_params, hf_param_specs
 from colocate.engines import UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
-from colocate.sglang_engine import logprobs_of_prompt
+from colocate.sglang_engine import logprobs_of_prompt, sglang_process_env
 from colocate.transports import ReceiverDied, ReceiverTimeout
 
 __all__ = ["SGLangHTTPEngine", "kill_process_group", "serialize_named_tensors", "server_args_to_cli"]
@@ -277,19 +277,20 @@ class SGLangHTTPEngine:
     @classmethod
     def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16, port: int | None = None,
                start_timeout_s: float = 300.0, log_path: str | None = None, env: dict[str, str | None] | None = None,
-               timeout_s: float = 600.0, **server_args: Any) -> SGLangHTTPEngine:
+               timeout_s: float = 600.0, hide_megatron: bool = True, **server_args: Any) -> SGLangHTTPEngine:
         """Start ``python -m sglang.launch_server`` (own process group; ``server_args`` as for
-        ``sglang.Engine``, its ``dtype`` included; ``param_dtype`` is the dtype the publisher sends; ``env`` merged over this process's environment, ``None`` values
-        removing a variable), wait until ``/health`` answers, and connect. :meth:`shutdown`
-        stops it."""
+        ``sglang.Engine``, its ``dtype`` included; ``param_dtype`` is the dtype the publisher
+        sends; the environment is :func:`~colocate.sglang_engine.sglang_process_env` of ``env``,
+        which hides Megatron from the server unless ``hide_megatron=False``), wait until
+        ``/health`` answers, and connect. :meth:`shutdown` stops it."""
         if port is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
                *server_args_to_cli(server_args)]
+        full_env = sglang_process_env(env, hide_megatron=hide_megatron)
         log = open(log_path or os.devnull, "w")  # noqa: SIM115 - owned by the process's lifetime
-        full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
         log.close()
         url = f"http://127.0.0.1:{port}"

@@ -4,11 +4,10 @@ measurement in RESULT.json (rewritten after each step); the test asserts on it.
 
 Its own module, whose top level imports only the standard library: SGLang starts its scheduler
 with multiprocessing "spawn", which re-imports the parent's ``__main__`` (this module) in the child
-as ``__mp_main__``. Any import-time work here (pytest, ``torch.cuda.is_available()``, ...) would
-initialize CUDA in the scheduler before SGLang and torch_memory_saver (LD_PRELOAD hook mode) set
-it up; the scheduler then dies and SGLang kills this process (seen as exit -9 during engine
-start with ``enable_memory_saver`` + CUDA graphs). So torch and everything else are imported
-inside the functions.
+as ``__mp_main__``, so nothing heavy should run at import. (The exit -9 during engine start with
+``enable_memory_saver`` + CUDA graphs seen on 2026-11-29 had another cause: SGLang's scheduler
+imported ``megatron.core``, which switches torch_memory_saver's hook mode;
+:meth:`colocate.sglang_engine.SGLangEngine.launch` now hides Megatron from SGLang's processes.)
 """
 
 from __future__ import annotations

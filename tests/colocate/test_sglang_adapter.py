@@ -150,3 +150,65 @@ def test_prompt_logprob_rows_are_checked_for_alignment():
         logprobs_of_prompt(rows, [4, 8, 9])
     with pytest.raises(UpdateError, match="3 input log-prob rows for a 2-token prompt"):
         logprobs_of_prompt(rows, [4, 7])
+
+
+def _import_megatron_core(q) -> None:  # runs in a spawned child, as SGLang's scheduler does
+    import sys
+
+    try:
+        import megatron.core  # noqa: F401
+
+        q.put("imported")
+    except ImportError as e:
+        q.put(f"ImportError: {e} | {sys.path[0]}")
+
+
+def test_launch_hides_megatron_from_spawned_engine_processes(monkeypatch):
+    """SGLang's scheduler imports ``megatron.core`` when it can, which switches torch_memory_saver
+    to a hook mode that cannot pause CUDA graphs. ``launch`` starts the engine with the stand-in
+    directory first on ``sys.path``: a child spawned during ``Engine(...)`` (as SGLang spawns its
+    schedulers) cannot import Megatron; this process's ``sys.path`` is restored afterwards."""
+    import multiprocessing as mp
+    import sys
+    import types
+
+    from colocate.sglang_engine import hide_megatron_dir
+
+    seen = {}
+
+    class SpawningEngine(RuleEngine):
+        def __init__(self, **kw):
+            super().__init__(bracket=False)
+            seen["kw"], seen["path0"] = kw, sys.path[0]
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=_import_megatron_core, args=(q,))
+            p.start()
+            seen["child"] = q.get(timeout=120)
+            p.join(30)
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=SpawningEngine))
+    path_before = list(sys.path)
+    ad = SGLangEngine.launch(spec=SPEC, model_path="/m", tp_size=1)
+    shadow = hide_megatron_dir()
+    assert seen["kw"] == {"model_path": "/m", "tp_size": 1} and seen["path0"] == shadow
+    assert seen["child"].startswith("ImportError: megatron is hidden") and seen["child"].endswith(shadow), seen
+    assert sys.path == path_before and isinstance(ad, SGLangEngine)
+
+    seen.clear()
+    SGLangEngine.launch(spec=SPEC, hide_megatron=False, model_path="/m")
+    assert seen["path0"] != shadow and seen["child"] == "imported"  # the check can fail: Megatron is installed
+
+
+def test_sglang_process_env_puts_the_stand_in_first(tmp_path):
+    import subprocess
+    import sys
+
+    from colocate.sglang_engine import hide_megatron_dir, sglang_process_env
+
+    env = sglang_process_env({"PYTHONPATH": str(tmp_path), "MCD_X": "1", "HOME": None})
+    assert env["PYTHONPATH"].split(":") == [hide_megatron_dir(), str(tmp_path)]
+    assert env["MCD_X"] == "1" and "HOME" not in env
+    assert "PYTHONPATH" not in sglang_process_env({"PYTHONPATH": None}, hide_megatron=False)
+    out = subprocess.run([sys.executable, "-c", "import megatron.core"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "megatron is hidden from this SGLang process" in out.stderr
