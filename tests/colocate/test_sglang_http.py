@@ -304,8 +304,10 @@ def test_real_sglang_http_server(tmp_path):
     args = sglang_engine_args(str(tmp_path / "init"), cuda_graph=True)
     args.pop("log_level")
     env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "HF_HUB_OFFLINE": "1", "PYTORCH_CUDA_ALLOC_CONF": None}
-    eng = SGLangHTTPEngine.launch(spec=spec, log_path=str(tmp_path / "server.log"), env=env, start_timeout_s=300,
-                                  **args)
+    log_dir = os.environ.get("MCD_TEST_ARTIFACTS") or str(tmp_path)  # the lane keeps the server log there
+    os.makedirs(log_dir, exist_ok=True)
+    eng = SGLangHTTPEngine.launch(spec=spec, log_path=os.path.join(log_dir, "sglang_http_server.log"), env=env,
+                                  start_timeout_s=300, **args)
     try:
         import sglang.srt.entrypoints.engine as sgl_engine_mod
 
