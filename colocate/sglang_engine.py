@@ -46,7 +46,7 @@ from colocate.engines import UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
 
 __all__ = ["SGLangEngine", "hide_megatron_dir", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args",
-           "sglang_process_env", "write_hf_checkpoint"]
+           "sglang_named_tensors", "sglang_process_env", "write_hf_checkpoint"]
 
 _MEGATRON_STUB = (
     '"""Stand-in that hides Megatron from SGLang\'s processes (mcore-distill colocate.sglang_engine)."""\n'
@@ -88,7 +88,8 @@ def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor
     """Write an HF checkpoint folder SGLang can load (``config.json`` with ``architectures`` and
     ``torch_dtype``, one ``model.safetensors`` with HF names) atomically: everything goes into a
     temporary sibling folder, files are fsynced, then the folder is renamed to ``path`` (an
-    existing folder there is replaced)."""
+    existing folder there is replaced). A tied Qwen3-MoE also gets ``lm_head.weight``
+    (:func:`sglang_named_tensors`)."""
     from safetensors.torch import save_file
 
     from colocate.engines import hf_config
@@ -104,7 +105,8 @@ def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor
         c["torch_dtype"] = c["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(c, indent=1))
         # copies: safetensors refuses tensors that share memory (e.g. views of fused experts)
-        save_file({n: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for n, t in tensors.items()},
+        named = sglang_named_tensors(list(tensors.items()), spec)  # + lm_head of a tied MoE (SGLang)
+        save_file({n: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for n, t in named},
                   str(tmp / "model.safetensors"))
         for f in tmp.iterdir():
             with open(f, "rb+") as fh:
@@ -119,6 +121,17 @@ def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def sglang_named_tensors(named: list[tuple[str, torch.Tensor]], spec: HFModelSpec) -> list[tuple[str, torch.Tensor]]:
+    """The tensors SGLang must receive for ``named``: SGLang's Qwen3-MoE model (0.5.17,
+    ``models/qwen3_moe.py``) always owns an ``lm_head`` and ignores ``tie_word_embeddings``, so for
+    a tied ``qwen3_moe`` spec the embedding is sent a second time as ``lm_head.weight`` (otherwise
+    that head keeps its initial values: constant logits, the same log-probs whatever the weights).
+    A model that does tie skips the extra name. Unchanged for every other spec."""
+    if spec.arch != "qwen3_moe" or not spec.tie_embeddings:
+        return named
+    return named + [("lm_head.weight", t) for n, t in named if n == "model.embed_tokens.weight"]
 
 
 def sglang_engine_args(model_path: str, *, cuda_graph: bool = True, memory_saver: bool = True,
@@ -256,6 +269,7 @@ class SGLangEngine:
             raise UpdateError(f"SGLang takes CUDA tensors only, got a buffer on {buffer.device}")
         named = list(unpack_bucket(buffer, entries).items())
         check_params({n: (tuple(t.shape), t.dtype) for n, t in named}, self._specs, require_all=False)
+        named = sglang_named_tensors(named, self.spec)
         ok, msg = _ok(self.engine.update_weights_from_tensor(named_tensors=named, load_format=None,
                                                              flush_cache=False))
         if not ok:

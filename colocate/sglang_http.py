@@ -54,7 +54,7 @@ from colocate.config import HFModelSpec
 from colocate.convert import check_params, hf_param_specs
 from colocate.engines import UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
-from colocate.sglang_engine import logprobs_of_prompt, sglang_process_env
+from colocate.sglang_engine import logprobs_of_prompt, sglang_named_tensors, sglang_process_env
 from colocate.transports import ReceiverDied, ReceiverTimeout
 
 __all__ = ["SGLangHTTPEngine", "kill_process_group", "serialize_named_tensors", "server_args_to_cli"]
@@ -212,6 +212,7 @@ class SGLangHTTPEngine:
                               f"on {buffer.device}")
         named = list(unpack_bucket(buffer, entries).items())
         check_params({n: (tuple(t.shape), t.dtype) for n, t in named}, self._specs, require_all=False)
+        named = sglang_named_tensors(named, self.spec)
         # one payload per TP rank (each rank opens and releases its own handles)
         payloads = [serialize_named_tensors(named) for _ in range(self.tp_size)]
         self._post("/update_weights_from_tensor", {"serialized_named_tensors": payloads,

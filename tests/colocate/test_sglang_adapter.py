@@ -139,6 +139,29 @@ def test_write_hf_checkpoint_loads_in_transformers_and_replaces_atomically(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
     views = hf_checkpoint_views(AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16))
     assert set(views) == set(w) and all(torch.equal(views[n], w[n]) for n in w)
+    # SGLang's Qwen3-MoE does not tie: the folder carries the embedding again as its lm_head
+    from safetensors.torch import load_file
+
+    on_disk = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert set(on_disk) == set(w) | {"lm_head.weight"}
+    assert torch.equal(on_disk["lm_head.weight"], w["model.embed_tokens.weight"])
+
+
+def test_tied_moe_head_is_sent_to_sglang_as_lm_head():
+    from dataclasses import replace
+
+    from colocate.sglang_engine import sglang_named_tensors
+
+    moe = HFModelSpec(arch="qwen3_moe", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
+                      head_dim=4, ffn_hidden_size=16, vocab_size=32, num_experts=2, tie_embeddings=True)
+    emb, norm = torch.randn(32, 8), torch.randn(8)
+    named = [("model.norm.weight", norm), ("model.embed_tokens.weight", emb)]
+    out = sglang_named_tensors(named, moe)
+    assert [n for n, _ in out] == ["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"]
+    assert out[2][1] is emb  # the same tensor, no copy
+    assert sglang_named_tensors(named[:1], moe) == named[:1]  # a bucket without the embedding
+    assert sglang_named_tensors(named, replace(moe, tie_embeddings=False)) == named
+    assert sglang_named_tensors(named, replace(SPEC, tie_embeddings=True)) == named  # dense Qwen3 ties in SGLang
 
 
 def test_prompt_logprob_rows_are_checked_for_alignment():
