@@ -28,6 +28,13 @@ else
   echo "note: no .whl/ carried; using the packages already installed" >&2
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+# Triton autotuning results survive fresh boxes: they are written to the Triton cache
+# (TRITON_CACHE_AUTOTUNING=1), exported as $OUT/autotune.tar.gz (*.autotune.json only, a few KB
+# each) and read back from an ignored .autotune/ folder when one is carried (unpack the tarball
+# there). FLA's kernels then compile only their chosen configuration instead of timing every one.
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -d .autotune ] && cp -r .autotune/. "$TRITON_CACHE_DIR"/
 "$PY" - <<'PY' | tee "$WORK/versions.txt"
 import torch, importlib
 print("gpu:", torch.cuda.get_device_name(0), "x", torch.cuda.device_count())
@@ -76,6 +83,7 @@ esac
   for f in "$WORK"/bench-*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; tail -n 25 "$f"; }; done
 } > "$WORK/summary.txt"
 tar -czf "$OUT/lane.tar.gz" -C "$WORK" . && cp "$WORK/summary.txt" "$OUT/summary.txt"
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/autotune.tar.gz" -T -)
 echo "=== summary (full results: $OUT/lane.tar.gz)"
 cat "$WORK/summary.txt"
 exit $rc
