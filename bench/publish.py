@@ -17,17 +17,25 @@ Cases:
   ``update_weights_from_tensor`` loop and one call with every tensor; SGLang's checksum must
   agree across methods and differ from the initial weights.
   Needs SGLang: ``bash .sgl/scripts/go.sh bench/publish.py --sglang``.
+* ``--overhead`` (CPU): the publisher's fixed per-publish cost. Qwen3-8B's 399 HF tensors (same
+  names, count and converter path: views of one Megatron-layout buffer, q/k/v split off) at tiny
+  sizes (hidden 64, 3.5 MB in all), so copies are negligible and Python work dominates. Published
+  in process and over shared memory to a receiver process, packed / in place / in place kept
+  mapped; reports ms per publish, the publisher's phases, ``untimed_ms`` (wall minus the phase
+  sum), the converter stream alone, and a cProfile top list (in-place, kept mapped, shm).
 
 Run: ``python bench/publish.py`` (H200, ~1 min), ``python bench/publish.py --quick`` (CPU smoke:
-shared-memory transport, small set). Writes ``publish.json`` / ``publish.png`` (or
-``publish_sglang.*``) into ``$OUT`` (or ``outputs/bench``); prints a table last.
+shared-memory transport, small set), ``python bench/publish.py --overhead`` (CPU, ~1 min). Writes ``publish.json`` / ``publish.png`` (or
+``publish_sglang.*``, ``publish_overhead.*``) into ``$OUT`` (or ``outputs/bench``); prints a table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -49,6 +57,9 @@ QWEN3_8B = HFModelSpec(arch="qwen3", num_layers=36, hidden_size=4096, num_attent
                        head_dim=128, ffn_hidden_size=12288, vocab_size=151936)
 SMALL = HFModelSpec(arch="qwen3", num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
                     head_dim=64, ffn_hidden_size=512, vocab_size=4096)
+# Qwen3-8B's tensor count and names (36 layers, GQA 32/8) at tiny sizes: fixed costs only
+QWEN3_8B_TINY = HFModelSpec(arch="qwen3", num_layers=36, hidden_size=64, num_attention_heads=32, num_query_groups=8,
+                            head_dim=2, ffn_hidden_size=192, vocab_size=256)
 SGL_1GB = HFModelSpec(arch="qwen3", num_layers=16, hidden_size=2048, num_attention_heads=16, num_query_groups=8,
                       head_dim=128, ffn_hidden_size=6144, vocab_size=32768, rope_theta=10000.0)
 
@@ -67,7 +78,8 @@ class CopyReceiver:
             torch.cuda.reset_peak_memory_stats()
 
     def capabilities(self):
-        return frozenset({"cuda_ipc"} if self.device.type == "cuda" else {"shm"})
+        # a RemoteReceiver drops "inprocess"; a local instance (--overhead) is used in process
+        return frozenset({"cuda_ipc"} if self.device.type == "cuda" else {"inprocess", "shm"})
 
     def param_specs(self):
         return self.specs
@@ -228,6 +240,70 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
     return rows, extra
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _profile_top(fn, iters: int, top: int = 15) -> list[dict]:
+    """The ``top`` functions by own time (ms and calls per ``fn`` call) under cProfile."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, ncalls, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}({func})", "calls": nc / iters, "tottime_ms": tt / iters * 1e3,
+             "cumtime_ms": ct / iters * 1e3} for (f, line, func), (_, nc, tt, ct, _) in rows]
+
+
+def bench_overhead(iters: int = 50) -> tuple[list[dict], dict]:
+    """Fixed per-publish CPU cost of 399 tiny tensors (see module docstring, ``--overhead``)."""
+    spec = QWEN3_8B_TINY
+    specs = hf_param_specs(spec, dtype=torch.bfloat16)
+    flat, params = param_buffer(spec, "cpu")
+    flat.share_memory_()
+    meta = {n: (tuple(t.shape), t.dtype) for n, t in hf_stream(params, spec)}
+    share = 1 << 20  # the 3.5 MB buffer goes in place, the split q/k/v (≤ 8 KiB storages) are packed
+    stream = time_cpu(lambda: list(hf_stream(params, spec)), warmup=3, iters=iters)
+    rows: list[dict] = [{"case": "overhead", "provider": "converter_stream_only", "ms": stream["p50"]}]
+    extra: dict = {"num_tensors": len(meta), "nbytes": flat.numel() * 2, "share_min_bytes": share, "iters": iters,
+                   "model": "Qwen3-8B names/count, hidden 64", "phases_ms_median": {}}
+    version = iter(range(1, 1_000_000))
+    remote = spawn_receiver(CopyReceiver, specs, "cpu", timeout_s=60)
+    try:
+        for transport, recv in (("inprocess", CopyReceiver(specs, "cpu")), ("shm", remote)):
+            for variant, kw in (("packed", {"share_min_bytes": None}), ("inplace", {"share_min_bytes": share}),
+                                ("inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True})):
+                pub = Publisher(recv, PublishConfig(transport=transport, bucket_bytes=1 * GiB, max_in_flight=2,
+                                                    verify="none"), **kw)
+                walls: list[float] = []
+                reports = []
+
+                def once(pub=pub, walls=walls, reports=reports):
+                    t0 = time.perf_counter()
+                    reports.append(pub.publish(hf_stream(params, spec), version=next(version), meta=meta))
+                    walls.append(time.perf_counter() - t0)
+                for _ in range(5):  # warm-up (first handles, staging buffers, caches)
+                    once()
+                del walls[:], reports[:]
+                for _ in range(iters):
+                    once()
+                phases = {k: _median([r.timings[k] for r in reports]) * 1e3 for k in reports[-1].timings}
+                untimed = _median([w - sum(r.timings.values()) for w, r in zip(walls, reports)]) * 1e3
+                provider = f"publisher_{variant}_{transport}"
+                extra["phases_ms_median"][provider] = phases
+                rows.append({"case": "overhead", "provider": provider, "ms": _median(walls) * 1e3,
+                             "untimed_ms": untimed, "buckets": reports[-1].num_buckets,
+                             "shared_storages": reports[-1].num_shared, **{f"{k}_ms": v for k, v in phases.items()}})
+                if variant == "inplace_keep_mapped" and transport == "shm":
+                    extra["profile_top"] = _profile_top(once, max(iters // 2, 1))
+                pub.release_staging()
+    finally:
+        remote.close()
+    return rows, extra
+
+
 def bench_sglang() -> tuple[list[dict], dict]:
     from colocate.sglang_engine import SGLangEngine, sglang_engine_args, write_hf_checkpoint
 
@@ -295,7 +371,7 @@ def bench_sglang() -> tuple[list[dict], dict]:
                   "note": "every method includes SGLang's weight checksum (the end-of-update device sync)"}
 
 
-def _plot(rows: list[dict], name: str) -> None:
+def _plot(rows: list[dict], name: str, metric: str = "GBps", label: str = "payload GB/s (higher is better)") -> None:
     try:
         import matplotlib
     except ImportError:  # the SGLang carry (go.sh) may not include matplotlib: JSON + table still written
@@ -306,8 +382,8 @@ def _plot(rows: list[dict], name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh([r["provider"] for r in rows], [r["GBps"] for r in rows])
-    ax.set_xlabel("payload GB/s (higher is better)")
+    ax.barh([r["provider"] for r in rows], [r[metric] for r in rows])
+    ax.set_xlabel(label)
     ax.set_title(name)
     fig.tight_layout()
     fig.savefig(out_dir() / f"{name}.png", dpi=120)
@@ -317,9 +393,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small CPU smoke run (shared-memory transport)")
     ap.add_argument("--sglang", action="store_true", help="publish into a real SGLang engine (GPU + sglang)")
+    ap.add_argument("--overhead", action="store_true", help="fixed per-publish CPU cost of 399 tiny tensors")
+    ap.add_argument("--iters", type=int, default=50, help="publishes timed per variant (--overhead)")
     args = ap.parse_args()
     t0 = time.time()
-    if args.sglang:
+    if args.overhead:
+        rows, extra = bench_overhead(args.iters)
+        name, cols = "publish_overhead", ["case", "provider", "ms", "untimed_ms", "convert_ms", "begin_ms", "bucket_ms",
+                                          "transfer_ms", "load_ms", "verify_ms", "buckets", "shared_storages"]
+    elif args.sglang:
         rows, extra = bench_sglang()
         name, cols = "publish_sglang", ["case", "provider", "ms", "GBps", "speedup_vs_naive"]
     else:
@@ -328,12 +410,18 @@ def main() -> None:
                                  "shared_storages", "buckets", "trainer_peak_extra_MiB"]
     extra["wall_s"] = time.time() - t0
     path = write_results(name, rows, extra)
-    _plot(rows, name)
+    if args.overhead:
+        _plot(rows, name, "ms", "ms per publish of 399 tiny tensors (lower is better)")
+    else:
+        _plot(rows, name)
     print(f"wrote {path}")
-    print({k: v for k, v in extra.items() if k != "phases_ms_median"})
+    print({k: v for k, v in extra.items() if k not in ("phases_ms_median", "profile_top")})
     if "phases_ms_median" in extra:
         for provider, ph in extra["phases_ms_median"].items():
             print(f"phases (ms, median) {provider}:", {k: round(v, 3) for k, v in ph.items()})
+    for r in extra.get("profile_top", []):
+        print(f"profile {r['tottime_ms']:8.3f} ms own {r['cumtime_ms']:8.3f} ms cum {r['calls']:7.0f} calls  "
+              f"{r['function']}")
     print_table(rows, cols)
 
 
