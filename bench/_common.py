@@ -31,6 +31,11 @@ def out_dir() -> Path:
 
 
 def _git_commit() -> str:
+    """``MCD_COMMIT`` when set (the GPU box's copy of the repository can carry a stale HEAD, so
+    the lane scripts pass the commit described on the machine that sent the tree), else
+    ``git describe --always --dirty``."""
+    if os.environ.get("MCD_COMMIT"):
+        return os.environ["MCD_COMMIT"]
     try:
         # "-dirty" when the tree differs from HEAD (e.g. a device copy of an uncommitted tree)
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True,
