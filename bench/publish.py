@@ -399,7 +399,7 @@ def main() -> None:
     t0 = time.time()
     if args.overhead:
         rows, extra = bench_overhead(args.iters)
-        name, cols = "publish_overhead", ["case", "provider", "ms", "untimed_ms", "convert_ms", "begin_ms", "bucket_ms",
+        name, cols = "publish_overhead", ["case", "provider", "ms", "untimed_ms", "convert_ms", "begin_ms", "plan_ms", "bucket_ms",
                                           "transfer_ms", "load_ms", "verify_ms", "buckets", "shared_storages"]
     elif args.sglang:
         rows, extra = bench_sglang()

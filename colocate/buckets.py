@@ -30,10 +30,10 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
+        n = self.dtype.itemsize  # not torch.empty(...).element_size(): an allocation per call
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n
 
 
 def align(n: int) -> int:

@@ -21,8 +21,14 @@ Per publish (one ``weight_version``):
 Any failure aborts the update on the receiver (previous weights stay; a failure after the
 commit rolls back receivers that have ``rollback``), marks the version poisoned (it can never
 be published again) and raises :class:`PublishError` with the cause.
-Timings per phase: convert (pulling tensors from the iterator), bucket (packing copies and
-sender checksums), transfer (hand-over until ack), load (verify + commit), verify (read-back).
+Timings per phase: convert (pulling tensors from the iterator), begin (metadata check and
+``begin_update``), plan (the publisher's per-tensor bookkeeping: checks against ``meta``, entries,
+storage grouping), bucket (packing copies and sender checksums), transfer (hand-over until ack),
+load (verify + commit), release (unmapping, freeing staging), verify (read-back); the send loop
+is timed whole, so only building the report is outside them.
+What depends on ``meta`` and the receiver's specs alone (the passed check, the staging capacity,
+per-name sizes and entries) is kept in a plan and reused while both compare equal, so repeated
+publishes of one model skip it; tensors and storages are still checked on every publish.
 Storages shared in place are unmapped by the receiver at the end of each publish (so the trainer
 can release them) unless ``keep_shared``; then :meth:`Publisher.release_staging` unmaps them.
 """
@@ -48,11 +54,61 @@ __all__ = ["PublishError", "PoisonedVersionError", "PublishReport", "Publisher"]
 log = logging.getLogger(__name__)
 
 
+PHASES = ("convert", "begin", "plan", "bucket", "transfer", "load", "release", "verify")
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = 1
+    n = dtype.itemsize
     for x in shape:
         n *= int(x)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n
+
+
+def _equal(a: Mapping, b: Mapping) -> bool:
+    """``a == b``, False where the comparison itself fails (odd values in a caller's meta)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. array-valued shapes: treated as a changed layout
+        return False
+
+
+def _layout(m: Mapping) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """An immutable snapshot of name → (shape, dtype) with int tuples as shapes."""
+    return {n: (tuple(int(x) for x in s), d) for n, (s, d) in m.items()}
+
+
+@dataclass
+class _Plan:
+    """What one ``meta`` against one receiver layout determines, reused by later publishes while
+    both compare equal: ``check_params`` passed (for this ``require_all``), the staging
+    capacity ``cap``, each name's (shape, dtype) and aligned packed size, and the last
+    :class:`Entry` made per name (frozen, so shared when its offset recurs)."""
+
+    meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    require_all: bool
+    cap: int
+    sizes: dict[str, int]
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, meta: Mapping, specs: Mapping, require_all: bool) -> _Plan:
+        """Check ``meta`` against ``specs`` (raises :class:`ParamMismatchError`) and plan it."""
+        check_params(meta, specs, require_all=require_all)
+        snap = _layout(meta)
+        sizes = {n: align(_nbytes(s, d)) for n, (s, d) in snap.items()}
+        return cls(snap, _layout(specs), require_all, sum(sizes.values()), sizes)
+
+    def matches(self, meta: Mapping, specs: Mapping, require_all: bool) -> bool:
+        return require_all == self.require_all and _equal(self.meta, meta) and _equal(self.specs, specs)
+
+    def entry(self, name: str, offset: int) -> Entry:
+        """``Entry(name, dtype, shape, offset)`` from the planned layout (cached per name)."""
+        e = self.entries.get(name)
+        if e is None or e.offset != offset:
+            shape, dtype = self.meta[name]
+            e = self.entries[name] = Entry(name, dtype, shape, offset)
+        return e
 
 
 class PublishError(RuntimeError):
@@ -129,7 +185,9 @@ class Publisher:
         self.share_min_bytes = share_min_bytes
         self.keep_shared = keep_shared
         self._shared_slots: set[tuple] = set()
-        self._cap = 0
+        self._plan: _Plan | None = None
+        self.plan_reused = 0
+        """Publishes that reused the plan (names/shapes/dtypes unchanged, check not re-run)."""
 
     # ----- staging buffers --------------------------------------------------------------------
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -169,7 +227,7 @@ class Publisher:
         if version in self.poisoned or (self.last_good is not None and version <= self.last_good):
             raise PoisonedVersionError(f"weight_version {version} is poisoned or not newer than the last good "
                                        f"version {self.last_good} (poisoned: {sorted(self.poisoned)})")
-        timings = dict.fromkeys(("convert", "begin", "bucket", "transfer", "load", "release", "verify"), 0.0)
+        timings = dict.fromkeys(PHASES, 0.0)
         phase = "check"
         began = False
         try:
@@ -178,16 +236,16 @@ class Publisher:
                 t0 = time.perf_counter()
                 items = list(items)
                 timings["convert"] += time.perf_counter() - t0
-                meta = {n: (tuple(t.shape), t.dtype) for n, t in items}
             t0 = time.perf_counter()
-            check_params(meta, self.receiver.param_specs(), require_all=require_all)
-            self._cap = sum(align(_nbytes(s, d)) for s, d in meta.values())
+            if meta is None:
+                meta = {n: (tuple(t.shape), t.dtype) for n, t in items}
+            plan = self._plan_for(meta, require_all)
             phase = "begin"
             self.receiver.begin_update(version)
             began = True
             timings["begin"] = time.perf_counter() - t0
             phase = "transfer"
-            report = self._send(iter(items), meta, version, timings)
+            report = self._send(iter(items), plan, version, timings)
             phase = "load"
             t0 = time.perf_counter()
             self.receiver.end_update(version, report.pop("checksums"))
@@ -238,21 +296,46 @@ class Publisher:
                  {k: round(v * 1e3, 2) for k, v in timings.items()})
         return rep
 
+    def _plan_for(self, meta: Mapping, require_all: bool) -> _Plan:
+        """The plan of the last publish if ``meta``, the receiver's specs (asked every time) and
+        ``require_all`` are unchanged, else a new one (``check_params`` runs again)."""
+        specs = self.receiver.param_specs()
+        if self._plan is not None and self._plan.matches(meta, specs, require_all):
+            self.plan_reused += 1
+            return self._plan
+        self._plan = None
+        self._plan = _Plan.build(meta, specs, require_all)
+        return self._plan
+
     # ----- sending -----------------------------------------------------------------------------
-    def _shareable(self, t: torch.Tensor) -> bool:
-        """True when ``t`` is sent in place: a contiguous view into a storage of at least
-        ``share_min_bytes`` that the transport can hand over as it is (no packing copy)."""
-        if self.share_min_bytes is None or self.transport == "disk" or not t.is_contiguous():
-            return False
-        if t.untyped_storage().nbytes() < self.share_min_bytes:
+    def _shares_storage(self) -> bool:
+        """Whether any tensor can go in place with this transport and ``share_min_bytes``."""
+        return self.share_min_bytes is not None and self.transport != "disk"
+
+    def _shareable(self, t: torch.Tensor, s: torch.UntypedStorage) -> bool:
+        """True when ``t`` (with storage ``s``) is sent in place: a contiguous view into a storage
+        of at least ``share_min_bytes`` that the transport can hand over as it is (no packing copy).
+        Callers check :meth:`_shares_storage` first."""
+        if s.nbytes() < self.share_min_bytes or not t.is_contiguous():
             return False
         if self.transport == "cuda_ipc":
             return t.is_cuda
         if self.transport == "shm":
-            return t.device.type == "cpu" and t.is_shared()
+            return s.device.type == "cpu" and s.is_shared()  # what Tensor.is_shared() asks, minus its wrapper
         return True  # inprocess: handed over by reference
 
-    def _send(self, items, meta, version: int, timings: dict[str, float]) -> dict:
+    def _send(self, items, plan: _Plan, version: int, timings: dict[str, float]) -> dict:
+        """Pull, check, group and hand over every tensor; the whole call is timed (``plan`` gets
+        what the convert/bucket/transfer timers inside it did not count)."""
+        start = time.perf_counter()
+        inner = timings["convert"] + timings["bucket"] + timings["transfer"]
+        try:
+            return self._send_all(items, plan, version, timings)
+        finally:
+            inner = timings["convert"] + timings["bucket"] + timings["transfer"] - inner
+            timings["plan"] += time.perf_counter() - start - inner
+
+    def _send_all(self, items, plan: _Plan, version: int, timings: dict[str, float]) -> dict:
         cfg = self.config
         remote = isinstance(self.receiver, RemoteReceiver)
         checksums: dict[str, int] | None = {} if cfg.verify == "checksum" and self._verifies else None
@@ -295,7 +378,7 @@ class Publisher:
                 buf = torch.empty(size, dtype=torch.uint8, device=self.device)
                 fresh.append(buf)  # alive until the receiver's end_update synchronized
             else:
-                buf = self._buffer(st["buckets"] % cfg.max_in_flight, max(size, min(cfg.bucket_bytes, self._cap)))
+                buf = self._buffer(st["buckets"] % cfg.max_in_flight, max(size, min(cfg.bucket_bytes, plan.cap)))
             pack_bucket(cur_t, cur, buf)
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
@@ -323,6 +406,8 @@ class Publisher:
             hand_over(slot, entries, storage, storage.numel())
             st["shared"] += 1
 
+        meta, sizes, sampled = plan.meta, plan.sizes, cfg.verify == "sampled"
+        sharing = self._shares_storage()
         while True:
             t0 = time.perf_counter()
             try:
@@ -331,38 +416,39 @@ class Publisher:
                 break
             finally:
                 timings["convert"] += time.perf_counter() - t0
-            if name not in meta:
+            want = meta.get(name)
+            if want is None:
                 raise ValueError(f"weights yielded {name!r}, which is not in meta")
             if name in seen:
                 raise ValueError(f"weights yielded {name!r} twice")
             seen.add(name)
-            shape, dtype = meta[name]
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"weights yielded {name!r} as {tuple(t.shape)} {t.dtype}, meta says {tuple(shape)} "
+            shape, dtype = want
+            if t.dtype != dtype or t.shape != shape:  # torch.Size == tuple: compared as tuples
+                raise ValueError(f"weights yielded {name!r} as {tuple(t.shape)} {t.dtype}, meta says {shape} "
                                  f"{dtype}")
-            t0 = time.perf_counter()
-            if checksums is not None:
-                checksums[name] = tensor_checksum(t)
-            if cfg.verify == "sampled":
-                n = t.numel()
-                idx = torch.randint(0, n, (min(cfg.sample_count, n),), generator=gen)
-                samples[name] = (idx, t.reshape(-1)[idx.to(t.device)].cpu())
-            timings["bucket"] += time.perf_counter() - t0
-            if self._shareable(t):
+            if checksums is not None or sampled:
+                t0 = time.perf_counter()
+                if checksums is not None:
+                    checksums[name] = tensor_checksum(t)
+                if sampled:
+                    n = t.numel()
+                    idx = torch.randint(0, n, (min(cfg.sample_count, n),), generator=gen)
+                    samples[name] = (idx, t.reshape(-1)[idx.to(t.device)].cpu())
+                timings["bucket"] += time.perf_counter() - t0
+            if sharing:
                 s = t.untyped_storage()
-                key = (s.data_ptr(), s.nbytes())
-                if group is not None and group[0] != key:
-                    flush_group()
-                if group is None:
-                    group = (key, torch.empty(0, dtype=torch.uint8, device=t.device).set_(s), [])
-                group[2].append(Entry(name, t.dtype, tuple(int(x) for x in t.shape),
-                                      t.storage_offset() * t.element_size()))
-                continue
-            e = Entry(name, t.dtype, tuple(int(x) for x in t.shape), 0)
-            size = align(e.nbytes)
+                if self._shareable(t, s):
+                    key = (s.data_ptr(), s.nbytes())
+                    if group is not None and group[0] != key:
+                        flush_group()
+                    if group is None:
+                        group = (key, torch.empty(0, dtype=torch.uint8, device=t.device).set_(s), [])
+                    group[2].append(plan.entry(name, t.storage_offset() * dtype.itemsize))
+                    continue
+            size = sizes[name]
             if cur and used + size > cfg.bucket_bytes:
                 flush_bucket()
-            cur.append(Entry(name, e.dtype, e.shape, used))
+            cur.append(plan.entry(name, used))
             cur_t[name] = t
             used += size
         flush_bucket()
@@ -371,7 +457,7 @@ class Publisher:
         while remote and self.receiver.in_flight:
             self.receiver.wait_one(cfg.timeout_s)
         timings["transfer"] += time.perf_counter() - t0
-        missing = [n for n in meta if n not in seen]
+        missing = [n for n in meta if n not in seen] if len(seen) != len(meta) else []  # seen ⊆ meta
         if missing:
             raise ValueError(f"weights ended before {len(missing)} planned tensor(s): {missing[:10]}")
         if self._fresh:

@@ -36,7 +36,7 @@ def test_inprocess_versions_logits_and_poisoning(spec):
         w = _weights(spec, seed)
         rep = pub.publish(w, version=version)
         assert rep.num_buckets > 1 and rep.nbytes == sum(t.numel() * t.element_size() for t in w.values())
-        assert set(rep.timings) == {"convert", "begin", "bucket", "transfer", "load", "release", "verify"}
+        assert set(rep.timings) == {"convert", "begin", "plan", "bucket", "transfer", "load", "release", "verify"}
         assert engine.weight_version() == version
         ref = build_hf_model(spec)
         views = hf_checkpoint_views(ref)
