@@ -5,7 +5,8 @@ Cases:
   param buffer holds it, in one contiguous buffer in Megatron layout; the converter's HF stream
   (views of that buffer, fresh tensors only for the GQA q/k/v split) is published by
   :class:`colocate.publish.Publisher` from this (trainer) process to a receiver process on the
-  same GPU that copies every tensor into its own parameters. Variants: ``packed`` (everything
+  same GPU that copies every tensor into its own parameters (one ``torch._foreach_copy_`` per
+  bucket or shared storage; runs before 2026-11-30 copied entry by entry in a loop). Variants: ``packed`` (everything
   copied into 1 GiB buckets, ≤ 2 in flight: the old path), ``inplace`` (the buffer is shared as
   one IPC handle and only q/k/v are packed; the receiver unmaps it after each publish) and
   ``inplace_keep_mapped`` (mapped across publishes: no handle after the first). Baselines in the
@@ -65,8 +66,9 @@ SGL_1GB = HFModelSpec(arch="qwen3", num_layers=16, hidden_size=2048, num_attenti
 
 
 class CopyReceiver:
-    """Receiver process for the benchmark: owns one tensor per name and copies each bucket entry
-    into it (the one device copy a real engine's load does), then synchronizes before acking."""
+    """Receiver process for the benchmark: owns one tensor per name and copies each bucket's
+    entries into them with one ``torch._foreach_copy_`` (the one device copy a real engine's load
+    does, batched), then synchronizes before acking."""
 
     def __init__(self, specs: dict, device: str):
         self.device = torch.device(device)
@@ -88,8 +90,8 @@ class CopyReceiver:
         pass
 
     def load_bucket(self, entries, buffer):
-        for n, t in unpack_bucket(buffer, entries).items():
-            self.params[n].copy_(t, non_blocking=True)
+        src = unpack_bucket(buffer, entries)  # one _foreach_copy_ per bucket, not a Python loop of copy_
+        torch._foreach_copy_([self.params[n] for n in src], list(src.values()), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 

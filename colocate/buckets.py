@@ -68,12 +68,14 @@ def bucket_nbytes(entries: list[Entry]) -> int:
 
 
 def pack_bucket(tensors: dict[str, torch.Tensor], entries: list[Entry], buffer: torch.Tensor) -> None:
-    """Copy each entry's tensor into ``buffer`` (uint8, ≥ :func:`bucket_nbytes`) at its offset."""
-    for e in entries:
-        t = tensors[e.name]
-        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+    """Copy each entry's tensor into ``buffer`` (uint8, ≥ :func:`bucket_nbytes`) at its offset,
+    in one ``_foreach_copy_`` (on CUDA: batched launches instead of one copy kernel per entry)."""
+    srcs = [tensors[e.name] for e in entries]
+    for e, t in zip(entries, srcs):
+        if t.shape != e.shape or t.dtype != e.dtype:
             raise ValueError(f"pack_bucket: {e.name} is {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
-        view(buffer, e).copy_(t)
+    if srcs:
+        torch._foreach_copy_([view(buffer, e) for e in entries], srcs)
 
 
 def view(buffer: torch.Tensor, e: Entry) -> torch.Tensor:

@@ -174,3 +174,21 @@ def test_odd_meta_values_fall_back_to_a_fresh_check():
     for version in (1, 2):
         pub.publish(w, version=version, meta=meta)
     assert pub.plan_reused == 0 and engine.checksums() == {n: tensor_checksum(t) for n, t in w.items()}
+
+
+def test_pack_bucket_round_trip_mixed_dtypes_and_strides():
+    """pack_bucket's single _foreach_copy_ equals per-entry copies: mixed dtypes, a
+    non-contiguous source, and the same error for a tensor that does not match its entry."""
+    from colocate.buckets import pack_bucket, plan_buckets, unpack_bucket
+
+    g = torch.Generator().manual_seed(0)
+    ts = {"a": torch.randn(5, 3, generator=g).t(), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+          "c": torch.randint(0, 100, (4, 2), generator=g, dtype=torch.int64), "d": torch.randn(1, generator=g)}
+    (entries,) = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in ts.items()], bucket_bytes=1 << 20)
+    buf = torch.zeros(entries[-1].offset + 256, dtype=torch.uint8)
+    pack_bucket(ts, entries, buf)
+    got = unpack_bucket(buf, entries)
+    assert all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in ts.items())
+    with pytest.raises(ValueError, match=r"pack_bucket: b is \(7,\) torch.float32, planned \(7,\) torch.bfloat16"):
+        pack_bucket({**ts, "b": ts["b"].float()}, entries, buf)
+    pack_bucket({}, [], buf)  # an empty bucket is a no-op
