@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", "write_results", "print_table",
-           "plot_speedup_vs_c"]
+__all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", "kernel_profile", "kernel_kind",
+           "write_results", "print_table", "plot_speedup_vs_c"]
 
 
 def out_dir() -> Path:
@@ -116,6 +116,53 @@ def peak_memory(fn: Callable[[], Any]) -> int:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
+
+
+_KINDS = (("nvjet", "gemm"), ("gemm", "gemm"), ("cublas", "gemm"), ("flash", "flash attention"),
+          ("reduce_kernel", "reduce"), ("indexFunc", "index/gather/scatter"), ("gather", "index/gather/scatter"),
+          ("scatter", "index/gather/scatter"), ("index", "index/gather/scatter"), ("copy", "copy"),
+          ("elementwise", "elementwise"), ("layer_norm", "norm"), ("Norm", "norm"), ("Cat", "cat"))
+
+
+def kernel_kind(name: str) -> str:
+    """Coarse kind of a CUDA kernel from its name (gemm, flash attention, reduce, ... , other)."""
+    for key, kind in _KINDS:
+        if key in name:
+            return kind
+    return "other"
+
+
+def kernel_profile(fn: Callable[[], Any], trace_path: Path | None = None) -> dict[str, Any]:
+    """One profiled call of ``fn`` (CUDA): ``kernel_ms`` (sum of kernel durations: the GPU's busy
+    time, which a host-bound step exceeds on the wall clock), ``by_kind`` (ms per
+    :func:`kernel_kind`) and ``wall_ms`` of the profiled call (profiler overhead included).
+    ``trace_path``: also write the chrome trace there (gzip). Without CUDA: ``{}``."""
+    if not torch.cuda.is_available():
+        return {}
+    import gzip
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        trace = json.loads(Path(tmp.name).read_text())
+    if trace_path is not None:
+        with gzip.open(trace_path, "wt") as f:
+            json.dump(trace, f)
+    kinds: dict[str, float] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") == "kernel":
+            k = kernel_kind(e["name"])
+            kinds[k] = kinds.get(k, 0.0) + e["dur"] / 1e3
+    return {"kernel_ms": sum(kinds.values()), "wall_ms": wall,
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
 
 
 def write_results(name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:

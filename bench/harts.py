@@ -52,7 +52,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import out_dir, peak_memory, plot_speedup_vs_c, print_table, time_cpu, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    kernel_profile,
+    out_dir,
+    peak_memory,
+    plot_speedup_vs_c,
+    print_table,
+    time_cpu,
+    write_results,
+)
 
 
 def _setup():
@@ -164,47 +172,20 @@ def _flop_model(cfg):
     return per_row, per_pair
 
 
-def _kernel_category(name: str) -> str:
-    for key, cat in (("nvjet", "gemm"), ("gemm", "gemm"), ("cublas", "gemm"), ("flash", "flash attention"),
-                     ("reduce_kernel", "reduce"), ("indexFunc", "index/gather/scatter"), ("gather", "index/gather/scatter"),
-                     ("scatter", "index/gather/scatter"), ("index", "index/gather/scatter"), ("copy", "copy"),
-                     ("elementwise", "elementwise"), ("layer_norm", "norm"), ("Norm", "norm"), ("Cat", "cat")):
-        if key in name:
-            return cat
-    return "other"
-
-
 def _profile(runs, case, dev):
     """One profiled step per provider: GPU kernel time grouped by kind (ms), and the chrome traces
     (``harts_trace_<provider>.json.gz``) — where a tree step spends more than its C-scaled share."""
-    import gzip
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from torch.profiler import ProfilerActivity, profile
-
     out = {}
     for provider, r in runs.items():
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if dev == "cuda"
-                     else [ProfilerActivity.CPU]) as prof:
+        if dev != "cuda":
             r["step"]()
-            _sync()
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            prof.export_chrome_trace(tmp.name)
-            trace = json.loads(Path(tmp.name).read_text())
-        with gzip.open(out_dir() / f"harts_trace_{provider}.json.gz", "wt") as f:
-            json.dump(trace, f)
-        cats: dict[str, float] = {}
-        for e in trace.get("traceEvents", []):
-            if e.get("cat") == "kernel":
-                k = _kernel_category(e["name"])
-                cats[k] = cats.get(k, 0.0) + e["dur"] / 1e3
-        out[provider] = dict(sorted(cats.items(), key=lambda kv: -kv[1]))
-    print(f"\nGPU kernel ms by kind, one step of {case}:")
-    kinds = list(dict.fromkeys(k for v in out.values() for k in v))
-    print_table([{"kind": k, **{p: v.get(k, 0.0) for p, v in out.items()}} for k in kinds] +
-                [{"kind": "total", **{p: sum(v.values()) for p, v in out.items()}}], ["kind", *out])
+            continue
+        out[provider] = kernel_profile(r["step"], out_dir() / f"harts_trace_{provider}.json.gz")["by_kind"]
+    if out:
+        print(f"\nGPU kernel ms by kind, one step of {case}:")
+        kinds = list(dict.fromkeys(k for v in out.values() for k in v))
+        print_table([{"kind": k, **{p: v.get(k, 0.0) for p, v in out.items()}} for k in kinds] +
+                    [{"kind": "total", **{p: sum(v.values()) for p, v in out.items()}}], ["kind", *out])
     return out
 
 

@@ -14,8 +14,11 @@ Sections:
   a forest) vs ``tree`` / ``tree_unaligned`` / ``tree_chainsched``.
 
 Workloads: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9} and a multi-turn
-caterpillar. Per row: time (p20/p50/p80), peak memory, rounds (sequential kernel calls per GDN
-layer), replayed tokens (alignment), exported tokens (chain schedule's state-only pieces), C.
+caterpillar. Per row: time (p20/p50/p80), GPU kernel time of one profiled step (``kernel_ms``:
+the GPU's busy time; a wall time far above it means the step is bound by the host), peak memory,
+rounds (sequential kernel calls per GDN layer), replayed tokens (alignment), exported tokens
+(chain schedule's state-only pieces), C. The tables add ``tree_kern_x``, the tree's speedup in
+GPU kernel time, next to the wall-clock ``tree_x``.
 If FLA refuses the backward (Hopper + Triton 3.6 without tilelang) the run times forward only and
 says so in the JSON (``mode``).
 
@@ -38,7 +41,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench._common import out_dir, peak_memory, plot_speedup_vs_c, print_table, time_cpu, write_results  # noqa: E402
+from bench._common import (  # noqa: E402
+    kernel_profile,
+    out_dir,
+    peak_memory,
+    plot_speedup_vs_c,
+    print_table,
+    time_cpu,
+    write_results,
+)
 
 GDN_QUICK = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                  linear_num_value_heads=4)
@@ -148,7 +159,7 @@ def bench_layer(args, dev, rows, bwd):
     mixer = model.decoder.layers[0].self_attention
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
-        res = {}
+        res, kms = {}, {}
         for provider in _providers(dev):
             f = _forest_for(provider, seqs, dev)
             gen = torch.Generator(device=dev).manual_seed(0)
@@ -179,15 +190,17 @@ def bench_layer(args, dev, rows, bwd):
             step()
             tm = time_cpu(step, warmup=1, iters=args.iters)
             mem = peak_memory(step)
-            res[provider] = tm["p50"]
+            kern = kernel_profile(step).get("kernel_ms", float("nan"))
+            res[provider], kms[provider] = tm["p50"], kern
             rows.append({"bench": "harts_gdn", "section": "layer", "case": case, "provider": provider,
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
-                         "ms_p80": tm["p80"], "peak_bytes": mem, "rows": f.num_nodes, "total_tokens": f.total_tokens,
+                         "ms_p80": tm["p80"], "kernel_ms": kern, "peak_bytes": mem, "rows": f.num_nodes,
+                         "total_tokens": f.total_tokens,
                          "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds if plan else 1,
                          "replay_tokens": plan.replay_tokens if plan else 0,
                          "export_tokens": plan.export_tokens if plan else 0,
                          "pieces": plan.num_pieces if plan else f.num_seqs})
-            print(f"[layer] {case} {provider}: {tm['p50']:.2f} ms", flush=True)
+            print(f"[layer] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms)", flush=True)
         _checkpoint(args, rows, bwd)
         st = build_forest_stats(seqs, dev)
         base = res["chain"]
@@ -195,7 +208,9 @@ def bench_layer(args, dev, rows, bwd):
                       "chsched_export": st[4], "thd_mcore_ms": res.get("thd_megatron", float("nan")),
                       "chain_ms": base, "tree_ms": res["tree"], "unal_ms": res["tree_unaligned"],
                       "chsched_ms": res["tree_chainsched"], "tree_x": base / res["tree"],
-                      "tree_vs_mcore": res.get("thd_megatron", float("nan")) / res["tree"]})
+                      "tree_vs_mcore": res.get("thd_megatron", float("nan")) / res["tree"],
+                      "mcore_kern_ms": kms.get("thd_megatron", float("nan")), "chain_kern_ms": kms["chain"],
+                      "tree_kern_ms": kms["tree"], "tree_kern_x": kms["chain"] / kms["tree"]})
     return table
 
 
@@ -226,7 +241,7 @@ def bench_model(args, dev, rows, bwd):
     args.backend = backend
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
-        res, mems, plans = {}, {}, {}
+        res, mems, plans, kms = {}, {}, {}, {}
         for provider in ("chain", "tree", "tree_unaligned", "tree_chainsched"):
             f = _forest_for(provider, seqs, dev)
             gdn = _gdn_config(provider)
@@ -248,22 +263,26 @@ def bench_model(args, dev, rows, bwd):
             step()
             tm = time_cpu(step, warmup=1, iters=args.iters)
             mem = peak_memory(step)
-            res[provider], mems[provider], plans[provider] = tm["p50"], mem, plan_ms
+            kern = kernel_profile(step).get("kernel_ms", float("nan"))
+            res[provider], mems[provider], plans[provider], kms[provider] = tm["p50"], mem, plan_ms, kern
             rows.append({"bench": "harts_gdn", "section": "model", "case": case, "provider": provider,
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
-                         "ms_p80": tm["p80"], "peak_bytes": mem, "rows": f.num_nodes, "total_tokens": f.total_tokens,
+                         "ms_p80": tm["p80"], "kernel_ms": kern, "peak_bytes": mem, "rows": f.num_nodes,
+                         "total_tokens": f.total_tokens,
                          "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds,
                          "replay_tokens": plan.replay_tokens,
                          "export_tokens": plan.export_tokens,
                          "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3)})
-            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms (plan {plan_ms:.1f} ms)", flush=True)
+            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, plan {plan_ms:.1f} ms)",
+                  flush=True)
         _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
         table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
                       "unal_ms": res["tree_unaligned"], "chsched_ms": res["tree_chainsched"],
                       "tree_x": res["chain"] / res["tree"],
                       "tree_x/C": res["chain"] / res["tree"] / c, "chain_MiB": mems["chain"] / 2**20,
-                      "tree_MiB": mems["tree"] / 2**20, "tree_plan_ms": plans["tree"]})
+                      "tree_MiB": mems["tree"] / 2**20, "tree_plan_ms": plans["tree"], "chain_kern_ms": kms["chain"],
+                      "tree_kern_ms": kms["tree"], "tree_kern_x": kms["chain"] / kms["tree"]})
     return table
 
 
