@@ -6,7 +6,7 @@ Cases:
   (views of that buffer, fresh tensors only for the GQA q/k/v split) is published by
   :class:`colocate.publish.Publisher` from this (trainer) process to a receiver process on the
   same GPU that copies every tensor into its own parameters (one ``torch._foreach_copy_`` per
-  bucket or shared storage; runs before 2026-11-30 copied entry by entry in a loop). Variants: ``packed`` (everything
+  bucket or shared storage; runs before 2026-11-29 23:55 UTC copied entry by entry in a loop). Variants: ``packed`` (everything
   copied into 1 GiB buckets, ≤ 2 in flight: the old path), ``inplace`` (the buffer is shared as
   one IPC handle and only q/k/v are packed; the receiver unmaps it after each publish) and
   ``inplace_keep_mapped`` (mapped across publishes: no handle after the first). Baselines in the
