@@ -9,8 +9,10 @@ Per publish (one ``weight_version``):
    * **in place**: a contiguous view into a storage of at least ``share_min_bytes`` (a Megatron
      DDP param buffer, a converter output that is a view of it) is not copied: the storage is
      handed over once (one IPC/shm handle) with the byte offsets of its tensors, and the
-     receiver copies straight from it into its weights;
-   * **packed**: everything else (converted tensors such as the GQA-split q/k/v, small
+     receiver copies straight from it into its weights (the tensors of up to
+     :attr:`Publisher.OPEN_STORAGES` storages are collected at once, so the trainer's buffer and
+     a :class:`~colocate.convert.ConversionArena` interleaving per layer go as one request each);
+   * **packed**: everything else (converted tensors such as the GQA-split q/k/v without an arena, small
      storages) is packed into flattened buckets of at most ``bucket_bytes`` in at most
      ``max_in_flight`` (≤ 2) staging buffers, a buffer being reused only after the receiver
      acknowledged its previous bucket and the device synchronized;
@@ -155,6 +157,12 @@ class Publisher:
     always pack). ``keep_shared``: keep such storages mapped in the receiver between publishes
     (no new handles next time; call :meth:`release_staging` before the trainer frees them).
     """
+
+    OPEN_STORAGES = 2
+    """In-place storages whose tensors are collected at once, each handed over as one request
+    when a further storage arrives (the oldest goes) or at the end: the trainer's buffer and a
+    :class:`~colocate.convert.ConversionArena` interleave per layer and still go as one request
+    each. A stream of distinct large storages (TP-gathered tensors) keeps at most this many alive."""
 
     def __init__(self, receiver, config: PublishConfig | None = None, *, device: str | torch.device | None = None,
                  share_min_bytes: int | None = 64 << 20, keep_shared: bool = False):
@@ -346,7 +354,8 @@ class Publisher:
         cur: list[Entry] = []
         cur_t: dict[str, torch.Tensor] = {}
         used = 0
-        group: tuple[tuple[int, int], torch.Tensor, list[Entry]] | None = None  # (key, storage bytes, entries)
+        # open in-place groups, oldest first: storage key → (storage as bytes, entries)
+        groups: dict[tuple[int, int], tuple[torch.Tensor, list[Entry]]] = {}
         seen: set[str] = set()
 
         def wait_slot() -> None:
@@ -387,12 +396,8 @@ class Publisher:
             st["buckets"] += 1
             cur, cur_t, used = [], {}, 0
 
-        def flush_group() -> None:
-            nonlocal group
-            if group is None:
-                return
-            key, storage, entries = group
-            group = None
+        def flush_group(key: tuple[int, int]) -> None:
+            storage, entries = groups.pop(key)
             spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries)
             for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
                 if start < end:  # e.g. a generator that reuses one buffer for successive tensors
@@ -439,11 +444,12 @@ class Publisher:
                 s = t.untyped_storage()
                 if self._shareable(t, s):
                     key = (s.data_ptr(), s.nbytes())
-                    if group is not None and group[0] != key:
-                        flush_group()
+                    group = groups.get(key)
                     if group is None:
-                        group = (key, torch.empty(0, dtype=torch.uint8, device=t.device).set_(s), [])
-                    group[2].append(plan.entry(name, t.storage_offset() * dtype.itemsize))
+                        if len(groups) >= self.OPEN_STORAGES:
+                            flush_group(next(iter(groups)))
+                        group = groups[key] = (torch.empty(0, dtype=torch.uint8, device=t.device).set_(s), [])
+                    group[1].append(plan.entry(name, t.storage_offset() * dtype.itemsize))
                     continue
             size = sizes[name]
             if cur and used + size > cfg.bucket_bytes:
@@ -452,7 +458,8 @@ class Publisher:
             cur_t[name] = t
             used += size
         flush_bucket()
-        flush_group()
+        for key in list(groups):
+            flush_group(key)
         t0 = time.perf_counter()
         while remote and self.receiver.in_flight:
             self.receiver.wait_one(cfg.timeout_s)
