@@ -25,20 +25,32 @@ split (Qwen3.5 ``in_proj_qkv``/``z``/``b``/``a``); gated attention ``linear_qkv`
 ``[q; gate; k; v]``) becomes ``q_proj`` with ``[q_h; gate_h]`` per head; HF's decoder and q/k
 norms are zero-centered (``x·(1 + w)``), its GDN gated norm is not. Under TP the GDN ``in_proj``
 and ``conv1d`` shards hold several stacked tensors and merge with :func:`merge_tp_sections`.
+
+Copies: most outputs are views of the input (norms, ``o_proj``/``down_proj``, gate/up halves,
+embeddings). The GQA q/k/v split, the hybrid's gated ``q_proj``/GDN regrouping, the hybrid's
+norm shifts and dtype casts must create tensors. By default each is a fresh allocation; with a
+:class:`ConversionArena` (``arena=``) they are written into one persistent buffer instead, so
+every output is a view of either the input's storage or the arena's, and a publisher can hand
+both storages over in place (no packing copy, and with a fixed arena no new IPC handle).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 import torch
 
+from colocate.buckets import align
 from colocate.config import ConfigError, HFModelSpec
 
 __all__ = [
     "ConversionError",
+    "ConversionArena",
+    "ArenaCapacityError",
+    "arena_nbytes",
     "ParamMismatchError",
     "split_qkv",
     "merge_qkv",
@@ -74,10 +86,125 @@ class ParamMismatchError(ValueError):
         super().__init__(f"{total} parameter mismatch(es); first {len(problems)}:\n  " + "\n  ".join(problems))
 
 
-def split_qkv(qkv: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: int
+class ArenaCapacityError(ConversionError):
+    """A conversion pass needs more bytes than its :class:`ConversionArena` holds."""
+
+    def __init__(self, name: str, requested: int, used: int, capacity: int):
+        self.name, self.requested, self.used, self.capacity = name, requested, used, capacity
+        super().__init__(f"ConversionArena: {name} needs {requested} bytes at offset {used}, but capacity is "
+                         f"{capacity} bytes (size it with ConversionArena.for_spec(spec, dtype=...), call reset() "
+                         "at the start of each pass)")
+
+
+class ConversionArena:
+    """One persistent ``uint8`` buffer that the converter writes the tensors it must create into.
+
+    Why: without it, the q/k/v split (and the hybrid's regroupings, norm shifts and casts)
+    allocates fresh tensors on every conversion pass; a publisher then copies them again into
+    staging buckets, and the receiver copies them a third time. With an arena every converter
+    output is a view of either the trainer's storage or this buffer, both of which the publisher
+    can share in place; since the buffer never changes, ``keep_shared=True`` keeps it mapped (no
+    new IPC handle after the first publish).
+
+    Bump allocation: :meth:`take` hands out views at 256-byte aligned offsets in call order;
+    :meth:`reset` (called by :func:`colocate.megatron.iter_hf_weights` at the start of each
+    pass) starts over, so a pass in the same order gets the same offsets, and the tensors of the
+    previous pass are overwritten: they are valid until the next reset. The capacity is fixed at
+    construction (no growth: a reallocation would change the storage under a kept mapping); a
+    pass that needs more raises :class:`ArenaCapacityError` naming both numbers.
+    :meth:`for_spec` sizes it from the model spec (:func:`arena_nbytes`). Memory cost: those
+    bytes, held for the arena's lifetime (Qwen3-8B in bf16: 1.8 GB).
+
+    ``device``: where the converted tensors live (the trainer's device). ``share_memory``: put a
+    CPU buffer in shared memory so the ``shm`` transport can send it in place (CUDA buffers are
+    shared through IPC without it).
+    """
+
+    def __init__(self, nbytes: int, *, device: str | torch.device = "cpu", share_memory: bool = False):
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ConfigError(f"ConversionArena nbytes must be an int >= 0, got {nbytes!r}")
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if share_memory:
+            self.buffer.share_memory_()
+        self.used = 0
+        """Bytes handed out since the last :meth:`reset` (aligned)."""
+
+    @classmethod
+    def for_spec(cls, spec: HFModelSpec, *, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 share_memory: bool = False) -> ConversionArena:
+        """An arena of exactly :func:`arena_nbytes` ``(spec, dtype=dtype)`` bytes."""
+        return cls(arena_nbytes(spec, dtype=dtype), device=device, share_memory=share_memory)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def reset(self) -> None:
+        """Start a new pass at offset 0 (the previous pass's tensors will be overwritten)."""
+        self.used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, *, name: str = "tensor") -> torch.Tensor:
+        """An uninitialised contiguous ``(shape, dtype)`` view at the next aligned offset."""
+        n = _nbytes(shape, dtype)
+        start = self.used
+        if start + n > self.capacity:
+            raise ArenaCapacityError(name, n, start, self.capacity)
+        self.used = min(align(start + n), self.capacity)
+        return self.buffer[start: start + n].view(dtype).view(shape)
+
+
+def _arena_out(arena: ConversionArena, shape, dtype: torch.dtype, like: torch.Tensor, name: str) -> torch.Tensor:
+    if like.device != arena.device:
+        raise ConversionError(f"{name}: tensor on {like.device}, ConversionArena on {arena.device}")
+    return arena.take(tuple(shape), dtype, name=name)
+
+
+def _materialize(src: torch.Tensor, shape, arena: ConversionArena | None, name: str) -> torch.Tensor:
+    """``src.reshape(shape)``; where that would copy (``src`` not contiguous) and an arena is
+    given, the copy goes into the arena instead of a fresh allocation."""
+    if arena is None or src.is_contiguous():
+        return src.reshape(shape)
+    out = _arena_out(arena, shape, src.dtype, src, name)
+    out.view(src.shape).copy_(src)
+    return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, arena: ConversionArena | None, name: str) -> torch.Tensor:
+    """``t.to(dtype)`` (``t`` itself when the dtype already matches), into the arena if given."""
+    if arena is None or t.dtype == dtype:
+        return t.to(dtype)
+    out = _arena_out(arena, t.shape, dtype, t, name)
+    out.copy_(t)
+    return out
+
+
+def _stack_groups(parts: list[torch.Tensor], arena: ConversionArena | None, name: str, dim: int = 1
+                  ) -> torch.Tensor:
+    """``torch.cat(parts, dim).reshape(-1, *tail)`` for parts [*lead, w_i, *tail] (``lead`` has
+    ``dim`` dims); with an arena the parts are copied into an arena view of the result instead
+    (same bytes, no intermediate)."""
+    if arena is None:
+        return torch.cat(parts, dim=dim).reshape(-1, *parts[0].shape[dim + 1:])
+    lead, tail = parts[0].shape[:dim], parts[0].shape[dim + 1:]
+    width = sum(p.shape[dim] for p in parts)
+    out = _arena_out(arena, (math.prod(lead) * width, *tail), parts[0].dtype, parts[0], name)
+    grouped, o = out.view(*lead, width, *tail), 0
+    for p in parts:
+        grouped.narrow(dim, o, p.shape[dim]).copy_(p)
+        o += p.shape[dim]
+    return out
+
+
+def split_qkv(qkv: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: int,
+              arena: ConversionArena | None = None, names: tuple[str, str, str] = ("q", "k", "v")
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split Megatron's grouped ``linear_qkv`` weight [G·(Q/G+2)·D, H] (or bias [G·(Q/G+2)·D])
-    into q [Q·D, ...], k [G·D, ...], v [G·D, ...]."""
+    into q [Q·D, ...], k [G·D, ...], v [G·D, ...]. With G > 1 the parts are strided, so each is
+    a copy: fresh, or in ``arena`` (``names`` label them in its errors); with G = 1 they are views."""
     per = num_heads // num_groups
     rows = num_groups * (per + 2) * head_dim
     if qkv.shape[0] != rows:
@@ -85,9 +212,9 @@ def split_qkv(qkv: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: i
                               f"(Q={num_heads}, G={num_groups}, D={head_dim})")
     tail = qkv.shape[1:]
     g = qkv.reshape(num_groups, (per + 2) * head_dim, *tail)
-    q = g[:, : per * head_dim].reshape(num_heads * head_dim, *tail)
-    k = g[:, per * head_dim: (per + 1) * head_dim].reshape(num_groups * head_dim, *tail)
-    v = g[:, (per + 1) * head_dim:].reshape(num_groups * head_dim, *tail)
+    q = _materialize(g[:, : per * head_dim], (num_heads * head_dim, *tail), arena, names[0])
+    k = _materialize(g[:, per * head_dim: (per + 1) * head_dim], (num_groups * head_dim, *tail), arena, names[1])
+    v = _materialize(g[:, (per + 1) * head_dim:], (num_groups * head_dim, *tail), arena, names[2])
     return q, k, v
 
 
@@ -152,15 +279,18 @@ _DIRECT_LAYER = {
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 
 
-def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> list[tuple[str, torch.Tensor]]:
+def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec, arena: ConversionArena | None = None
+                   ) -> list[tuple[str, torch.Tensor]]:
     """Map one global, TP-merged Megatron parameter to its HF name(s) and layout(s).
 
     Returns views where possible (no copy); ``[]`` for parameters the receiver does not take
-    (``output_layer.weight`` under tied embeddings). Raises :class:`ConversionError` on an
-    unknown name.
+    (``output_layer.weight`` under tied embeddings). Tensors that must be created (q/k/v split,
+    casts; see the module docstring) are fresh, or written into ``arena`` (same values, bit for
+    bit; valid until its next :meth:`~ConversionArena.reset`). Raises :class:`ConversionError`
+    on an unknown name, :class:`ArenaCapacityError` when the arena is too small.
     """
     if isinstance(spec, Qwen3HybridSpec):
-        return _hybrid_to_hf(name, tensor, spec)
+        return _hybrid_to_hf(name, tensor, spec, arena)
     rows = spec.serve_vocab_size or spec.vocab_size
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", tensor[:rows])]
@@ -179,17 +309,19 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec) -> lis
         return [(pre + _DIRECT_LAYER[rest], tensor)]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
-        q, k, v = split_qkv(tensor, num_heads=spec.num_attention_heads, num_groups=spec.num_query_groups,
-                            head_dim=spec.head_dim)
-        return [(f"{pre}self_attn.{p}_proj.{kind}", t) for p, t in (("q", q), ("k", k), ("v", v))]
+        names = tuple(f"{pre}self_attn.{p}_proj.{kind}" for p in "qkv")
+        return list(zip(names, split_qkv(tensor, num_heads=spec.num_attention_heads, num_groups=spec.num_query_groups,
+                                         head_dim=spec.head_dim, arena=arena, names=names)))
     if rest == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
         return [(pre + "mlp.gate_proj.weight", gate), (pre + "mlp.up_proj.weight", up)]
     if rest == "mlp.router.weight":
-        out = tensor if spec.router_dtype is None else tensor.to(ROUTER_DTYPES[spec.router_dtype])
+        out = tensor if spec.router_dtype is None else _cast(tensor, ROUTER_DTYPES[spec.router_dtype], arena,
+                                                             pre + "mlp.gate.weight")
         return [(pre + "mlp.gate.weight", out)]
     if rest == "mlp.router.expert_bias":
-        return [(pre + "mlp.gate.e_score_correction_bias", tensor.to(torch.float32))]
+        n = pre + "mlp.gate.e_score_correction_bias"
+        return [(n, _cast(tensor, torch.float32, arena, n))]
     e = _EXPERT.match(rest)
     if e is not None:
         expert = int(e.group(1) if e.group(1) is not None else e.group(4))
@@ -314,15 +446,19 @@ class Qwen3HybridSpec(HFModelSpec):
             raise ConfigError(f"Qwen3HybridSpec.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor!r}")
 
 
+def _check_gated_rows(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> None:
+    rows = num_groups * (2 * (num_heads // num_groups) + 2) * head_dim
+    if qkv.shape[0] != rows:
+        raise ConversionError(f"gated linear_qkv has {qkv.shape[0]} rows, expected G·(2Q/G+2)·D = {rows} "
+                              f"(Q={num_heads}, G={num_groups}, D={head_dim})")
+
+
 def split_qkv_gated(qkv: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split Megatron's gated ``linear_qkv`` (``attention_output_gate``) [G·(2Q/G+2)·D, H], per KV
     group ``[q (Q/G·D); gate (Q/G·D); k (D); v (D)]``, into q, gate [Q·D, H] and k, v [G·D, H]."""
+    _check_gated_rows(qkv, num_heads, num_groups, head_dim)
     per = num_heads // num_groups
-    rows = num_groups * (2 * per + 2) * head_dim
-    if qkv.shape[0] != rows:
-        raise ConversionError(f"gated linear_qkv has {qkv.shape[0]} rows, expected G·(2Q/G+2)·D = {rows} "
-                              f"(Q={num_heads}, G={num_groups}, D={head_dim})")
     tail = qkv.shape[1:]
     g = qkv.reshape(num_groups, (2 * per + 2) * head_dim, *tail)
     s = per * head_dim
@@ -341,11 +477,12 @@ def hf_gated_q_proj(q: torch.Tensor, gate: torch.Tensor, *, num_heads: int, head
 
 
 def gdn_in_proj_to_hf(w: torch.Tensor, *, num_key_heads: int, num_value_heads: int, key_head_dim: int,
-                      value_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      value_head_dim: int, arena: ConversionArena | None = None,
+                      names: tuple[str, str] = ("in_proj_qkvz", "in_proj_ba")) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron GDN ``in_proj`` [2·Nk·Dk + 2·Nv·Dv + 2·Nv, H] = ``[q; k; v; z; β; α]`` (each in head
     order) → HF ``in_proj_qkvz`` [2·Nk·Dk + 2·Nv·Dv, H] and ``in_proj_ba`` [2·Nv, H], both grouped
     per key head g (r = Nv/Nk value heads per group): ``[q_g; k_g; v_g (r·Dv); z_g (r·Dv)]`` and
-    ``[β_g (r); α_g (r)]``."""
+    ``[β_g (r); α_g (r)]``. Both are new tensors: fresh, or in ``arena``."""
     nk, nv, dk, dv = num_key_heads, num_value_heads, key_head_dim, value_head_dim
     r = nv // nk
     rows = 2 * nk * dk + 2 * nv * dv + 2 * nv
@@ -354,9 +491,9 @@ def gdn_in_proj_to_hf(w: torch.Tensor, *, num_key_heads: int, num_value_heads: i
                               f"(Nk={nk}, Nv={nv}, Dk={dk}, Dv={dv})")
     tail = w.shape[1:]
     q, k, v, z, b, a = torch.split(w, [nk * dk, nk * dk, nv * dv, nv * dv, nv, nv], dim=0)
-    qkvz = torch.cat([q.reshape(nk, dk, *tail), k.reshape(nk, dk, *tail), v.reshape(nk, r * dv, *tail),
-                      z.reshape(nk, r * dv, *tail)], dim=1).reshape(-1, *tail)
-    ba = torch.cat([b.reshape(nk, r, *tail), a.reshape(nk, r, *tail)], dim=1).reshape(-1, *tail)
+    qkvz = _stack_groups([q.reshape(nk, dk, *tail), k.reshape(nk, dk, *tail), v.reshape(nk, r * dv, *tail),
+                          z.reshape(nk, r * dv, *tail)], arena, names[0])
+    ba = _stack_groups([b.reshape(nk, r, *tail), a.reshape(nk, r, *tail)], arena, names[1])
     return qkvz, ba
 
 
@@ -420,16 +557,45 @@ _NEXT_NORMS = {  # Megatron layer-relative name → HF name (zero-centered HF no
 _GDN_SUBMODULES = ("in_proj", "conv1d", "A_log", "dt_bias", "out_norm", "out_proj")
 
 
-def _hf_centered(t: torch.Tensor, spec: Qwen3HybridSpec) -> torch.Tensor:
-    return t if spec.megatron_zero_centered_gamma else t - 1
+def _shifted(t: torch.Tensor, delta: int, arena: ConversionArena | None, name: str) -> torch.Tensor:
+    """``t + delta`` (a new tensor), written into ``arena`` if given (same kernel, same bits)."""
+    if arena is None:
+        return t + delta
+    return torch.add(t, delta, out=_arena_out(arena, t.shape, t.dtype, t, name))
 
 
-def _hybrid_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3HybridSpec) -> list[tuple[str, torch.Tensor]]:
+def _hf_centered(t: torch.Tensor, spec: Qwen3HybridSpec, arena: ConversionArena | None = None,
+                 name: str = "norm") -> torch.Tensor:
+    return t if spec.megatron_zero_centered_gamma else _shifted(t, -1, arena, name)
+
+
+def _gated_qkv_to_hf(qkv: torch.Tensor, spec: Qwen3HybridSpec, arena: ConversionArena | None,
+                     names: tuple[str, str, str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated ``linear_qkv`` → HF (``q_proj`` with ``[q_h; gate_h]`` per head, k, v): without an
+    arena :func:`split_qkv_gated` + :func:`hf_gated_q_proj`; with one, q and gate are copied
+    straight into the arena's ``q_proj`` (one copy instead of two) and k/v like :func:`split_qkv`."""
+    Q, G, D = spec.num_attention_heads, spec.num_query_groups, spec.head_dim
+    if arena is None:
+        q, gate, k, v = split_qkv_gated(qkv, num_heads=Q, num_groups=G, head_dim=D)
+        return hf_gated_q_proj(q, gate, num_heads=Q, head_dim=D), k, v
+    _check_gated_rows(qkv, Q, G, D)
+    per, tail = Q // G, qkv.shape[1:]
+    s = per * D
+    g = qkv.reshape(G, (2 * per + 2) * D, *tail)
+    qp = _stack_groups([g[:, :s].view(G, per, D, *tail), g[:, s:2 * s].view(G, per, D, *tail)], arena, names[0],
+                       dim=2)
+    k = _materialize(g[:, 2 * s:2 * s + D], (G * D, *tail), arena, names[1])
+    v = _materialize(g[:, 2 * s + D:], (G * D, *tail), arena, names[2])
+    return qp, k, v
+
+
+def _hybrid_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3HybridSpec, arena: ConversionArena | None = None
+                  ) -> list[tuple[str, torch.Tensor]]:
     if name == "decoder.final_layernorm.weight":
-        return [("model.norm.weight", _hf_centered(tensor, spec))]
+        return [("model.norm.weight", _hf_centered(tensor, spec, arena, "model.norm.weight"))]
     m = _LAYER.match(name)
     if m is None:
-        return megatron_to_hf(name, tensor, spec=HFModelSpec(**_base_fields(spec)))
+        return megatron_to_hf(name, tensor, spec=HFModelSpec(**_base_fields(spec)), arena=arena)
     layer, rest = int(m.group(1)), name[m.end():]
     if not 0 <= layer < spec.num_layers:
         raise ConversionError(f"{name!r}: layer {layer} outside num_layers={spec.num_layers}")
@@ -439,18 +605,15 @@ def _hybrid_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3HybridSpec) -> lis
         if rest.startswith("self_attention.") and ("q_layernorm" in rest or "k_layernorm" in rest) \
                 and kind != "full_attention":
             raise ConversionError(f"{name!r}: layer {layer} is {kind}, it has no q/k norm")
-        return [(pre + _NEXT_NORMS[rest], _hf_centered(tensor, spec))]
+        return [(pre + _NEXT_NORMS[rest], _hf_centered(tensor, spec, arena, pre + _NEXT_NORMS[rest]))]
     sub = rest.split(".")[1] if rest.startswith("self_attention.") else None
     if sub in _GDN_SUBMODULES or sub in ("linear_qkv", "linear_proj"):
         want = "linear_attention" if sub in _GDN_SUBMODULES else "full_attention"
         if want != kind:
             raise ConversionError(f"{name!r}: a {want} parameter, but layer_types[{layer}]={kind!r}")
     if rest == "self_attention.linear_qkv.weight":
-        q, gate, k, v = split_qkv_gated(tensor, num_heads=spec.num_attention_heads, num_groups=spec.num_query_groups,
-                                        head_dim=spec.head_dim)
-        qp = hf_gated_q_proj(q, gate, num_heads=spec.num_attention_heads, head_dim=spec.head_dim)
-        return [(pre + "self_attn.q_proj.weight", qp), (pre + "self_attn.k_proj.weight", k),
-                (pre + "self_attn.v_proj.weight", v)]
+        names = tuple(f"{pre}self_attn.{p}_proj.weight" for p in "qkv")
+        return list(zip(names, _gated_qkv_to_hf(tensor, spec, arena, names)))
     if rest == "self_attention.linear_proj.weight":
         return [(pre + "self_attn.o_proj.weight", tensor)]
     la = pre + "linear_attn."
@@ -462,16 +625,19 @@ def _hybrid_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3HybridSpec) -> lis
         return [(la + "in_proj_qkv.weight", qkv), (la + "in_proj_z.weight", z), (la + "in_proj_b.weight", b),
                 (la + "in_proj_a.weight", a)]
     if rest == "self_attention.in_proj.weight":
+        names = (la + "in_proj_qkvz.weight", la + "in_proj_ba.weight")
         qkvz, ba = gdn_in_proj_to_hf(tensor, num_key_heads=spec.linear_num_key_heads,
                                      num_value_heads=spec.linear_num_value_heads,
-                                     key_head_dim=spec.linear_key_head_dim, value_head_dim=spec.linear_value_head_dim)
-        return [(la + "in_proj_qkvz.weight", qkvz), (la + "in_proj_ba.weight", ba)]
+                                     key_head_dim=spec.linear_key_head_dim, value_head_dim=spec.linear_value_head_dim,
+                                     arena=arena, names=names)
+        return list(zip(names, (qkvz, ba)))
     if rest == "self_attention.conv1d.weight":
         return [(la + "conv1d.weight", tensor)]
     if rest in ("self_attention.A_log", "self_attention.dt_bias"):
         return [(la + rest.split(".")[1], tensor)]
     if rest == "self_attention.out_norm.weight":  # HF gated norm is plain γ
-        return [(la + "norm.weight", tensor + 1 if spec.megatron_zero_centered_gamma else tensor)]
+        return [(la + "norm.weight",
+                 _shifted(tensor, 1, arena, la + "norm.weight") if spec.megatron_zero_centered_gamma else tensor)]
     if rest == "self_attention.out_proj.weight":
         return [(la + "out_proj.weight", tensor)]
     if rest == "mlp.shared_experts.linear_fc1.weight":
@@ -482,7 +648,7 @@ def _hybrid_to_hf(name: str, tensor: torch.Tensor, spec: Qwen3HybridSpec) -> lis
     if rest == "mlp.shared_experts.gate_weight":
         return [(pre + "mlp.shared_expert_gate.weight", tensor)]
     if rest.startswith("mlp."):
-        return megatron_to_hf(name, tensor, spec=HFModelSpec(**_base_fields(spec)))
+        return megatron_to_hf(name, tensor, spec=HFModelSpec(**_base_fields(spec)), arena=arena)
     raise ConversionError(f"no HF Qwen3-Next mapping for Megatron parameter {name!r}")
 
 
@@ -523,3 +689,44 @@ def _hybrid_specs(spec: Qwen3HybridSpec, dtype: torch.dtype) -> dict[str, tuple[
                         p + "mlp.shared_expert.down_proj.weight": ((H, S), dtype),
                         p + "mlp.shared_expert_gate.weight": ((1, H), dtype)})
     return out
+
+
+def _arena_needed(name: str, dtype: torch.dtype, out_dtype: torch.dtype, spec: HFModelSpec) -> bool:
+    """Whether :func:`megatron_to_hf` with an arena writes HF tensor ``name`` (of ``out_dtype``,
+    converted from a model trained in ``dtype``) into the arena; mirrors the converter."""
+    hybrid = isinstance(spec, Qwen3HybridSpec)
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+        return spec.num_query_groups > 1  # strided parts only when there are several groups
+    if name.endswith("self_attn.q_proj.weight"):
+        return hybrid or spec.num_query_groups > 1  # the gated q_proj interleaves q and gate: always new
+    if name.endswith("mlp.gate.weight"):
+        return out_dtype != dtype  # router cast
+    if name.endswith("mlp.gate.e_score_correction_bias"):
+        return True  # cast to fp32 unless it already is (Megatron's is): counted, an upper bound
+    if not hybrid:
+        return False
+    if name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
+        return True
+    if name.endswith("linear_attn.norm.weight"):
+        return spec.megatron_zero_centered_gamma  # + 1
+    if name == "model.norm.weight" or name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")):
+        return not spec.megatron_zero_centered_gamma  # − 1
+    return False
+
+
+def arena_nbytes(spec: HFModelSpec, *, dtype: torch.dtype) -> int:
+    """Bytes a :class:`ConversionArena` needs for one pass over a model trained in ``dtype``: the
+    aligned sizes of every tensor the converter creates (q/k/v with several KV groups, router
+    casts, the hybrid's gated ``q_proj``, GDN ``in_proj_qkvz``/``in_proj_ba`` and shifted norms).
+    Exact, except that an ``e_score_correction_bias`` is counted although Megatron's is already
+    fp32 (a few KiB at most). TP/EP gathers and later casts (``publish_megatron(dtype=)``) are
+    not converter outputs and are not counted."""
+    return sum(align(_nbytes(shape, dt)) for n, (shape, dt) in hf_param_specs(spec, dtype=dtype).items()
+               if _arena_needed(n, dtype, dt, spec))
+
+
+def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for x in shape:
+        n *= int(x)
+    return n

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from colocate.config import HFModelSpec
-from colocate.convert import globalize_name, megatron_to_hf, merge_named_tp_shards
+from colocate.convert import ConversionArena, globalize_name, megatron_to_hf, merge_named_tp_shards
 
 __all__ = ["unwrap_model", "model_spec_from_megatron", "iter_hf_weights", "publish_megatron",
            "megatron_residency_hooks", "awex_megatron_engine"]
@@ -76,15 +76,21 @@ def _kind(name: str, p: torch.Tensor) -> str:
 
 @torch.no_grad()
 def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, spec: HFModelSpec,
-                    pg_collection=None) -> Iterator[tuple[str, torch.Tensor]]:
+                    pg_collection=None, arena: ConversionArena | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every parameter of this pipeline stage, TP/ETP shards
     merged and experts of all EP ranks gathered (collective: every rank of the TP/EP groups
     must iterate in step). Every rank receives the full tensors.
 
     Expert ``e`` local to EP rank r becomes global ``e + r·E/ep``; layer ``j`` of a chunk
     becomes ``layer.layer_number - 1``; tied ``output_layer.weight`` is skipped.
+
+    ``arena``: the tensors the converter must create (q/k/v split, casts) are written into it
+    instead of fresh allocations (see :class:`~colocate.convert.ConversionArena`); it is reset
+    when the iteration starts, so the previous pass's tensors are overwritten then.
     """
     chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
+    if arena is not None:
+        arena.reset()
     tp, etp, ep = _groups(pg_collection)
     ep_size = dist.get_world_size(ep) if ep is not None else 1
     for chunk in chunks:
@@ -104,18 +110,20 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, sp
                 local = spec.num_experts // ep_size
                 for r, t in enumerate(_all_gather(full, ep)):
                     gname = globalize_name(name, layer_id=layer_id, expert_offset=r * local)
-                    yield from megatron_to_hf(gname, t, spec=spec)
+                    yield from megatron_to_hf(gname, t, spec=spec, arena=arena)
             else:
-                yield from megatron_to_hf(globalize_name(name, layer_id=layer_id), full, spec=spec)
+                yield from megatron_to_hf(globalize_name(name, layer_id=layer_id), full, spec=spec, arena=arena)
 
 
 def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, dtype: torch.dtype | None = None,
-                     pg_collection=None):
+                     pg_collection=None, arena: ConversionArena | None = None):
     """Collective: every rank of the TP/EP groups calls this; the rank holding the receiver
     passes ``publish`` (e.g. ``Publisher.publish`` or ``ColocatedCycle.publish``), the others
     pass None and only take part in the gathers. Tensors are cast to ``dtype`` one at a time
     (None keeps the training dtype; ``e_score_correction_bias`` stays fp32). The name/shape/dtype
     check runs before any gather. Returns the publish report (None on non-publishing ranks).
+    ``arena`` goes to :func:`iter_hf_weights` (converter outputs written into it; the casts to
+    ``dtype`` are still fresh tensors).
 
     Pipeline parallelism is refused (``ValueError``): one engine needs every stage's layers in
     one versioned update, which needs a cross-stage gather this function does not do.
@@ -133,7 +141,7 @@ def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, 
     first = next(unwrap_model(chunks[0]).parameters())
     out_dtype = dtype or first.dtype
     stream = ((n, t if t.dtype == out_dtype or n.endswith("e_score_correction_bias") else t.to(out_dtype))
-              for n, t in iter_hf_weights(chunks, spec=spec, pg_collection=pg_collection))
+              for n, t in iter_hf_weights(chunks, spec=spec, pg_collection=pg_collection, arena=arena))
     if publish is None:
         for _ in stream:
             pass
