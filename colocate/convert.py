@@ -128,6 +128,7 @@ class ConversionArena:
             self.buffer.share_memory_()
         self.used = 0
         """Bytes handed out since the last :meth:`reset` (aligned)."""
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed per dtype (take: one as_strided)
 
     @classmethod
     def for_spec(cls, spec: HFModelSpec, *, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -154,7 +155,14 @@ class ConversionArena:
         if start + n > self.capacity:
             raise ArenaCapacityError(name, n, start, self.capacity)
         self.used = min(align(start + n), self.capacity)
-        return self.buffer[start: start + n].view(dtype).view(shape)
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.buffer[: self.capacity - self.capacity % dtype.itemsize].view(dtype)
+        strides, acc = [], 1
+        for x in reversed(shape):
+            strides.append(acc)
+            acc *= int(x)
+        return typed.as_strided(tuple(shape), tuple(reversed(strides)), start // dtype.itemsize)
 
 
 def _arena_out(arena: ConversionArena, shape, dtype: torch.dtype, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -168,9 +176,9 @@ def _materialize(src: torch.Tensor, shape, arena: ConversionArena | None, name: 
     given, the copy goes into the arena instead of a fresh allocation."""
     if arena is None or src.is_contiguous():
         return src.reshape(shape)
-    out = _arena_out(arena, shape, src.dtype, src, name)
-    out.view(src.shape).copy_(src)
-    return out
+    out = _arena_out(arena, src.shape, src.dtype, src, name)
+    out.copy_(src)
+    return out.view(shape)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype, arena: ConversionArena | None, name: str) -> torch.Tensor:
