@@ -8,8 +8,11 @@ Cases:
   same GPU that copies every tensor into its own parameters (one ``torch._foreach_copy_`` per
   bucket or shared storage; runs before 2026-11-29 23:55 UTC copied entry by entry in a loop). Variants: ``packed`` (everything
   copied into 1 GiB buckets, ≤ 2 in flight: the old path), ``inplace`` (the buffer is shared as
-  one IPC handle and only q/k/v are packed; the receiver unmaps it after each publish) and
-  ``inplace_keep_mapped`` (mapped across publishes: no handle after the first). Baselines in the
+  one IPC handle and only q/k/v are packed; the receiver unmaps it after each publish),
+  ``inplace_keep_mapped`` (mapped across publishes: no handle after the first) and
+  ``inplace_arena_keep_mapped`` (the converter writes q/k/v into a
+  :class:`colocate.convert.ConversionArena` allocated once from the spec, 1.8 GB for 8B; buffer
+  and arena both shared in place and kept mapped, so nothing is packed). Baselines in the
   same run: one device-to-device copy of the same bytes (``d2d_flat``, the copy floor) and a
   per-tensor ``copy_`` loop (``d2d_per_tensor``). Reported: payload GB/s, IPC handles, peak extra
   trainer memory, per-phase times.
@@ -22,8 +25,10 @@ Cases:
   names, count and converter path: views of one Megatron-layout buffer, q/k/v split off) at tiny
   sizes (hidden 64, 3.5 MB in all), so copies are negligible and Python work dominates. Published
   in process and over shared memory to a receiver process, packed / in place / in place kept
-  mapped; reports ms per publish, the publisher's phases, ``untimed_ms`` (wall minus the phase
-  sum), the converter stream alone, and a cProfile top list (in-place, kept mapped, shm).
+  mapped / in place with a conversion arena, kept mapped (``share_min_bytes`` lowered to the
+  arena's size there: the tiny arena is smaller than the 1 MiB used otherwise); reports ms per
+  publish, the publisher's phases, ``untimed_ms`` (wall minus the phase
+  sum), the converter stream alone (without and with the arena), and a cProfile top list (in-place, kept mapped, shm).
 
 Run: ``python bench/publish.py`` (H200, ~1 min), ``python bench/publish.py --quick`` (CPU smoke:
 shared-memory transport, small set), ``python bench/publish.py --overhead`` (CPU, ~1 min). Writes ``publish.json`` / ``publish.png`` (or
@@ -49,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
 from colocate import HFModelSpec, PublishConfig  # noqa: E402
 from colocate.buckets import tensor_checksum, unpack_bucket  # noqa: E402
-from colocate.convert import hf_param_specs, megatron_to_hf  # noqa: E402
+from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf  # noqa: E402
 from colocate.publish import Publisher  # noqa: E402
 from colocate.transports import spawn_receiver  # noqa: E402
 
@@ -145,11 +150,21 @@ def param_buffer(spec: HFModelSpec, device: str, dtype: torch.dtype = torch.bflo
     return flat, params
 
 
-def hf_stream(params: dict[str, torch.Tensor], spec: HFModelSpec):
+def hf_stream(params: dict[str, torch.Tensor], spec: HFModelSpec, arena: ConversionArena | None = None):
     """The converter's HF-name stream: views of the buffer where the layout allows (norms,
-    o/down projections, gate/up halves, embeddings), fresh tensors for the GQA q/k/v split."""
+    o/down projections, gate/up halves, embeddings), fresh tensors for the GQA q/k/v split, or,
+    with ``arena`` (reset here, as ``iter_hf_weights`` does), views of the arena for those."""
+    if arena is not None:
+        arena.reset()
     for n, t in params.items():
-        yield from megatron_to_hf(n, t, spec=spec)
+        yield from megatron_to_hf(n, t, spec=spec, arena=arena)
+
+
+def _check_received(recv, params: dict[str, torch.Tensor], spec: HFModelSpec, names: list[str]) -> None:
+    """The receiver holds the trainer's current bytes for ``names`` (a fresh conversion)."""
+    hf = dict(hf_stream(params, spec))
+    if recv.checksums(names) != {n: tensor_checksum(hf[n]) for n in names}:
+        raise RuntimeError("receiver holds different bytes than the trainer sent")
 
 
 def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
@@ -183,15 +198,22 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
 
     bucket = (1 * GiB) if cuda else (256 << 10)
     share = (64 << 20) if cuda else (1 << 20)
+    arena = ConversionArena.for_spec(spec, dtype=dtype, device=dev, share_memory=not cuda)  # once, reused
     recv = spawn_receiver(CopyReceiver, specs, dev, timeout_s=300)
     extra: dict = {"nbytes": nbytes, "num_tensors": len(meta), "bucket_bytes": bucket, "share_min_bytes": share,
-                   "model": "Qwen3-8B shapes" if cuda else "small", "phases_ms_median": {}}
+                   "arena_bytes": arena.capacity, "model": "Qwen3-8B shapes" if cuda else "small",
+                   "phases_ms_median": {}}
     version = iter(range(1, 10_000))
+    checked = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight",
+               "model.layers.0.self_attn.o_proj.weight", "model.embed_tokens.weight"]
     try:
-        variants = (("publisher_packed", {"share_min_bytes": None}),
-                    ("publisher_inplace", {"share_min_bytes": share}),
-                    ("publisher_inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True}))
-        for provider, kw in variants:
+        variants = (("publisher_packed", {"share_min_bytes": None}, None),
+                    ("publisher_inplace", {"share_min_bytes": share}, None),
+                    ("publisher_inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True}, None),
+                    # the small CPU arena (0.5 MB) is below the 1 MiB threshold: lowered to its size
+                    ("publisher_inplace_arena_keep_mapped",
+                     {"share_min_bytes": min(share, arena.capacity), "keep_shared": True}, arena))
+        for provider, kw, arn in variants:
             pub = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=bucket, max_in_flight=2,
                                                 verify="none"), **kw)
             pub.last_good = next(version)
@@ -201,9 +223,10 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
                 torch.cuda.reset_peak_memory_stats()
             reports = []
 
-            def once(pub=pub, reports=reports):
-                reports.append(pub.publish(hf_stream(params, spec), version=next(version), meta=meta))
+            def once(pub=pub, reports=reports, arn=arn):
+                reports.append(pub.publish(hf_stream(params, spec, arn), version=next(version), meta=meta))
             t = time_cpu(once, warmup=1, iters=5 if cuda else 3)
+            _check_received(recv, params, spec, checked)
             last = reports[-1]
             phases = {k: sorted(r.timings[k] for r in reports)[len(reports) // 2] * 1e3 for k in last.timings}
             extra["phases_ms_median"][provider] = phases
@@ -212,6 +235,7 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
                          "handles_later": last.handles, "buckets": last.num_buckets,
                          "shared_storages": last.num_shared,
                          "trainer_peak_extra_MiB": ((torch.cuda.max_memory_allocated() - base) / 2**20) if cuda else 0.0,
+                         "arena_MiB": arena.capacity / 2**20 if arn is not None else 0.0,
                          **{f"{k}_ms": v for k, v in phases.items()}})
             pub.release_staging()
             if cuda:
@@ -227,13 +251,8 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
         ver.release_staging()
         if cuda:
             extra["receiver_peak_extra_MiB"] = recv.call("extra_peak") / 2**20
-        # the receiver holds the converted bytes: a converted (q) and an in-place (o_proj) tensor
-        hf = dict(hf_stream(params, spec))
-        names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-                 "model.layers.1.mlp.up_proj.weight", "model.embed_tokens.weight"]
-        got = recv.checksums(names)
-        if got != {n: tensor_checksum(hf[n]) for n in names}:
-            raise RuntimeError("receiver holds different bytes than the trainer sent")
+        # the receiver holds the converted bytes: converted (q, v) and in-place (o_proj, up) tensors
+        _check_received(recv, params, spec, checked + ["model.layers.1.mlp.up_proj.weight"])
     finally:
         recv.close()
     base = rows[0]["ms"]
@@ -267,24 +286,30 @@ def bench_overhead(iters: int = 50) -> tuple[list[dict], dict]:
     flat.share_memory_()
     meta = {n: (tuple(t.shape), t.dtype) for n, t in hf_stream(params, spec)}
     share = 1 << 20  # the 3.5 MB buffer goes in place, the split q/k/v (≤ 8 KiB storages) are packed
+    arena = ConversionArena.for_spec(spec, dtype=torch.bfloat16, share_memory=True)  # 0.4 MB, allocated once
     stream = time_cpu(lambda: list(hf_stream(params, spec)), warmup=3, iters=iters)
-    rows: list[dict] = [{"case": "overhead", "provider": "converter_stream_only", "ms": stream["p50"]}]
+    stream_arena = time_cpu(lambda: list(hf_stream(params, spec, arena)), warmup=3, iters=iters)
+    rows: list[dict] = [{"case": "overhead", "provider": "converter_stream_only", "ms": stream["p50"]},
+                        {"case": "overhead", "provider": "converter_stream_arena", "ms": stream_arena["p50"]}]
     extra: dict = {"num_tensors": len(meta), "nbytes": flat.numel() * 2, "share_min_bytes": share, "iters": iters,
-                   "model": "Qwen3-8B names/count, hidden 64", "phases_ms_median": {}}
+                   "arena_bytes": arena.capacity, "model": "Qwen3-8B names/count, hidden 64", "phases_ms_median": {}}
     version = iter(range(1, 1_000_000))
     remote = spawn_receiver(CopyReceiver, specs, "cpu", timeout_s=60)
     try:
         for transport, recv in (("inprocess", CopyReceiver(specs, "cpu")), ("shm", remote)):
-            for variant, kw in (("packed", {"share_min_bytes": None}), ("inplace", {"share_min_bytes": share}),
-                                ("inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True})):
+            for variant, kw, arn in (("packed", {"share_min_bytes": None}, None),
+                                     ("inplace", {"share_min_bytes": share}, None),
+                                     ("inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True}, None),
+                                     ("inplace_arena_keep_mapped",  # arena 0.4 MB < 1 MiB: threshold lowered to it
+                                      {"share_min_bytes": arena.capacity, "keep_shared": True}, arena)):
                 pub = Publisher(recv, PublishConfig(transport=transport, bucket_bytes=1 * GiB, max_in_flight=2,
                                                     verify="none"), **kw)
                 walls: list[float] = []
                 reports = []
 
-                def once(pub=pub, walls=walls, reports=reports):
+                def once(pub=pub, walls=walls, reports=reports, arn=arn):
                     t0 = time.perf_counter()
-                    reports.append(pub.publish(hf_stream(params, spec), version=next(version), meta=meta))
+                    reports.append(pub.publish(hf_stream(params, spec, arn), version=next(version), meta=meta))
                     walls.append(time.perf_counter() - t0)
                 for _ in range(5):  # warm-up (first handles, staging buffers, caches)
                     once()
@@ -409,7 +434,7 @@ def main() -> None:
     else:
         rows, extra = bench_ipc(args.quick)
         name, cols = "publish", ["case", "provider", "ms", "GBps", "x_vs_d2d_flat", "handles_first", "handles_later",
-                                 "shared_storages", "buckets", "trainer_peak_extra_MiB"]
+                                 "shared_storages", "buckets", "trainer_peak_extra_MiB", "arena_MiB"]
     extra["wall_s"] = time.time() - t0
     path = write_results(name, rows, extra)
     if args.overhead:
