@@ -728,7 +728,8 @@ def arena_nbytes(spec: HFModelSpec, *, dtype: torch.dtype) -> int:
     casts, the hybrid's gated ``q_proj``, GDN ``in_proj_qkvz``/``in_proj_ba`` and shifted norms).
     Exact, except that an ``e_score_correction_bias`` is counted although Megatron's is already
     fp32 (a few KiB at most). TP/EP gathers and later casts (``publish_megatron(dtype=)``) are
-    not converter outputs and are not counted."""
+    not converter outputs and are not counted: under TP/EP > 1 size the arena with
+    :func:`colocate.megatron.megatron_arena_nbytes` (this plus the gathered parameters)."""
     return sum(align(_nbytes(shape, dt)) for n, (shape, dt) in hf_param_specs(spec, dtype=dtype).items()
                if _arena_needed(n, dtype, dt, spec))
 

@@ -13,11 +13,21 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from colocate.buckets import align
 from colocate.config import HFModelSpec
-from colocate.convert import ConversionArena, globalize_name, megatron_to_hf, merge_named_tp_shards
+from colocate.convert import (
+    ConversionArena,
+    Qwen3HybridSpec,
+    _arena_out,
+    arena_nbytes,
+    gdn_tp_sections,
+    globalize_name,
+    megatron_to_hf,
+    merge_named_tp_shards,
+)
 
 __all__ = ["unwrap_model", "model_spec_from_megatron", "iter_hf_weights", "publish_megatron",
-           "megatron_residency_hooks", "awex_megatron_engine"]
+           "megatron_arena_nbytes", "megatron_arena", "megatron_residency_hooks", "awex_megatron_engine"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -74,24 +84,11 @@ def _kind(name: str, p: torch.Tensor) -> str:
     return "col" if getattr(p, "partition_dim", 0) == 0 else "row"
 
 
-@torch.no_grad()
-def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, spec: HFModelSpec,
-                    pg_collection=None, arena: ConversionArena | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every parameter of this pipeline stage, TP/ETP shards
-    merged and experts of all EP ranks gathered (collective: every rank of the TP/EP groups
-    must iterate in step). Every rank receives the full tensors.
-
-    Expert ``e`` local to EP rank r becomes global ``e + r·E/ep``; layer ``j`` of a chunk
-    becomes ``layer.layer_number - 1``; tied ``output_layer.weight`` is skipped.
-
-    ``arena``: the tensors the converter must create (q/k/v split, casts) are written into it
-    instead of fresh allocations (see :class:`~colocate.convert.ConversionArena`); it is reset
-    when the iteration starts, so the previous pass's tensors are overwritten then.
-    """
-    chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
-    if arena is not None:
-        arena.reset()
-    tp, etp, ep = _groups(pg_collection)
+def _params(chunks: list[torch.nn.Module], spec: HFModelSpec, groups):
+    """The parameters of one pass in iteration order (identical on every rank of a TP/EP group):
+    ``(name, p, layer_id, kind, tp_group, ep_gather)``; the tied ``output_layer.weight`` is
+    skipped. ``tp_group`` is the ETP group for routed experts, the TP group otherwise."""
+    tp, etp, ep = groups
     ep_size = dist.get_world_size(ep) if ep is not None else 1
     for chunk in chunks:
         m = unwrap_model(chunk)
@@ -103,16 +100,155 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, sp
             lm = _LAYER.match(name)
             layer_id = layers[int(lm.group(1))].layer_number - 1 if lm else None
             is_expert = ".experts." in name and ".shared_experts." not in name
-            kind = _kind(name, p)
-            shards = _all_gather(p, etp if is_expert else tp) if kind != "replicated" else [p.detach()]
+            yield name, p, layer_id, _kind(name, p), etp if is_expert else tp, is_expert and ep_size > 1
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _sections(name: str, spec: HFModelSpec, n: int) -> list[int] | None:
+    """The per-shard row sections that :func:`merge_named_tp_shards` merges section by section
+    (hybrid GDN ``in_proj``/``conv1d``), or None for a plain concatenation."""
+    if isinstance(spec, Qwen3HybridSpec):
+        for suffix, which in (("self_attention.in_proj.weight", "in_proj"), ("self_attention.conv1d.weight", "conv1d")):
+            if name.endswith(suffix):
+                return gdn_tp_sections(spec, n, which=which)
+    return None
+
+
+def _merged_shape(p: torch.Tensor, kind: str, n: int) -> tuple[int, ...]:
+    s = tuple(p.shape)
+    return (s[0], n * s[1], *s[2:]) if kind == "row" else (n * s[0], *s[1:])
+
+
+class _Scratch:
+    """A transient gather buffer reused for every parameter of one pass (grown when needed):
+    the shards of a row/GLU/sectioned parameter land here before the merge writes the arena."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def shards(self, like: torch.Tensor, n: int) -> list[torch.Tensor]:
+        nbytes = n * like.numel() * like.element_size()
+        if self.buf is None or self.buf.numel() < nbytes or self.buf.device != like.device:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        return list(self.buf[:nbytes].view(like.dtype).view(n, *like.shape).unbind(0))
+
+
+def _gather_into_arena(name: str, p: torch.Tensor, kind: str, group, spec: HFModelSpec, arena: ConversionArena,
+                       scratch: _Scratch) -> torch.Tensor:
+    """The TP-merged ``p`` (what ``merge_named_tp_shards(_all_gather(p))`` returns, bit for bit)
+    written into an arena view, with the same one ``all_gather`` per parameter (so ranks with
+    and without an arena stay in step). Column shards are gathered straight into the arena;
+    row, GLU and sectioned shards go through ``scratch`` and one ``torch.cat(out=)``."""
+    n = _size(group)
+    t = p.detach().contiguous()
+    out = _arena_out(arena, _merged_shape(t, kind, n), t.dtype, t, f"{name} (TP-merged)")
+    sections = _sections(name, spec, n) if kind == "col" else None
+    if kind == "col" and sections is None:
+        dist.all_gather(list(out.chunk(n, dim=0)), t, group=group)
+        return out
+    shards = scratch.shards(t, n)
+    dist.all_gather(shards, t, group=group)
+    if kind == "row":
+        torch.cat(shards, dim=1, out=out)
+    elif kind == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=out)
+    else:  # sectioned column shards (hybrid GDN in_proj / conv1d)
+        parts = [torch.split(s, sections, dim=0) for s in shards]
+        torch.cat([q[i] for i in range(len(sections)) for q in parts], dim=0, out=out)
+    return out
+
+
+def _ep_gather_into_arena(name: str, full: torch.Tensor, ep, arena: ConversionArena) -> list[torch.Tensor]:
+    """``_all_gather(full, ep)`` with the outputs as consecutive views of one arena slice."""
+    n = _size(ep)
+    t = full.detach().contiguous()
+    out = _arena_out(arena, (n, *t.shape), t.dtype, t, f"{name} (EP-gathered)")
+    parts = list(out.unbind(0))
+    dist.all_gather(parts, t, group=ep)
+    return parts
+
+
+def _gathered_nbytes(p: torch.Tensor, kind: str, group, ep_gather: bool, ep) -> int:
+    """Arena bytes :func:`iter_hf_weights` takes for the gathers of ``p`` (aligned)."""
+    n = 1 if kind == "replicated" else _size(group)
+    if ep_gather:
+        return align(_size(ep) * n * p.numel() * p.element_size())
+    return align(n * p.numel() * p.element_size()) if n > 1 else 0
+
+
+@torch.no_grad()
+def iter_hf_weights(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, spec: HFModelSpec,
+                    pg_collection=None, arena: ConversionArena | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every parameter of this pipeline stage, TP/ETP shards
+    merged and experts of all EP ranks gathered (collective: every rank of the TP/EP groups
+    must iterate in step). Every rank receives the full tensors.
+
+    Expert ``e`` local to EP rank r becomes global ``e + r·E/ep``; layer ``j`` of a chunk
+    becomes ``layer.layer_number - 1``; tied ``output_layer.weight`` is skipped.
+
+    ``arena``: the tensors the converter must create (q/k/v split, casts) are written into it
+    instead of fresh allocations (see :class:`~colocate.convert.ConversionArena`), and so are
+    the TP-merged and EP-gathered parameters (size it with :func:`megatron_arena`): every
+    yielded tensor is then a view of a Megatron parameter or of the arena. It is reset when the
+    iteration starts, so the previous pass's tensors are overwritten then. The collectives are
+    the same with and without it (one ``all_gather`` per gathered parameter and group), so a
+    rank that does not publish may pass None. A parameter that is both ETP-merged and
+    EP-gathered is merged into a transient tensor; only its EP gather lives in the arena.
+    """
+    chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
+    if arena is not None:
+        arena.reset()
+    groups = _groups(pg_collection)
+    ep = groups[2]
+    scratch = _Scratch()
+    for name, p, layer_id, kind, group, ep_gather in _params(chunks, spec, groups):
+        if arena is None:
+            shards = _all_gather(p, group) if kind != "replicated" else [p.detach()]
             full = merge_named_tp_shards(name, shards, kind=kind, spec=spec)
-            if is_expert and ep_size > 1:
-                local = spec.num_experts // ep_size
-                for r, t in enumerate(_all_gather(full, ep)):
-                    gname = globalize_name(name, layer_id=layer_id, expert_offset=r * local)
-                    yield from megatron_to_hf(gname, t, spec=spec, arena=arena)
-            else:
-                yield from megatron_to_hf(globalize_name(name, layer_id=layer_id), full, spec=spec, arena=arena)
+        elif kind == "replicated" or _size(group) == 1:
+            full = p.detach()  # no gather: a view of the Megatron storage (a 1-shard GLU merge is p itself)
+        elif ep_gather:  # only the input of the EP gather below: transient
+            full = merge_named_tp_shards(name, _all_gather(p, group), kind=kind, spec=spec)
+        else:
+            full = _gather_into_arena(name, p, kind, group, spec, arena, scratch)
+        if ep_gather:
+            local = spec.num_experts // _size(ep)
+            parts = _all_gather(full, ep) if arena is None else _ep_gather_into_arena(name, full, ep, arena)
+            for r, t in enumerate(parts):
+                gname = globalize_name(name, layer_id=layer_id, expert_offset=r * local)
+                yield from megatron_to_hf(gname, t, spec=spec, arena=arena)
+        else:
+            yield from megatron_to_hf(globalize_name(name, layer_id=layer_id), full, spec=spec, arena=arena)
+
+
+def megatron_arena_nbytes(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, spec: HFModelSpec,
+                          pg_collection=None) -> int:
+    """Bytes a :class:`~colocate.convert.ConversionArena` needs for one :func:`iter_hf_weights`
+    pass over these chunks with these TP/ETP/EP groups: the converter's own outputs
+    (:func:`~colocate.convert.arena_nbytes` in the parameters' dtype) plus every TP-merged and
+    EP-gathered parameter (aligned), in exactly the order the pass takes them. Read from the
+    model rather than the spec because which parameters are sharded, and how, is Megatron's
+    per-parameter ``tensor_model_parallel``/``partition_dim``; no collective is run."""
+    chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
+    groups = _groups(pg_collection)
+    dtype = next(unwrap_model(chunks[0]).parameters()).dtype
+    return arena_nbytes(spec, dtype=dtype) + sum(
+        _gathered_nbytes(p, kind, group, ep_gather, groups[2])
+        for _, p, _, kind, group, ep_gather in _params(chunks, spec, groups))
+
+
+def megatron_arena(model_chunks: list[torch.nn.Module] | torch.nn.Module, *, spec: HFModelSpec,
+                   pg_collection=None, share_memory: bool = False) -> ConversionArena:
+    """A :class:`~colocate.convert.ConversionArena` of :func:`megatron_arena_nbytes` bytes on the
+    parameters' device (for TP/EP > 1; at TP = EP = 1 it equals ``ConversionArena.for_spec``)."""
+    chunks = model_chunks if isinstance(model_chunks, list | tuple) else [model_chunks]
+    device = next(unwrap_model(chunks[0]).parameters()).device
+    return ConversionArena(megatron_arena_nbytes(chunks, spec=spec, pg_collection=pg_collection), device=device,
+                           share_memory=share_memory)
 
 
 def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, dtype: torch.dtype | None = None,
@@ -122,8 +258,8 @@ def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, 
     pass None and only take part in the gathers. Tensors are cast to ``dtype`` one at a time
     (None keeps the training dtype; ``e_score_correction_bias`` stays fp32). The name/shape/dtype
     check runs before any gather. Returns the publish report (None on non-publishing ranks).
-    ``arena`` goes to :func:`iter_hf_weights` (converter outputs written into it; the casts to
-    ``dtype`` are still fresh tensors).
+    ``arena`` goes to :func:`iter_hf_weights` (converter outputs and TP/EP gathers written into
+    it; the casts to ``dtype`` are still fresh tensors).
 
     Pipeline parallelism is refused (``ValueError``): one engine needs every stage's layers in
     one versioned update, which needs a cross-stage gather this function does not do.

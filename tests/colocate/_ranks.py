@@ -211,3 +211,85 @@ def trainer_residency_gpu(rank: int, world_size: int) -> dict:
     ref, got = run(False), run(True)
     return {"freed": got["freed"], "gain": got["device_free_gain"],
             "equal": all(torch.equal(ref["params"][n], got["params"][n]) for n in ref["params"])}
+
+
+def arena_gathers(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """For each case build the tiny model at (tp, ep, etp) with its parameters as views of one
+    flat buffer (as a DDP param buffer holds them), then compare ``iter_hf_weights`` with an
+    arena sized by ``megatron_arena`` against the default path: equality, the storages yielded,
+    offsets on a second pass, a publish on rank 0 (rank 1 without an arena: same collectives),
+    and the typed capacity error."""
+    from megatron.core import parallel_state as ps
+
+    from colocate.config import PublishConfig
+    from colocate.convert import ArenaCapacityError, ConversionArena, Qwen3HybridSpec, hf_param_specs
+    from colocate.engines import HFEngine
+    from colocate.megatron import (
+        iter_hf_weights,
+        megatron_arena,
+        megatron_arena_nbytes,
+        model_spec_from_megatron,
+    )
+    from colocate.publish import Publisher
+    from mcore_distill.testing import seed_all
+
+    from ._hybrid_ranks import GDN, build_hybrid
+
+    results = []
+    for case in cases:
+        ps.initialize_model_parallel(tensor_model_parallel_size=case["tp"], expert_model_parallel_size=case.get("ep", 1),
+                                     expert_tensor_parallel_size=case.get("etp"))
+        seed_all(7)
+        if case.get("hybrid"):
+            model = build_hybrid("GAG", vocab=40, tp=case["tp"])
+            spec = Qwen3HybridSpec(arch="qwen3", num_layers=3, hidden_size=24, num_attention_heads=4,
+                                   num_query_groups=2, head_dim=8, ffn_hidden_size=20, vocab_size=40,
+                                   layer_types=["linear_attention", "full_attention", "linear_attention"], **GDN)
+        else:
+            cfg = TinyGPTConfig(tensor_model_parallel_size=case["tp"], num_moe_experts=case.get("experts"),
+                                tie_embeddings=case.get("tied", False), num_layers=2, hidden_size=48,
+                                num_attention_heads=6, num_query_groups=2, kv_channels=10, ffn_hidden_size=40,
+                                vocab_size=96, extra=case.get("extra", {}))
+            model = build_tiny_gpt(cfg).eval()
+            spec = model_spec_from_megatron(model, router_dtype=case.get("router_dtype"))
+        params = [p for _, p in model.named_parameters()]
+        flat = torch.empty(sum(p.numel() for p in params))
+        off = 0
+        for p in params:  # one storage for all parameters, per-rank random values
+            p.data = flat[off: off + p.numel()].view(p.shape).copy_(torch.randn(p.shape))
+            off += p.numel()
+        out = {"case": case["id"]}
+        ref = {n: t.clone() for n, t in iter_hf_weights([model], spec=spec)}
+        arena = megatron_arena([model], spec=spec)
+        got = list(iter_hf_weights([model], spec=spec, arena=arena))
+        storages = {t.untyped_storage().data_ptr() for _, t in got}
+        out["names_equal"] = [n for n, _ in got] == list(ref)
+        out["equal"] = all(torch.equal(t, ref[n]) for n, t in got)
+        out["storages_ok"] = storages <= {flat.untyped_storage().data_ptr(), arena.buffer.untyped_storage().data_ptr()}
+        out["arena_used"], out["arena_capacity"] = arena.used, arena.capacity
+        out["nbytes"] = megatron_arena_nbytes([model], spec=spec)
+        ptrs = [t.data_ptr() for _, t in got]
+        flat.neg_()  # the trainer steps
+        ref2 = {n: t.clone() for n, t in iter_hf_weights([model], spec=spec)}
+        again = list(iter_hf_weights([model], spec=spec, arena=arena))
+        out["same_ptrs"] = [t.data_ptr() for _, t in again] == ptrs
+        out["equal_again"] = all(torch.equal(t, ref2[n]) for n, t in again)
+        if case.get("router_dtype") or case.get("hybrid"):
+            pass  # HFEngine has no hybrid and builds its gate in the training dtype: no publish here
+        elif rank == 0:  # rank 1 takes part without an arena: the collectives are the same
+            engine = HFEngine(spec)
+            pub = Publisher(engine, PublishConfig(transport="inprocess", bucket_bytes=64 << 10), share_min_bytes=1)
+            rep = pub.publish(iter_hf_weights([model], spec=spec, arena=arena), version=1,
+                              meta=hf_param_specs(spec, dtype=torch.float32))
+            out["buckets"], out["shared"] = rep.num_buckets, rep.num_shared
+            out["received_equal"] = all(torch.equal(engine.read(n), t) for n, t in ref2.items())
+        else:
+            for _ in iter_hf_weights([model], spec=spec):
+                pass
+        try:  # every rank fails at the same take, before its collective
+            list(iter_hf_weights([model], spec=spec, arena=ConversionArena(arena.capacity - 1)))
+        except ArenaCapacityError as e:
+            out["capacity_error"] = (e.name, e.requested, e.used, e.capacity)
+        results.append(out)
+        ps.destroy_model_parallel()
+    return results

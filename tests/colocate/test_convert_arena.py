@@ -227,6 +227,7 @@ def test_iter_hf_weights_with_arena_matches_without(cpu_megatron, case):
     got = dict(iter_hf_weights([model], spec=spec, arena=arena))
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
     in_arena = {n for n, t in got.items() if _ptr(t) == _ptr(arena.buffer)}
+    assert {_ptr(t) for t in got.values()} <= {_ptr(p) for p in model.parameters()} | {_ptr(arena.buffer)}
     assert "model.layers.1.self_attn.k_proj.weight" in in_arena
     assert ("model.layers.0.mlp.gate.weight" in in_arena) == (case == "moe-router-bf16")
     assert arena.used == arena.capacity
