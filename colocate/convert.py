@@ -164,11 +164,13 @@ class ConversionArena:
             acc *= int(x)
         return typed.as_strided(tuple(shape), tuple(reversed(strides)), start // dtype.itemsize)
 
+    def take_for(self, like: torch.Tensor, shape, dtype: torch.dtype, *, name: str) -> torch.Tensor:
+        """:meth:`take` for an output computed from ``like``, which must live on the arena's device."""
+        if like.device != self.device:
+            raise ConversionError(f"{name}: tensor on {like.device}, ConversionArena on {self.device}")
+        return self.take(tuple(shape), dtype, name=name)
 
-def _arena_out(arena: ConversionArena, shape, dtype: torch.dtype, like: torch.Tensor, name: str) -> torch.Tensor:
-    if like.device != arena.device:
-        raise ConversionError(f"{name}: tensor on {like.device}, ConversionArena on {arena.device}")
-    return arena.take(tuple(shape), dtype, name=name)
+
 
 
 def _materialize(src: torch.Tensor, shape, arena: ConversionArena | None, name: str) -> torch.Tensor:
@@ -176,7 +178,7 @@ def _materialize(src: torch.Tensor, shape, arena: ConversionArena | None, name: 
     given, the copy goes into the arena instead of a fresh allocation."""
     if arena is None or src.is_contiguous():
         return src.reshape(shape)
-    out = _arena_out(arena, src.shape, src.dtype, src, name)
+    out = arena.take_for(src, src.shape, src.dtype, name=name)
     out.copy_(src)
     return out.view(shape)
 
@@ -185,7 +187,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, arena: ConversionArena | None, na
     """``t.to(dtype)`` (``t`` itself when the dtype already matches), into the arena if given."""
     if arena is None or t.dtype == dtype:
         return t.to(dtype)
-    out = _arena_out(arena, t.shape, dtype, t, name)
+    out = arena.take_for(t, t.shape, dtype, name=name)
     out.copy_(t)
     return out
 
@@ -199,7 +201,7 @@ def _stack_groups(parts: list[torch.Tensor], arena: ConversionArena | None, name
         return torch.cat(parts, dim=dim).reshape(-1, *parts[0].shape[dim + 1:])
     lead, tail = parts[0].shape[:dim], parts[0].shape[dim + 1:]
     width = sum(p.shape[dim] for p in parts)
-    out = _arena_out(arena, (math.prod(lead) * width, *tail), parts[0].dtype, parts[0], name)
+    out = arena.take_for(parts[0], (math.prod(lead) * width, *tail), parts[0].dtype, name=name)
     grouped, o = out.view(*lead, width, *tail), 0
     for p in parts:
         grouped.narrow(dim, o, p.shape[dim]).copy_(p)
@@ -569,7 +571,7 @@ def _shifted(t: torch.Tensor, delta: int, arena: ConversionArena | None, name: s
     """``t + delta`` (a new tensor), written into ``arena`` if given (same kernel, same bits)."""
     if arena is None:
         return t + delta
-    return torch.add(t, delta, out=_arena_out(arena, t.shape, t.dtype, t, name))
+    return torch.add(t, delta, out=arena.take_for(t, t.shape, t.dtype, name=name))
 
 
 def _hf_centered(t: torch.Tensor, spec: Qwen3HybridSpec, arena: ConversionArena | None = None,

@@ -18,7 +18,6 @@ from colocate.config import HFModelSpec
 from colocate.convert import (
     ConversionArena,
     Qwen3HybridSpec,
-    _arena_out,
     arena_nbytes,
     gdn_tp_sections,
     globalize_name,
@@ -144,7 +143,7 @@ def _gather_into_arena(name: str, p: torch.Tensor, kind: str, group, spec: HFMod
     row, GLU and sectioned shards go through ``scratch`` and one ``torch.cat(out=)``."""
     n = _size(group)
     t = p.detach().contiguous()
-    out = _arena_out(arena, _merged_shape(t, kind, n), t.dtype, t, f"{name} (TP-merged)")
+    out = arena.take_for(t, _merged_shape(t, kind, n), t.dtype, name=f"{name} (TP-merged)")
     sections = _sections(name, spec, n) if kind == "col" else None
     if kind == "col" and sections is None:
         dist.all_gather(list(out.chunk(n, dim=0)), t, group=group)
@@ -166,7 +165,7 @@ def _ep_gather_into_arena(name: str, full: torch.Tensor, ep, arena: ConversionAr
     """``_all_gather(full, ep)`` with the outputs as consecutive views of one arena slice."""
     n = _size(ep)
     t = full.detach().contiguous()
-    out = _arena_out(arena, (n, *t.shape), t.dtype, t, f"{name} (EP-gathered)")
+    out = arena.take_for(t, (n, *t.shape), t.dtype, name=f"{name} (EP-gathered)")
     parts = list(out.unbind(0))
     dist.all_gather(parts, t, group=ep)
     return parts
