@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Entry", "align", "bucket_nbytes", "plan_buckets", "pack_bucket", "unpack_bucket", "tensor_checksum", "ALIGN"]
+__all__ = ["Entry", "align", "nbytes", "bucket_nbytes", "plan_buckets", "pack_bucket", "unpack_bucket", "tensor_checksum", "ALIGN"]
 
 ALIGN = 256
 
@@ -30,10 +30,15 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize  # not torch.empty(...).element_size(): an allocation per call
-        for s in self.shape:
-            n *= s
-        return n
+        return nbytes(self.shape, self.dtype)
+
+
+def nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
+    """Bytes of a ``(shape, dtype)`` tensor (``dtype.itemsize``: no allocation to ask it)."""
+    n = dtype.itemsize
+    for x in shape:
+        n *= int(x)
+    return n
 
 
 def align(n: int) -> int:

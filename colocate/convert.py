@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from colocate.buckets import align
+from colocate.buckets import align, nbytes
 from colocate.config import ConfigError, HFModelSpec
 
 __all__ = [
@@ -150,7 +150,7 @@ class ConversionArena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, *, name: str = "tensor") -> torch.Tensor:
         """An uninitialised contiguous ``(shape, dtype)`` view at the next aligned offset."""
-        n = _nbytes(shape, dtype)
+        n = nbytes(shape, dtype)
         start = self.used
         if start + n > self.capacity:
             raise ArenaCapacityError(name, n, start, self.capacity)
@@ -732,12 +732,5 @@ def arena_nbytes(spec: HFModelSpec, *, dtype: torch.dtype) -> int:
     fp32 (a few KiB at most). TP/EP gathers and later casts (``publish_megatron(dtype=)``) are
     not converter outputs and are not counted: under TP/EP > 1 size the arena with
     :func:`colocate.megatron.megatron_arena_nbytes` (this plus the gathered parameters)."""
-    return sum(align(_nbytes(shape, dt)) for n, (shape, dt) in hf_param_specs(spec, dtype=dtype).items()
+    return sum(align(nbytes(shape, dt)) for n, (shape, dt) in hf_param_specs(spec, dtype=dtype).items()
                if _arena_needed(n, dtype, dt, spec))
-
-
-def _nbytes(shape: Iterable[int], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for x in shape:
-        n *= int(x)
-    return n

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from colocate.buckets import Entry, align, bucket_nbytes, pack_bucket, tensor_checksum
+from colocate.buckets import Entry, align, bucket_nbytes, nbytes, pack_bucket, tensor_checksum
 from colocate.config import PublishConfig
 from colocate.convert import check_params
 from colocate.transports import RemoteReceiver, choose_transport, read_bucket_file, write_bucket_file
@@ -57,13 +57,6 @@ log = logging.getLogger(__name__)
 
 
 PHASES = ("convert", "begin", "plan", "bucket", "transfer", "load", "release", "verify")
-
-
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for x in shape:
-        n *= int(x)
-    return n
 
 
 def _equal(a: Mapping, b: Mapping) -> bool:
@@ -98,7 +91,7 @@ class _Plan:
         """Check ``meta`` against ``specs`` (raises :class:`ParamMismatchError`) and plan it."""
         check_params(meta, specs, require_all=require_all)
         snap = _layout(meta)
-        sizes = {n: align(_nbytes(s, d)) for n, (s, d) in snap.items()}
+        sizes = {n: align(nbytes(s, d)) for n, (s, d) in snap.items()}
         return cls(snap, _layout(specs), require_all, sum(sizes.values()), sizes)
 
     def matches(self, meta: Mapping, specs: Mapping, require_all: bool) -> bool:
