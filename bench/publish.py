@@ -5,8 +5,9 @@ Cases:
   param buffer holds it, in one contiguous buffer in Megatron layout; the converter's HF stream
   (views of that buffer, fresh tensors only for the GQA q/k/v split) is published by
   :class:`colocate.publish.Publisher` from this (trainer) process to a receiver process on the
-  same GPU that copies every tensor into its own parameters (one ``torch._foreach_copy_`` per
-  bucket or shared storage; runs before 2026-11-29 23:55 UTC copied entry by entry in a loop). Variants: ``packed`` (everything
+  same GPU that copies every tensor into its own parameters (``colocate.buckets.copy_tensors``:
+  one copy kernel per tensor ≥ 1 MiB, the small ones in one ``_foreach_copy_``; the 2026-11-30
+  00:58 run used ``_foreach_copy_`` for all, slower for large tensors; earlier runs a loop). Variants: ``packed`` (everything
   copied into 1 GiB buckets, ≤ 2 in flight: the old path), ``inplace`` (the buffer is shared as
   one IPC handle and only q/k/v are packed; the receiver unmaps it after each publish),
   ``inplace_keep_mapped`` (mapped across publishes: no handle after the first) and
@@ -53,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
 from colocate import HFModelSpec, PublishConfig  # noqa: E402
-from colocate.buckets import tensor_checksum, unpack_bucket  # noqa: E402
+from colocate.buckets import copy_tensors, tensor_checksum, unpack_bucket  # noqa: E402
 from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf  # noqa: E402
 from colocate.publish import Publisher  # noqa: E402
 from colocate.transports import spawn_receiver  # noqa: E402
@@ -72,8 +73,8 @@ SGL_1GB = HFModelSpec(arch="qwen3", num_layers=16, hidden_size=2048, num_attenti
 
 class CopyReceiver:
     """Receiver process for the benchmark: owns one tensor per name and copies each bucket's
-    entries into them with one ``torch._foreach_copy_`` (the one device copy a real engine's load
-    does, batched), then synchronizes before acking."""
+    entries into them (the one device copy a real engine's load does; small tensors batched),
+    then synchronizes before acking."""
 
     def __init__(self, specs: dict, device: str):
         self.device = torch.device(device)
@@ -95,8 +96,8 @@ class CopyReceiver:
         pass
 
     def load_bucket(self, entries, buffer):
-        src = unpack_bucket(buffer, entries)  # one _foreach_copy_ per bucket, not a Python loop of copy_
-        torch._foreach_copy_([self.params[n] for n in src], list(src.values()), non_blocking=True)
+        src = unpack_bucket(buffer, entries)
+        copy_tensors([self.params[n] for n in src], list(src.values()), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 

@@ -177,8 +177,8 @@ def test_odd_meta_values_fall_back_to_a_fresh_check():
 
 
 def test_pack_bucket_round_trip_mixed_dtypes_and_strides():
-    """pack_bucket's single _foreach_copy_ equals per-entry copies: mixed dtypes, a
-    non-contiguous source, and the same error for a tensor that does not match its entry."""
+    """pack_bucket equals per-entry copies: mixed dtypes, a non-contiguous source, and the same
+    error for a tensor that does not match its entry."""
     from colocate.buckets import pack_bucket, plan_buckets, unpack_bucket
 
     g = torch.Generator().manual_seed(0)
@@ -192,3 +192,21 @@ def test_pack_bucket_round_trip_mixed_dtypes_and_strides():
     with pytest.raises(ValueError, match=r"pack_bucket: b is \(7,\) torch.float32, planned \(7,\) torch.bfloat16"):
         pack_bucket({**ts, "b": ts["b"].float()}, entries, buf)
     pack_bucket({}, [], buf)  # an empty bucket is a no-op
+
+
+@pytest.mark.parametrize("foreach_max_bytes", [0, 40, 1 << 20])
+def test_copy_tensors_split_between_foreach_and_plain_copies(foreach_max_bytes):
+    """copy_tensors equals copy_ pair by pair whether a pair goes through the batched
+    ``_foreach_copy_`` (under the threshold) or its own copy (0: all plain; 40 B: mixed; 1 MiB: all
+    batched), incl. a strided source and a bf16 destination of an fp32 source (cast like copy_)."""
+    from colocate.buckets import copy_tensors
+
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randn(6, 4, generator=g).t(), torch.randn(3, generator=g), torch.randn(50, generator=g),
+            torch.randint(0, 9, (5,), generator=g)]
+    dsts = [torch.empty(4, 6), torch.empty(3, dtype=torch.bfloat16), torch.empty(50), torch.empty(5, dtype=torch.int64)]
+    copy_tensors(dsts, srcs, foreach_max_bytes=foreach_max_bytes)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d, s.to(d.dtype))
+    with pytest.raises(ValueError):
+        copy_tensors(dsts, srcs[:2])
