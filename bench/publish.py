@@ -13,7 +13,10 @@ Cases:
   ``inplace_keep_mapped`` (mapped across publishes: no handle after the first) and
   ``inplace_arena_keep_mapped`` (the converter writes q/k/v into a
   :class:`colocate.convert.ConversionArena` allocated once from the spec, 1.8 GB for 8B; buffer
-  and arena both shared in place and kept mapped, so nothing is packed). Baselines in the
+  and arena both shared in place and kept mapped, so nothing is packed) and
+  ``replay_arena_keep_mapped`` (the same with ``replay_sources=[buffer]``: after the first
+  publish the converter stream is not read; the publisher re-runs the arena's recorded q/k/v
+  copies and hands the same two storages over again; checked after a trainer step). Baselines in the
   same run: one device-to-device copy of the same bytes (``d2d_flat``, the copy floor) and a
   per-tensor ``copy_`` loop (``d2d_per_tensor``). Reported: payload GB/s, IPC handles, peak extra
   trainer memory, per-phase times.
@@ -26,7 +29,7 @@ Cases:
   names, count and converter path: views of one Megatron-layout buffer, q/k/v split off) at tiny
   sizes (hidden 64, 3.5 MB in all), so copies are negligible and Python work dominates. Published
   in process and over shared memory to a receiver process, packed / in place / in place kept
-  mapped / in place with a conversion arena, kept mapped (``share_min_bytes`` lowered to the
+  mapped / in place with a conversion arena, kept mapped / the same with replay (``share_min_bytes`` lowered to the
   arena's size there: the tiny arena is smaller than the 1 MiB used otherwise); reports ms per
   publish, the publisher's phases, ``untimed_ms`` (wall minus the phase
   sum), the converter stream alone (without and with the arena), and a cProfile top list (in-place, kept mapped, shm).
@@ -96,7 +99,11 @@ class CopyReceiver:
         pass
 
     def load_bucket(self, entries, buffer):
-        src = unpack_bucket(buffer, entries)
+        self.load_views(unpack_bucket(buffer, entries))
+
+    def load_views(self, src):
+        """Copy named views (of a bucket or a storage shared in place; a kept-mapped slot's
+        views are built once by the serving loop) into the parameters."""
         copy_tensors([self.params[n] for n in src], list(src.values()), non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
@@ -213,7 +220,11 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
                     ("publisher_inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True}, None),
                     # the small CPU arena (0.5 MB) is below the 1 MiB threshold: lowered to its size
                     ("publisher_inplace_arena_keep_mapped",
-                     {"share_min_bytes": min(share, arena.capacity), "keep_shared": True}, arena))
+                     {"share_min_bytes": min(share, arena.capacity), "keep_shared": True}, arena),
+                    # the same, and every publish after the first (the warm-up) a replay
+                    ("publisher_replay_arena_keep_mapped",
+                     {"share_min_bytes": min(share, arena.capacity), "keep_shared": True, "replay_sources": [flat],
+                      "arena": arena}, arena))
         for provider, kw, arn in variants:
             pub = Publisher(recv, PublishConfig(transport="auto", bucket_bytes=bucket, max_in_flight=2,
                                                 verify="none"), **kw)
@@ -228,6 +239,11 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
                 reports.append(pub.publish(hf_stream(params, spec, arn), version=next(version), meta=meta))
             t = time_cpu(once, warmup=1, iters=5 if cuda else 3)
             _check_received(recv, params, spec, checked)
+            if pub.arena is not None:  # a replay after a trainer step carries the new values
+                flat.neg_()
+                once()
+                _check_received(recv, params, spec, checked)
+                flat.neg_()
             last = reports[-1]
             phases = {k: sorted(r.timings[k] for r in reports)[len(reports) // 2] * 1e3 for k in last.timings}
             extra["phases_ms_median"][provider] = phases
@@ -237,6 +253,7 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
                          "shared_storages": last.num_shared,
                          "trainer_peak_extra_MiB": ((torch.cuda.max_memory_allocated() - base) / 2**20) if cuda else 0.0,
                          "arena_MiB": arena.capacity / 2**20 if arn is not None else 0.0,
+                         "replayed": sum(r.replayed for r in reports),
                          **{f"{k}_ms": v for k, v in phases.items()}})
             pub.release_staging()
             if cuda:
@@ -302,7 +319,10 @@ def bench_overhead(iters: int = 50) -> tuple[list[dict], dict]:
                                      ("inplace", {"share_min_bytes": share}, None),
                                      ("inplace_keep_mapped", {"share_min_bytes": share, "keep_shared": True}, None),
                                      ("inplace_arena_keep_mapped",  # arena 0.4 MB < 1 MiB: threshold lowered to it
-                                      {"share_min_bytes": arena.capacity, "keep_shared": True}, arena)):
+                                      {"share_min_bytes": arena.capacity, "keep_shared": True}, arena),
+                                     ("replay_arena_keep_mapped",
+                                      {"share_min_bytes": arena.capacity, "keep_shared": True,
+                                       "replay_sources": [flat], "arena": arena}, arena)):
                 pub = Publisher(recv, PublishConfig(transport=transport, bucket_bytes=1 * GiB, max_in_flight=2,
                                                     verify="none"), **kw)
                 walls: list[float] = []

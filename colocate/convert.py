@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from functools import partial
 
 import torch
 
@@ -118,6 +119,14 @@ class ConversionArena:
     ``device``: where the converted tensors live (the trainer's device). ``share_memory``: put a
     CPU buffer in shared memory so the ``shm`` transport can send it in place (CUDA buffers are
     shared through IPC without it).
+
+    Recording (for :class:`colocate.publish.Publisher`'s replay): between :meth:`record` and
+    :meth:`recorded`, every writer notes how it filled the view it took and what it read
+    (:meth:`wrote`, e.g. the strided copy of q out of ``linear_qkv``); :meth:`recorded` returns
+    those only if every :meth:`take` of the pass was noted, so a pass that also wrote through
+    something that cannot be re-run alone (a TP/EP all-gather) is never replayed. The publisher
+    also refuses ops that read a tensor outside the trainer's parameters and this arena (a
+    temporary would be stale).
     """
 
     def __init__(self, nbytes: int, *, device: str | torch.device = "cpu", share_memory: bool = False):
@@ -129,6 +138,8 @@ class ConversionArena:
         self.used = 0
         """Bytes handed out since the last :meth:`reset` (aligned)."""
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer viewed per dtype (take: one as_strided)
+        self._ops: list[tuple[Callable[[], object], tuple[torch.Tensor, ...]]] | None = None  # recording
+        self._takes = 0
 
     @classmethod
     def for_spec(cls, spec: HFModelSpec, *, dtype: torch.dtype, device: str | torch.device = "cpu",
@@ -147,6 +158,25 @@ class ConversionArena:
     def reset(self) -> None:
         """Start a new pass at offset 0 (the previous pass's tensors will be overwritten)."""
         self.used = 0
+        if self._ops is not None:
+            self._ops, self._takes = [], 0
+
+    def record(self) -> None:
+        """Record the next pass: each :meth:`take` and the op that filled it (:meth:`wrote`)."""
+        self._ops, self._takes = [], 0
+
+    def wrote(self, op: Callable[[], object], *reads: torch.Tensor) -> None:
+        """The view of the last :meth:`take` was filled by ``op()`` from ``reads``; while
+        recording, kept so it can be re-run (reading its sources again)."""
+        if self._ops is not None:
+            self._ops.append((op, reads))
+
+    def recorded(self) -> list[tuple[Callable[[], object], tuple[torch.Tensor, ...]]] | None:
+        """Stop recording; ``(op, reads)`` that refill this pass's views in order, or ``None``
+        when some take was filled by a writer that did not note itself (e.g. a collective)."""
+        ops, takes = self._ops, self._takes
+        self._ops, self._takes = None, 0
+        return ops if ops is not None and len(ops) == takes else None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, *, name: str = "tensor") -> torch.Tensor:
         """An uninitialised contiguous ``(shape, dtype)`` view at the next aligned offset."""
@@ -155,6 +185,7 @@ class ConversionArena:
         if start + n > self.capacity:
             raise ArenaCapacityError(name, n, start, self.capacity)
         self.used = min(align(start + n), self.capacity)
+        self._takes += 1
         typed = self._typed.get(dtype)
         if typed is None:
             typed = self._typed[dtype] = self.buffer[: self.capacity - self.capacity % dtype.itemsize].view(dtype)
@@ -180,6 +211,7 @@ def _materialize(src: torch.Tensor, shape, arena: ConversionArena | None, name: 
         return src.reshape(shape)
     out = arena.take_for(src, src.shape, src.dtype, name=name)
     out.copy_(src)
+    arena.wrote(partial(out.copy_, src), src)
     return out.view(shape)
 
 
@@ -189,6 +221,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, arena: ConversionArena | None, na
         return t.to(dtype)
     out = arena.take_for(t, t.shape, dtype, name=name)
     out.copy_(t)
+    arena.wrote(partial(out.copy_, t), t)
     return out
 
 
@@ -203,10 +236,18 @@ def _stack_groups(parts: list[torch.Tensor], arena: ConversionArena | None, name
     width = sum(p.shape[dim] for p in parts)
     out = arena.take_for(parts[0], (math.prod(lead) * width, *tail), parts[0].dtype, name=name)
     grouped, o = out.view(*lead, width, *tail), 0
+    dsts = []
     for p in parts:
-        grouped.narrow(dim, o, p.shape[dim]).copy_(p)
+        dsts.append(grouped.narrow(dim, o, p.shape[dim]))
         o += p.shape[dim]
+    _copy_all(dsts, parts)
+    arena.wrote(partial(_copy_all, dsts, parts), *parts)
     return out
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)
 
 
 def split_qkv(qkv: torch.Tensor, *, num_heads: int, num_groups: int, head_dim: int,
@@ -571,7 +612,10 @@ def _shifted(t: torch.Tensor, delta: int, arena: ConversionArena | None, name: s
     """``t + delta`` (a new tensor), written into ``arena`` if given (same kernel, same bits)."""
     if arena is None:
         return t + delta
-    return torch.add(t, delta, out=arena.take_for(t, t.shape, t.dtype, name=name))
+    out = arena.take_for(t, t.shape, t.dtype, name=name)
+    torch.add(t, delta, out=out)
+    arena.wrote(partial(torch.add, t, delta, out=out), t)
+    return out
 
 
 def _hf_centered(t: torch.Tensor, spec: Qwen3HybridSpec, arena: ConversionArena | None = None,

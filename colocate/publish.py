@@ -106,6 +106,35 @@ class _Plan:
         return e
 
 
+def _key(storage: torch.UntypedStorage) -> tuple[int, int]:
+    return storage.data_ptr(), storage.nbytes()
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One storage handed over in place: its receiver slot, entries, the storage as bytes, key."""
+
+    slot: tuple
+    entries: list[Entry]
+    storage: torch.Tensor
+    key: tuple[int, int]
+
+
+@dataclass
+class _Recipe:
+    """How the last publish went, for :meth:`Publisher.publish` to repeat without the stream:
+    its plan, the storages it handed over (in order, with their entries) and the arena fills."""
+
+    plan: _Plan
+    groups: list[_Group]
+    ops: list
+    nbytes: int
+
+    def unchanged(self) -> bool:
+        """Every storage still has the address and size it had (not released/re-allocated)."""
+        return all(_key(g.storage.untyped_storage()) == g.key for g in self.groups)
+
+
 class PublishError(RuntimeError):
     """A publish failed; ``version`` is poisoned and the receiver kept its previous weights."""
 
@@ -133,6 +162,8 @@ class PublishReport:
     """Storages sent in place (no packing copy): their tensors are views the receiver copies from."""
     timings: dict[str, float] = field(default_factory=dict)
     verify: str = "none"
+    replayed: bool = False
+    """The stream was not read: the previous publish's hand-overs were repeated (replay)."""
 
     @property
     def gbps(self) -> float:
@@ -149,6 +180,17 @@ class Publisher:
     whose storage has at least this many bytes are sent in place instead of packed (``None``:
     always pack). ``keep_shared``: keep such storages mapped in the receiver between publishes
     (no new handles next time; call :meth:`release_staging` before the trainer frees them).
+
+    Replay (``replay_sources``: the trainer's parameters, e.g. ``model.parameters()``; ``arena``:
+    the :class:`~colocate.convert.ConversionArena` the stream writes into): when a publish went
+    wholly in place out of those parameters' storages and the arena (no packed bucket, every
+    arena view's fill recorded, ``verify="none"``), the next publish with the same ``meta`` and
+    receiver layout, while those storages have not moved, does not read ``weights`` at all: it
+    re-runs the arena fills (the strided q/k/v copies: current values) and hands the same storages
+    over with the same entries, so the receiver copies the trainer's current bytes. Valid when the
+    stream is the same function of the same storages each time (:func:`~colocate.megatron.iter_hf_weights`
+    of one model, TP = EP = 1: a pass with all-gathers is never recorded). A generator passed as
+    ``weights`` is then not started.
     """
 
     OPEN_STORAGES = 2
@@ -158,7 +200,8 @@ class Publisher:
     each. A stream of distinct large storages (TP-gathered tensors) keeps at most this many alive."""
 
     def __init__(self, receiver, config: PublishConfig | None = None, *, device: str | torch.device | None = None,
-                 share_min_bytes: int | None = 64 << 20, keep_shared: bool = False):
+                 share_min_bytes: int | None = 64 << 20, keep_shared: bool = False,
+                 replay_sources: Iterable[torch.Tensor] | None = None, arena=None):
         self.receiver = receiver
         self.config = config or PublishConfig()
         local = not isinstance(receiver, RemoteReceiver)
@@ -189,6 +232,21 @@ class Publisher:
         self._plan: _Plan | None = None
         self.plan_reused = 0
         """Publishes that reused the plan (names/shapes/dtypes unchanged, check not re-run)."""
+        self._sources: list[torch.UntypedStorage] | None = None
+        if replay_sources is not None:
+            by_key = {}
+            for t in replay_sources:
+                st = t.untyped_storage()
+                by_key.setdefault(_key(st), st)
+            self._sources = list(by_key.values())
+        if arena is not None and self._sources is None:
+            from colocate.config import ConfigError
+
+            raise ConfigError("Publisher arena= is for replay: pass replay_sources= (the trainer's parameters) too")
+        self.arena = arena
+        self._recipe: _Recipe | None = None
+        self.replays = 0
+        """Publishes that repeated the previous one's hand-overs without reading the stream."""
 
     # ----- staging buffers --------------------------------------------------------------------
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -206,6 +264,7 @@ class Publisher:
         freed = sum(b.numel() for b in self._staging if b is not None)
         self._staging = [None] * self.config.max_in_flight
         self._shared_slots.clear()
+        self._recipe = None  # it holds the storages it handed over
         if isinstance(self.receiver, RemoteReceiver) and self.receiver.process.is_alive():
             self.receiver.detach_buffers()  # staging slots and storages kept shared (keep_shared)
         if torch.cuda.is_available():
@@ -241,12 +300,27 @@ class Publisher:
             if meta is None:
                 meta = {n: (tuple(t.shape), t.dtype) for n, t in items}
             plan = self._plan_for(meta, require_all)
+            recipe, self._recipe = self._recipe, None  # set again only by a successful publish
+            if recipe is not None and (recipe.plan is not plan or not recipe.unchanged()):
+                recipe = None
             phase = "begin"
             self.receiver.begin_update(version)
             began = True
             timings["begin"] = time.perf_counter() - t0
             phase = "transfer"
-            report = self._send(iter(items), plan, version, timings)
+            replayed = recipe is not None
+            if replayed:
+                report = self._replay(recipe, version, timings)
+            else:
+                recording = self._sources is not None and self.arena is not None
+                if recording:
+                    self.arena.record()
+                try:
+                    report = self._send(iter(items), plan, version, timings)
+                finally:
+                    ops = self.arena.recorded() if recording else None
+                if self._sources is not None:
+                    recipe = self._record(plan, report, ops)
             phase = "load"
             t0 = time.perf_counter()
             self.receiver.end_update(version, report.pop("checksums"))
@@ -287,10 +361,13 @@ class Publisher:
             log.error("publish %s poisoned in %s: %s", version, phase, e)
             raise PublishError(version, phase, e) from e
         self.last_good = version
+        self._recipe = recipe
+        self.replays += replayed
         rep = PublishReport(version=version, transport=self.transport, num_tensors=len(meta),
                             nbytes=report["nbytes"], num_buckets=report["buckets"], handles=report["handles"],
                             num_shared=report["shared"],
-                            timings=timings, verify=self.config.verify if self._verifies else "version-only")
+                            timings=timings, verify=self.config.verify if self._verifies else "version-only",
+                            replayed=replayed)
         self.reports.append(rep)
         log.info("published v%s via %s: %d tensors, %.1f MiB, %d buckets, %d shared storages, %s", version,
                  self.transport, len(meta), rep.nbytes / 2**20, rep.num_buckets, rep.num_shared,
@@ -342,7 +419,7 @@ class Publisher:
         checksums: dict[str, int] | None = {} if cfg.verify == "checksum" and self._verifies else None
         samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         gen = torch.Generator().manual_seed(version)
-        st = {"nbytes": 0, "handles": 0, "buckets": 0, "shared": 0}
+        st = {"nbytes": 0, "handles": 0, "buckets": 0, "shared": 0, "groups": []}
         fresh: list[torch.Tensor] = []
         cur: list[Entry] = []
         cur_t: dict[str, torch.Tensor] = {}
@@ -352,22 +429,10 @@ class Publisher:
         seen: set[str] = set()
 
         def wait_slot() -> None:
-            t0 = time.perf_counter()
-            while remote and self.receiver.in_flight >= cfg.max_in_flight:
-                self.receiver.wait_one(cfg.timeout_s)  # that bucket was acked (receiver synced)
-            timings["transfer"] += time.perf_counter() - t0
+            self._wait_slot(timings)
 
         def hand_over(slot, entries: list[Entry], buf: torch.Tensor, size: int) -> None:
-            t0 = time.perf_counter()
-            if self.transport == "disk":
-                self._send_file(entries, buf, size, version, st, remote)
-            elif remote:
-                st["handles"] += self.receiver.attach_buffer(slot, buf)
-                self.receiver.submit_slot(slot, entries)
-            else:
-                self.receiver.load_bucket(entries, buf[:size])
-            timings["transfer"] += time.perf_counter() - t0
-            st["nbytes"] += sum(e.nbytes for e in entries)
+            self._hand_over(slot, entries, buf, size, version, st, timings)
 
         def flush_bucket() -> None:
             nonlocal cur, cur_t, used
@@ -403,6 +468,7 @@ class Publisher:
             self._shared_slots.add(slot)
             hand_over(slot, entries, storage, storage.numel())
             st["shared"] += 1
+            st["groups"].append(_Group(slot, entries, storage, key))
 
         meta, sizes, sampled = plan.meta, plan.sizes, cfg.verify == "sampled"
         sharing = self._shares_storage()
@@ -463,7 +529,67 @@ class Publisher:
         if self._fresh:
             st["handles"] = len(fresh) + st["shared"]
         return {"nbytes": st["nbytes"], "handles": int(st["handles"]), "buckets": st["buckets"],
-                "shared": st["shared"], "checksums": checksums, "samples": samples, "fresh": fresh}
+                "shared": st["shared"], "checksums": checksums, "samples": samples, "fresh": fresh,
+                "groups": st["groups"]}
+
+    def _wait_slot(self, timings: dict[str, float]) -> None:
+        """Block until fewer than ``max_in_flight`` requests are unacknowledged."""
+        t0 = time.perf_counter()
+        while isinstance(self.receiver, RemoteReceiver) and self.receiver.in_flight >= self.config.max_in_flight:
+            self.receiver.wait_one(self.config.timeout_s)  # that bucket was acked (receiver synced)
+        timings["transfer"] += time.perf_counter() - t0
+
+    def _hand_over(self, slot, entries: list[Entry], buf: torch.Tensor, size: int, version: int, st: dict,
+                   timings: dict[str, float]) -> None:
+        """Give the receiver ``entries`` of ``buf[:size]`` (a bucket or a storage shared in place)."""
+        t0 = time.perf_counter()
+        remote = isinstance(self.receiver, RemoteReceiver)
+        if self.transport == "disk":
+            self._send_file(entries, buf, size, version, st, remote)
+        elif remote:
+            st["handles"] += self.receiver.attach_buffer(slot, buf)
+            self.receiver.submit_slot(slot, entries)
+        else:
+            self.receiver.load_bucket(entries, buf[:size])
+        timings["transfer"] += time.perf_counter() - t0
+        st["nbytes"] += sum(e.nbytes for e in entries)
+
+    # ----- replay -------------------------------------------------------------------------------
+    def _record(self, plan: _Plan, report: dict, ops: list | None) -> _Recipe | None:
+        """A recipe from a publish that went wholly in place out of replay sources (and the arena,
+        whose fill ``ops`` were all recorded); ``None`` if anything else was involved."""
+        if report["buckets"] or not report["groups"] or self.transport == "disk" or self.config.verify != "none":
+            return None
+        allowed = {_key(st) for st in self._sources}
+        if self.arena is not None:
+            if ops is None:
+                return None
+            allowed.add(_key(self.arena.buffer.untyped_storage()))
+        if any(g.key not in allowed for g in report["groups"]):
+            return None
+        if any(_key(t.untyped_storage()) not in allowed for _, reads in ops or () for t in reads):
+            return None  # an arena fill read a temporary: re-running it would copy stale bytes
+        return _Recipe(plan, report["groups"], [op for op, _ in ops or ()], report["nbytes"])
+
+    def _replay(self, recipe: _Recipe, version: int, timings: dict[str, float]) -> dict:
+        """Re-run the arena's recorded fills, then hand the same storages over with the same entries."""
+        t0 = time.perf_counter()
+        for op in recipe.ops:
+            op()
+        for dev in {g.storage.device for g in recipe.groups if g.storage.is_cuda}:
+            torch.cuda.current_stream(dev).synchronize()  # the fills (and the trainer's writes) are done
+        timings["convert"] += time.perf_counter() - t0
+        st = {"nbytes": 0, "handles": 0, "buckets": 0, "shared": 0}
+        for g in recipe.groups:
+            self._wait_slot(timings)
+            self._shared_slots.add(g.slot)
+            self._hand_over(g.slot, g.entries, g.storage, g.storage.numel(), version, st, timings)
+            st["shared"] += 1
+        t0 = time.perf_counter()
+        while isinstance(self.receiver, RemoteReceiver) and self.receiver.in_flight:
+            self.receiver.wait_one(self.config.timeout_s)
+        timings["transfer"] += time.perf_counter() - t0
+        return {**st, "checksums": None, "samples": {}, "groups": recipe.groups}
 
     def _send_file(self, entries: list[Entry], buf: torch.Tensor, size: int, version: int, st: dict,
                    remote: bool) -> None:

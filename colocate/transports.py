@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor reductions (shared memory, CUDA IPC)
 
-from colocate.buckets import Entry
+from colocate.buckets import Entry, unpack_bucket
 
 __all__ = ["TransportError", "ReceiverTimeout", "ReceiverDied", "RemoteError", "RemoteReceiver", "serve_receiver",
            "spawn_receiver", "choose_transport", "write_bucket_file", "read_bucket_file", "TRANSPORT_ORDER"]
@@ -99,8 +99,13 @@ def serve_receiver(conn: Any, receiver: Any) -> None:
 
     Requests are ``(seq, op, args)``; ``buffer``/``bucket`` ops address staging buffers by
     slot; every request gets ``(seq, "ok", result)`` or ``(seq, "err", type name, message)``.
+    A receiver with ``load_views(views)`` (name → view of the slot's buffer) gets the views
+    instead of ``load_bucket(entries, buffer)``; they are kept per slot while its entries and
+    buffer stay (a replayed publish sends neither again), dropped with the slot.
     """
     slots: dict[Any, torch.Tensor] = {}
+    entries_of: dict[Any, list[Entry]] = {}  # a slot's last entries (sent again as None when unchanged)
+    views_of: dict[Any, dict[str, torch.Tensor]] = {}  # their views, for receivers with load_views
     while True:
         try:
             seq, op, args = conn.recv()
@@ -111,18 +116,34 @@ def serve_receiver(conn: Any, receiver: Any) -> None:
                 conn.send((seq, "ok", None))
                 return
             if op == "buffer":
-                slots[args[0]] = args[1]  # no other local keeps it: "drop" must unmap it
+                slots[args[0]] = args[1]  # only views_of also holds it: "drop" must unmap it
+                views_of.pop(args[0], None)
                 result = None
             elif op == "drop_buffers":
                 slots.clear()
+                entries_of.clear()
+                views_of.clear()
                 result = None
             elif op == "drop":
                 for key in args[0]:
                     slots.pop(key, None)
+                    entries_of.pop(key, None)
+                    views_of.pop(key, None)
                 result = None
             elif op == "bucket":
                 slot, entries = args
-                receiver.load_bucket(entries, slots[slot])
+                if entries is None:  # the slot's entries again
+                    entries = entries_of[slot]
+                else:
+                    entries_of[slot] = entries
+                    views_of.pop(slot, None)
+                if hasattr(receiver, "load_views"):  # the same entries again: views built once
+                    views = views_of.get(slot)
+                    if views is None:
+                        views = views_of[slot] = unpack_bucket(slots[slot], entries)
+                    receiver.load_views(views)
+                else:
+                    receiver.load_bucket(entries, slots[slot])
                 result = None
             elif op == "file":
                 entries, path, nbytes = args
@@ -159,6 +180,7 @@ class RemoteReceiver:
     def __init__(self, conn: Any, process: Any, *, timeout_s: float = 600.0):
         self.conn, self.process, self.timeout_s = conn, process, timeout_s
         self._attached: dict[int, int] = {}
+        self._entries: dict[Any, list[Entry]] = {}  # the entries list each slot was last sent
         self._outstanding: list[tuple[int, str]] = []
         self._seq = 0
 
@@ -227,17 +249,22 @@ class RemoteReceiver:
         """Make the receiver drop every shared staging buffer (so their memory can be freed)."""
         self._call("drop_buffers")
         self._attached.clear()
+        self._entries.clear()
 
     def detach_slots(self, slots: list) -> None:
         """Make the receiver drop the buffers attached under ``slots`` (unmapping their storages)."""
         self._call("drop", list(slots))
         for k in slots:
             self._attached.pop(k, None)
+            self._entries.pop(k, None)
 
     def submit_slot(self, slot: Any, entries: list[Entry]) -> None:
         """Ask the receiver to load ``entries`` from ``slot`` without waiting; acknowledgements
-        come back in order through :meth:`wait_one`."""
-        self._outstanding.append((self._submit("bucket", slot, entries), "bucket"))
+        come back in order through :meth:`wait_one`. The same list object sent again for a slot
+        (a replayed publish) crosses as ``None``: the receiver reuses the entries it holds."""
+        same = self._entries.get(slot) is entries
+        self._entries[slot] = entries
+        self._outstanding.append((self._submit("bucket", slot, None if same else entries), "bucket"))
 
     def wait_one(self, timeout: float | None = None) -> None:
         """Wait for the oldest outstanding acknowledgement."""

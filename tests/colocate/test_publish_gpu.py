@@ -113,3 +113,49 @@ def test_cuda_ipc_inplace_storage_is_unmapped_after_publish():
         assert torch.cuda.memory_reserved() <= reserved - nbytes, "the shared buffer stayed in IPC limbo"
     finally:
         recv.close()
+
+
+@pytest.mark.timeout(300)
+def test_cuda_ipc_replay_carries_each_steps_values():
+    """Replay over CUDA IPC: a DDP-like buffer and a ConversionArena on the GPU, kept mapped;
+    after the first publish the stream is never read, the arena's q/k/v copies re-run on the
+    device, and the engine process holds the trainer's current bytes after every step."""
+    import math
+
+    from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf
+
+    from .test_convert_arena import DENSE, _megatron_shapes
+
+    shapes = _megatron_shapes(DENSE)
+    flat = torch.randn(sum(math.prod(s) for s in shapes.values()), device="cuda")
+    params, off = {}, 0
+    for n, s in shapes.items():
+        params[n] = flat[off: off + math.prod(s)].view(s)
+        off += math.prod(s)
+    arena = ConversionArena.for_spec(DENSE, dtype=torch.float32, device="cuda")
+    meta = hf_param_specs(DENSE, dtype=torch.float32)
+
+    def stream(arena=arena):
+        if arena is not None:
+            arena.reset()
+        for n, t in params.items():
+            yield from megatron_to_hf(n, t, spec=DENSE, arena=arena)
+
+    def never():
+        raise AssertionError("stream read during a replay")
+        yield
+
+    recv = spawn_receiver(HFEngine, DENSE, EngineConfig(device="cuda", dtype="float32"), timeout_s=120)
+    try:
+        pub = Publisher(recv, PublishConfig(transport="auto", verify="none"), share_min_bytes=1, keep_shared=True,
+                        replay_sources=[flat], arena=arena)
+        first = pub.publish(stream(), version=1, meta=meta)
+        assert pub.transport == "cuda_ipc" and not first.replayed and first.num_shared == 2, first
+        for version in (2, 3):
+            flat.mul_(-0.5).add_(0.125)
+            rep = pub.publish(never(), version=version, meta=meta)
+            assert rep.replayed and rep.handles == 0 and rep.num_buckets == 0, rep
+            assert recv.checksums() == {n: tensor_checksum(t) for n, t in stream(None)}
+        pub.release_staging()
+    finally:
+        recv.close()
