@@ -19,8 +19,9 @@ __all__ = ["Entry", "align", "nbytes", "bucket_nbytes", "plan_buckets", "pack_bu
 
 ALIGN = 256
 # Below this size a tensor's copy is launch-bound: batch those in one ``_foreach_copy_``. Above it
-# the plain copy kernel runs at full bandwidth and the foreach kernel does not (H200, 2026-11-30:
-# 16.4 GB of Qwen3-8B weights took 13.8 ms through ``_foreach_copy_`` vs 10.3 ms copied one by one).
+# each tensor gets torch's plain copy kernel (the device-copy floor: 16.4 GB in 399 copies took
+# 8.8 ms on the H200). Whether the foreach kernel is slower for large tensors was not isolated:
+# the publish transfers measured 12-15 ms both ways (2026-11-30, benchmarks.md).
 FOREACH_MAX_BYTES = 1 << 20
 
 
