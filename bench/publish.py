@@ -56,8 +56,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
-from colocate import HFModelSpec, PublishConfig  # noqa: E402
-from colocate.buckets import copy_tensors, tensor_checksum, unpack_bucket  # noqa: E402
+from colocate import HFModelSpec, PublishConfig, TensorReceiver  # noqa: E402
+from colocate.buckets import tensor_checksum  # noqa: E402
 from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf  # noqa: E402
 from colocate.publish import Publisher  # noqa: E402
 from colocate.transports import spawn_receiver  # noqa: E402
@@ -74,51 +74,15 @@ SGL_1GB = HFModelSpec(arch="qwen3", num_layers=16, hidden_size=2048, num_attenti
                       head_dim=128, ffn_hidden_size=6144, vocab_size=32768, rope_theta=10000.0)
 
 
-class CopyReceiver:
-    """Receiver process for the benchmark: owns one tensor per name and copies each bucket's
-    entries into them (the one device copy a real engine's load does; small tensors batched),
-    then synchronizes before acking."""
+class CopyReceiver(TensorReceiver):
+    """Receiver process for the benchmark: :class:`colocate.TensorReceiver` (copies every tensor
+    into its own, small ones batched; kept-mapped views built once) plus its peak extra memory."""
 
     def __init__(self, specs: dict, device: str):
-        self.device = torch.device(device)
-        self.specs = specs
-        self.params = {n: torch.empty(s, dtype=d, device=self.device) for n, (s, d) in specs.items()}
-        self.version = None
+        super().__init__(specs, device)
         self.base = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-
-    def capabilities(self):
-        # a RemoteReceiver drops "inprocess"; a local instance (--overhead) is used in process
-        return frozenset({"cuda_ipc"} if self.device.type == "cuda" else {"inprocess", "shm"})
-
-    def param_specs(self):
-        return self.specs
-
-    def begin_update(self, version):
-        pass
-
-    def load_bucket(self, entries, buffer):
-        self.load_views(unpack_bucket(buffer, entries))
-
-    def load_views(self, src):
-        """Copy named views (of a bucket or a storage shared in place; a kept-mapped slot's
-        views are built once by the serving loop) into the parameters."""
-        copy_tensors([self.params[n] for n in src], list(src.values()), non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-
-    def end_update(self, version, checksums):
-        self.version = version
-
-    def abort_update(self, version):
-        pass
-
-    def weight_version(self):
-        return self.version
-
-    def checksums(self, names=None):
-        return {n: tensor_checksum(self.params[n]) for n in (names or self.params)}
 
     def extra_peak(self):
         return torch.cuda.max_memory_allocated() - self.base if self.device.type == "cuda" else 0

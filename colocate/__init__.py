@@ -55,6 +55,7 @@ from colocate.megatron import (
     unwrap_model,
 )
 from colocate.publish import PoisonedVersionError, Publisher, PublishError, PublishReport
+from colocate.receivers import TensorReceiver
 from colocate.reference import reference_merge_glu, reference_split_qkv, reference_tensor_checksum
 from colocate.residency import (
     ENGINE_TAGS,
@@ -91,6 +92,7 @@ from colocate.workers import (
 )
 
 __all__ = [
+    "TensorReceiver",
     "AsyncEngine", "AwexUnavailable", "ControlTimeoutError", "EngineDestroyedError", "GenerationAbortedError",
     "Qwen3HybridSpec", "RayScheduler", "RayWorker", "awex_capabilities", "bounded_reader_class",
     "gdn_in_proj_split", "gdn_in_proj_to_hf", "gdn_tp_sections", "hf_gated_q_proj", "install_bounded_reader",

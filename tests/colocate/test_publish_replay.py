@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import ConfigError, PublishConfig
-from colocate.buckets import tensor_checksum, unpack_bucket
+from colocate import ConfigError, PublishConfig, TensorReceiver
+from colocate.buckets import tensor_checksum
 from colocate.convert import (
     ConversionArena,
     arena_nbytes,
@@ -21,44 +21,18 @@ from colocate.publish import Publisher, PublishError
 from .test_convert_arena import DENSE, SPECS, _buffer, _convert
 
 
-class DictReceiver:
-    """A receiver holding one tensor per HF name; ``load_bucket`` copies each entry into it."""
+class DictReceiver(TensorReceiver):
+    """:class:`colocate.TensorReceiver` that can be told to fail its next load."""
 
     def __init__(self, specs: dict):
-        self.specs = specs
-        self.params = {n: torch.zeros(s, dtype=d) for n, (s, d) in specs.items()}
-        self.version = None
+        super().__init__(specs)
         self.fail_next = False
-        self.loads = 0
 
-    def capabilities(self):
-        return frozenset({"inprocess", "shm"})
-
-    def param_specs(self):
-        return self.specs
-
-    def begin_update(self, version):
-        pass
-
-    def load_bucket(self, entries, buffer):
+    def load_views(self, views):
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("receiver failed mid-update")
-        self.loads += 1
-        for n, t in unpack_bucket(buffer, entries).items():
-            self.params[n].copy_(t)
-
-    def end_update(self, version, checksums):
-        self.version = version
-
-    def abort_update(self, version):
-        pass
-
-    def weight_version(self):
-        return self.version
-
-    def checksums(self, names=None):
-        return {n: tensor_checksum(self.params[n]) for n in (names or self.params)}
+        super().load_views(views)
 
 
 def _never():
