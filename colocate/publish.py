@@ -190,7 +190,8 @@ class Publisher:
     over with the same entries, so the receiver copies the trainer's current bytes. Valid when the
     stream is the same function of the same storages each time (:func:`~colocate.megatron.iter_hf_weights`
     of one model, TP = EP = 1: a pass with all-gathers is never recorded). A generator passed as
-    ``weights`` is then not started.
+    ``weights`` is then not started. Needs ``meta``: without it the stream is drained before the
+    arena could record, and no recipe is kept.
     """
 
     OPEN_STORAGES = 2
@@ -292,6 +293,7 @@ class Publisher:
         began = False
         try:
             items = weights.items() if isinstance(weights, Mapping) else weights
+            drained = meta is None  # then the stream ran before recording could start: no recipe
             if meta is None:
                 t0 = time.perf_counter()
                 items = list(items)
@@ -319,7 +321,7 @@ class Publisher:
                     report = self._send(iter(items), plan, version, timings)
                 finally:
                     ops = self.arena.recorded() if recording else None
-                if self._sources is not None:
+                if self._sources is not None and not drained:
                     recipe = self._record(plan, report, ops)
             phase = "load"
             t0 = time.perf_counter()

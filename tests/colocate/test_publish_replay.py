@@ -98,12 +98,13 @@ def _unrecorded(params, spec, arena):
 
 
 @pytest.mark.parametrize("reason", ["sources-elsewhere", "packed", "verify-checksum", "unrecorded-arena-write",
-                                    "fill-from-temporary", "meta-changed", "storage-moved"])
+                                    "fill-from-temporary", "meta-changed", "storage-moved", "no-meta"])
 def test_replay_falls_back_to_the_full_publish(reason):
     """Each condition under which repeating the hand-overs could send stale or wrong bytes: the
     next publish reads the stream (replayed False) and the receiver still matches the trainer.
     ``fill-from-temporary``: MoE whose expert_bias reaches the converter as a bf16 copy, so its
-    fp32 cast into the arena reads a temporary."""
+    fp32 cast into the arena reads a temporary. ``no-meta``: without ``meta`` the stream is drained
+    before the arena could record its fills."""
     spec = SPECS["moe"] if reason == "fill-from-temporary" else DENSE
     flat, params = _buffer(spec, torch.float32, seed=4)
     arena = ConversionArena(arena_nbytes(spec, dtype=torch.float32) + (1 << 16))  # room for _unrecorded
@@ -114,7 +115,7 @@ def test_replay_falls_back_to_the_full_publish(reason):
     pub = Publisher(recv, cfg, share_min_bytes=1 << 40 if reason == "packed" else 1, replay_sources=sources,
                     arena=arena)
     stream = {"unrecorded-arena-write": _unrecorded, "fill-from-temporary": _convert}.get(reason, _stream)
-    pub.publish(stream(params, spec, arena), version=1, meta=meta)
+    pub.publish(stream(params, spec, arena), version=1, meta=None if reason == "no-meta" else meta)
     flat.add_(1.0)
     kw = {"meta": meta}
     if reason == "meta-changed":
