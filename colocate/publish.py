@@ -128,7 +128,6 @@ class _Recipe:
     plan: _Plan
     groups: list[_Group]
     ops: list
-    nbytes: int
 
     def unchanged(self) -> bool:
         """Every storage still has the address and size it had (not released/re-allocated)."""
@@ -571,7 +570,7 @@ class Publisher:
             return None
         if any(_key(t.untyped_storage()) not in allowed for _, reads in ops or () for t in reads):
             return None  # an arena fill read a temporary: re-running it would copy stale bytes
-        return _Recipe(plan, report["groups"], [op for op, _ in ops or ()], report["nbytes"])
+        return _Recipe(plan, report["groups"], [op for op, _ in ops or ()])
 
     def _replay(self, recipe: _Recipe, version: int, timings: dict[str, float]) -> dict:
         """Re-run the arena's recorded fills, then hand the same storages over with the same entries."""
