@@ -7,7 +7,8 @@ Cases:
   :class:`colocate.publish.Publisher` from this (trainer) process to a receiver process on the
   same GPU that copies every tensor into its own parameters (``colocate.buckets.copy_tensors``:
   one copy kernel per tensor ≥ 1 MiB, the small ones in one ``_foreach_copy_``; the 2026-11-30
-  00:58 run used ``_foreach_copy_`` for all, slower for large tensors; earlier runs a loop). Variants: ``packed`` (everything
+  00:58 run used ``_foreach_copy_`` for all, earlier runs a loop; the receiver's copy was not
+  what made those runs slow). Variants: ``packed`` (everything
   copied into 1 GiB buckets, ≤ 2 in flight: the old path), ``inplace`` (the buffer is shared as
   one IPC handle and only q/k/v are packed; the receiver unmaps it after each publish),
   ``inplace_keep_mapped`` (mapped across publishes: no handle after the first) and

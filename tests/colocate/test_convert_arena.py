@@ -85,12 +85,13 @@ def _megatron_shapes(spec: HFModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _buffer(spec: HFModelSpec, dtype: torch.dtype, *, seed: int = 0, shared: bool = False
+def _buffer(spec: HFModelSpec, dtype: torch.dtype, *, seed: int = 0, shared: bool = False, device: str = "cpu"
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """All Megatron parameters as views of one buffer (as a DDP param buffer holds them), random."""
+    """All Megatron parameters as views of one buffer (as a DDP param buffer holds them), random
+    (drawn on the CPU, the same values on every ``device``)."""
     shapes = _megatron_shapes(spec)
     flat = torch.randn(sum(math.prod(s) for s in shapes.values()), generator=torch.Generator().manual_seed(seed)
-                       ).to(dtype)
+                       ).to(device=device, dtype=dtype)
     if shared:
         flat.share_memory_()
     params, off = {}, 0

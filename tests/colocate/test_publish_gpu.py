@@ -120,18 +120,11 @@ def test_cuda_ipc_replay_carries_each_steps_values():
     """Replay over CUDA IPC: a DDP-like buffer and a ConversionArena on the GPU, kept mapped;
     after the first publish the stream is never read, the arena's q/k/v copies re-run on the
     device, and the engine process holds the trainer's current bytes after every step."""
-    import math
-
     from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf
 
-    from .test_convert_arena import DENSE, _megatron_shapes
+    from .test_convert_arena import DENSE, _buffer
 
-    shapes = _megatron_shapes(DENSE)
-    flat = torch.randn(sum(math.prod(s) for s in shapes.values()), device="cuda")
-    params, off = {}, 0
-    for n, s in shapes.items():
-        params[n] = flat[off: off + math.prod(s)].view(s)
-        off += math.prod(s)
+    flat, params = _buffer(DENSE, torch.float32, seed=11, device="cuda")
     arena = ConversionArena.for_spec(DENSE, dtype=torch.float32, device="cuda")
     meta = hf_param_specs(DENSE, dtype=torch.float32)
 
