@@ -20,12 +20,16 @@ itself. Two exact plans, chosen per microbatch by :func:`build_varlen_plan`:
   global softmax weights of its keys and ``D = rowsum(dO ∘ o)`` the global one), and the partial
   gradients add up.
 
-The key gradients of the gather plan sum each shared row's copies in one pass
-(:func:`sum_row_copies`, a Triton segment sum over the plan's copy CSR: fp32 registers, one
-rounding, no atomics). ``"auto"`` is ``"gather"``: measured on an H200 (Qwen3-1.7B-width GPT,
-bf16, 16k-row microbatches) with that kernel, the cascade was 0.9 % slower at ``K − T = 8 Q``
-(GRPO, 4000-token prompts) and 4.5 % slower at 4.8 Q (before it, with an fp32 ``index_add``, it
-had been 6 % faster and even). ``"levels"`` stays available: it never materializes the
+The gather plan hands the kernel keys and values already expanded to the query heads
+(:func:`gather_kv`, one Triton launch for both): FlashAttention's backward then writes ``dk, dv``
+per query head, and one pass (:func:`sum_kv_copies`: fp32 registers, one rounding, no atomics)
+sums each shared row's copies and each key head's query heads together. With grouped keys the
+kernel would sum the heads itself over all ``K`` gathered rows, and a second pass would sum the
+copies: on an H200 (6-layer Qwen3-1.7B-width GPT, 16 query / 8 key heads, ρ = 0.75) those two passes
+took 0.50 ms per layer, 0.43 of it the kernel's head sum. The price is activation memory: the
+saved keys and values have ``Hq`` heads, not ``Hkv``. ``"auto"`` is ``"gather"``: measured on the
+same GPT before the expansion, the cascade was 0.9 % slower at ``K − T = 8 Q`` (GRPO, 4000-token
+prompts) and 4.5 % slower at 4.8 Q. ``"levels"`` stays available: it never materializes the
 ``K``-row gathered keys and values (saved for the backward in every attention layer), so it needs
 less activation memory when prompts are long and shared many times. On CPU the same plans
 run on plain-torch kernels (:func:`attention_with_lse`, :func:`attention_backward`) that follow
@@ -45,7 +49,7 @@ import torch
 from harts.reference import bottom_right_causal, segment_attention_reference
 
 __all__ = ["VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
-           "build_varlen_plan", "sum_row_copies", "sum_row_copies_reference", "varlen_tree_attention"]
+           "build_varlen_plan", "gather_kv", "gather_kv_triton", "sum_kv_copies", "sum_row_copies_reference", "varlen_tree_attention"]
 
 VarlenMode = Literal["auto", "gather", "levels"]
 
@@ -221,65 +225,135 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 # ---- the two plans ----------------------------------------------------------------------------
 
 
-def sum_row_copies_reference(g: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``dx[r] = Σ_{i: index[i] = r} g[i]`` accumulated in (at least) fp32, rounded once."""
-    acc = torch.promote_types(g.dtype, torch.float32)
-    dx = torch.zeros((num_rows, *g.shape[1:]), dtype=acc, device=g.device).index_add_(0, index, g.to(acc))
+def sum_row_copies_reference(g: torch.Tensor, index: torch.Tensor, num_rows: int, kv_heads: int | None = None
+                             ) -> torch.Tensor:
+    """``dx[r, h] = Σ_{i: index[i] = r} Σ_{j < rep} g[i, h·rep + j]`` with ``rep = H / kv_heads``
+    (``kv_heads=None``: ``rep = 1``), accumulated in (at least) fp32 and rounded once."""
+    x = g.to(torch.promote_types(g.dtype, torch.float32))
+    if kv_heads is not None and kv_heads != x.shape[1]:
+        x = x.unflatten(1, (kv_heads, x.shape[1] // kv_heads)).sum(2)
+    dx = torch.zeros((num_rows, *x.shape[1:]), dtype=x.dtype, device=x.device).index_add_(0, index, x)
     return dx.to(g.dtype)
 
 
 @functools.cache
-def _row_copies_kernel():
-    """Triton segment sum over the copies of each row (compiled lazily on first use)."""
+def _kv_kernels():
+    """Triton gather-with-head-expansion and its transpose (compiled lazily on first use). One
+    program per row moves both ``k`` and ``v``: a ``[Hkv, D]`` tile each (padded to powers of two)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(g, out, ptr, pos, width, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        i, end = tl.load(ptr + row), tl.load(ptr + row + 1)
+    def gather(k, v, ok, ov, index, sk_row, sk_head, sv_row, sv_head,
+               HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        src = tl.load(index + i)
+        h = tl.arange(0, HP)[:, None]
+        d = tl.arange(0, DP)[None, :]
+        m = (h < HKV) & (d < D)
+        kt = tl.load(k + src * sk_row + h * sk_head + d, mask=m)
+        vt = tl.load(v + src * sv_row + h * sv_head + d, mask=m)
+        base = i * (HKV * REP * D)
+        for j in tl.static_range(REP):
+            off = base + (h * REP + j) * D + d
+            tl.store(ok + off, kt, mask=m)
+            tl.store(ov + off, vt, mask=m)
+
+    @triton.jit
+    def scatter_sum(gk, gv, dk, dv, ptr, pos,
+                    HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HP)[:, None]
+        d = tl.arange(0, DP)[None, :]
+        m = (h < HKV) & (d < D)
+        acc_k = tl.zeros([HP, DP], dtype=tl.float32)
+        acc_v = tl.zeros([HP, DP], dtype=tl.float32)
+        i, end = tl.load(ptr + r), tl.load(ptr + r + 1)
         while i < end:
-            acc += tl.load(g + tl.load(pos + i).to(tl.int64) * width + cols, mask=mask, other=0.0).to(tl.float32)
+            base = tl.load(pos + i).to(tl.int64) * (HKV * REP * D)
+            for j in tl.static_range(REP):
+                off = base + (h * REP + j) * D + d
+                acc_k += tl.load(gk + off, mask=m, other=0.0).to(tl.float32)
+                acc_v += tl.load(gv + off, mask=m, other=0.0).to(tl.float32)
             i += 1
-        tl.store(out + row.to(tl.int64) * width + cols, acc.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        out = r * (HKV * D) + h * D + d
+        tl.store(dk + out, acc_k.to(dk.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+        tl.store(dv + out, acc_v.to(dv.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
 
-    return kernel
-
-
-def sum_row_copies(g: torch.Tensor, copy_ptr: torch.Tensor, copy_pos: torch.Tensor) -> torch.Tensor:
-    """CUDA: ``dx[r] = Σ_{i ∈ [copy_ptr[r], copy_ptr[r+1])} g[copy_pos[i]]`` in fp32 registers, one
-    rounding, one read of ``g`` and one write of ``dx`` (no fp32 copy of ``g``, no atomics, the
-    same order every run). Equals :func:`sum_row_copies_reference` up to fp32 summation order."""
-    g = _rows(g)
-    num_rows, width = copy_ptr.numel() - 1, math.prod(g.shape[1:])
-    out = torch.empty((num_rows, *g.shape[1:]), dtype=g.dtype, device=g.device)
-    if num_rows and width:  # every row is written (zeros for a row without copies)
-        block = min(1024, 1 << (width - 1).bit_length())
-        _row_copies_kernel()[(num_rows, -(-width // block))](g, out, copy_ptr, copy_pos, width, BLOCK=block,
-                                                              num_warps=4)
-    return out
+    return gather, scatter_sum
 
 
-class _GatherRows(torch.autograd.Function):
-    """``x[index]`` whose backward sums duplicate rows in fp32 (one rounding to bf16 per shared
-    row instead of one per copy): :func:`sum_row_copies` on CUDA when the plan carries the copy
-    CSR, else :func:`sum_row_copies_reference`."""
+def _p2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k[index], v[index])`` with each of the ``Hkv`` heads repeated ``rep = heads / Hkv`` times
+    (query head ``h`` reads key head ``h // rep``, as grouped-query attention does): ``k, v [T, Hkv, D]``
+    (any row/head strides, e.g. ``v`` sliced out of a fused QKV) → two contiguous ``[K, heads, D]``.
+    CUDA: :func:`gather_kv_triton`; elsewhere ``index_select`` + ``repeat_interleave``."""
+    if k.is_cuda:
+        return gather_kv_triton(k, v, index, heads)
+    rep = heads // k.shape[1]
+    kk, vv = k.index_select(0, index), v.index_select(0, index)
+    return (kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)) if rep > 1 else (kk, vv)
+
+
+def gather_kv_triton(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, heads: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_kv` in one Triton launch for both tensors (a plain copy: bitwise equal)."""
+    hkv, dim = k.shape[1], k.shape[2]
+    k, v = _last_dim_dense(k), _last_dim_dense(v)
+    ok = torch.empty(index.numel(), heads, dim, dtype=k.dtype, device=k.device)
+    ov = torch.empty_like(ok)
+    if index.numel() and dim:
+        _kv_kernels()[0][(index.numel(),)](k, v, ok, ov, index, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                           HKV=hkv, REP=heads // hkv, D=dim, HP=_p2(hkv), DP=_p2(dim), num_warps=4)
+    return ok, ov
+
+
+def sum_kv_copies(gk: torch.Tensor, gv: torch.Tensor, copy_ptr: torch.Tensor, copy_pos: torch.Tensor,
+                  kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transpose of :func:`gather_kv` (Triton): ``dk[r, h] = Σ_{i ∈ copies(r)} Σ_{j < rep} gk[i, h·rep + j]``
+    (copies from the plan's CSR ``copy_ptr``/``copy_pos``), same for ``dv``, in fp32 registers with
+    one rounding: one read of each gathered gradient, one write of ``[T, kv_heads, D]``, no
+    atomics, the same order every run. Equals :func:`sum_row_copies_reference` up to fp32
+    summation order."""
+    gk, gv = _rows(gk), _rows(gv)
+    num_rows, heads, dim = copy_ptr.numel() - 1, gk.shape[1], gk.shape[2]
+    dk = torch.empty(num_rows, kv_heads, dim, dtype=gk.dtype, device=gk.device)
+    dv = torch.empty_like(dk)
+    if num_rows and dim:  # every row is written (zeros for a row without copies)
+        _kv_kernels()[1][(num_rows,)](gk, gv, dk, dv, copy_ptr, copy_pos, HKV=kv_heads, REP=heads // kv_heads,
+                                      D=dim, HP=_p2(kv_heads), DP=_p2(dim), num_warps=4)
+    return dk, dv
+
+
+class _GatherKV(torch.autograd.Function):
+    """:func:`gather_kv` whose backward sums each shared row's copies (and a key head's query
+    heads) in fp32 and rounds once: :func:`sum_kv_copies` on CUDA, else
+    :func:`sum_row_copies_reference`. Handing the attention kernel keys already expanded to the
+    query heads moves grouped-query attention's head sum out of the kernel's backward (where it
+    would read and write every gathered row once more) into this one pass."""
 
     @staticmethod
-    def forward(ctx, x, index, copy_ptr, copy_pos):
+    def forward(ctx, k, v, index, copy_ptr, copy_pos, heads):
         ctx.save_for_backward(index, copy_ptr, copy_pos)
-        ctx.rows = x.shape[0]
-        return x.index_select(0, index)
+        ctx.rows, ctx.kv_heads = k.shape[0], k.shape[1]
+        return gather_kv(k, v, index, heads)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, gk, gv):
         index, copy_ptr, copy_pos = ctx.saved_tensors
-        if g.is_cuda and copy_ptr is not None:
-            return sum_row_copies(g, copy_ptr, copy_pos), None, None, None
-        return sum_row_copies_reference(g, index, ctx.rows), None, None, None
+        if gk.is_cuda and copy_ptr is not None:
+            dk, dv = sum_kv_copies(gk, gv, copy_ptr, copy_pos, ctx.kv_heads)
+        else:
+            dk, dv = (sum_row_copies_reference(g, index, ctx.rows, ctx.kv_heads) for g in (gk, gv))
+        return dk, dv, None, None, None, None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -350,8 +424,7 @@ def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     if plan.kv_index is None:  # keys are the rows themselves; v may be a strided slice of a fused QKV
         kk, vv = _rows(k), _rows(v)
     else:
-        kk = _GatherRows.apply(k, plan.kv_index, plan.copy_ptr, plan.copy_pos)
-        vv = _GatherRows.apply(v, plan.kv_index, plan.copy_ptr, plan.copy_pos)
+        kk, vv = _GatherKV.apply(k, v, plan.kv_index, plan.copy_ptr, plan.copy_pos, q.shape[1])
     if not q.is_cuda:
         return segment_attention_reference(q, kk, vv, cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)
     from torch.nn.attention.varlen import varlen_attn

@@ -63,17 +63,20 @@ def test_varlen_matches_dense_bf16(kind, mode):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(t, h, 64, device="cuda", generator=g).bfloat16() for h in (8, 2, 2))
     do = torch.randn(t, 8, 64, device="cuda", generator=g).bfloat16()
-    qf, kf, vf = (x.clone().requires_grad_(True) for x in (q, k, v))
+    qf, kf = (x.clone().requires_grad_(True) for x in (q, k))
+    v_base = torch.cat([torch.zeros_like(v), v], -1).requires_grad_(True)  # v as a strided slice, as in Megatron
+    vf = v_base[..., 64:]
     plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode=mode)
     assert plan.mode == mode
     out = tree_attention(qf, kf, vf, last=f.last, backend="varlen", varlen_plan=plan, scale=0.125)
     out.backward(do)
+    assert torch.count_nonzero(v_base.grad[..., :64]) == 0
     qr, kr, vr = (x.double().requires_grad_(True) for x in (q, k, v))
     ref = tree_attention_reference(qr, kr, vr, last=f.last, scale=0.125)
     ref.backward(do.double())
     # bf16 output rounding (2^-8 relative) dominates; fp32 accumulation inside the kernel
     assert_close("varlen out", ref, out, atol=1e-2, rtol=1e-2)
-    for name, a, b in (("dq", qr.grad, qf.grad), ("dk", kr.grad, kf.grad), ("dv", vr.grad, vf.grad)):
+    for name, a, b in (("dq", qr.grad, qf.grad), ("dk", kr.grad, kf.grad), ("dv", vr.grad, v_base.grad[..., 64:])):
         assert_close(f"varlen {name}", a, b, atol=3e-2, rtol=2e-2)
 
 
@@ -173,23 +176,48 @@ def test_flex_unaligned_strided_fp32(t):
     assert_close("flex dv", vr.grad, v_base.grad[:, :, 48:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("heads,dim", [(8, 128), (2, 64), (3, 40)])
-def test_sum_row_copies_triton_matches_fp64(heads, dim):
-    """The key-gradient segment sum (Triton, fp32 registers, one bf16 rounding) against the fp64
-    index_add of the same copies, on a GRPO + caterpillar gather plan: within one bf16 rounding."""
-    from harts.varlen import sum_row_copies, sum_row_copies_reference
-
+def _gather_plan():
     seqs = grpo_groups(2, prompt_len=300, response_len=90, n=16, vocab_size=1000, seed=2) + \
         caterpillar(1, turns=3, turn_len=50, branches=2, branch_len=30, vocab_size=1000, seed=3)
     f = build_forest(seqs, device="cuda")
-    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode="gather")
-    g = torch.randn(plan.kv_index.numel(), heads, dim, device="cuda",
-                    generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
-    got = sum_row_copies(g, plan.copy_ptr, plan.copy_pos)
-    ref = sum_row_copies_reference(g.double(), plan.kv_index, f.num_nodes)
-    assert got.dtype == torch.bfloat16 and got.shape == (f.num_nodes, heads, dim)
-    assert_close("row copies", ref, got, atol=1e-5, rtol=1.01 * 2**-8)  # half a bf16 ulp + fp32 order
-    assert torch.equal(got, sum_row_copies(g, plan.copy_ptr, plan.copy_pos))  # no atomics: same bits
+    return f, build_varlen_plan(f.seg_offsets, f.seg_parent, mode="gather")
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 128), (2, 2, 64), (6, 3, 40), (6, 2, 64)])
+def test_gather_kv_triton_is_exact_copy(heads, kv_heads, dim):
+    """The Triton key/value gather with head expansion equals ``index_select`` +
+    ``repeat_interleave`` bit for bit, with ``v`` a strided slice of a fused QKV tensor."""
+    from harts.varlen import gather_kv
+
+    f, plan = _gather_plan()
+    t, rep = f.num_nodes, heads // kv_heads
+    mixed = torch.randn(t, kv_heads, (rep + 2) * dim, device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
+    k = mixed[:, :, rep * dim:(rep + 1) * dim].contiguous()
+    v = mixed[:, :, (rep + 1) * dim:]  # strides [(rep + 2)·Hkv·D, (rep + 2)·D, 1]
+    kk, vv = gather_kv(k, v, plan.kv_index, heads)
+    assert kk.shape == vv.shape == (plan.kv_index.numel(), heads, dim) and kk.is_contiguous()
+    assert torch.equal(kk, k[plan.kv_index].repeat_interleave(rep, 1))
+    assert torch.equal(vv, v[plan.kv_index].repeat_interleave(rep, 1))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 128), (2, 2, 64), (6, 3, 40), (6, 2, 64)])
+def test_sum_kv_copies_triton_matches_fp64(heads, kv_heads, dim):
+    """The gather's backward (Triton, fp32 registers, one bf16 rounding): each shared row's
+    copies and each key head's query heads summed, against the fp64 sum of the same terms on a
+    GRPO + caterpillar gather plan: within one bf16 rounding; a rerun gives the same bits."""
+    from harts.varlen import sum_kv_copies, sum_row_copies_reference
+
+    f, plan = _gather_plan()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    gk, gv = (torch.randn(plan.kv_index.numel(), heads, dim, device="cuda", generator=gen).bfloat16() for _ in "kv")
+    dk, dv = sum_kv_copies(gk, gv, plan.copy_ptr, plan.copy_pos, kv_heads)
+    for name, g, got in (("dk", gk, dk), ("dv", gv, dv)):
+        ref = sum_row_copies_reference(g.double(), plan.kv_index, f.num_nodes, kv_heads)
+        assert got.dtype == torch.bfloat16 and got.shape == (f.num_nodes, kv_heads, dim)
+        assert_close(f"kv copies {name}", ref, got, atol=1e-5, rtol=1.01 * 2**-8)  # half a bf16 ulp + fp32 order
+    assert all(torch.equal(a, b) for a, b in zip((dk, dv), sum_kv_copies(gk, gv, plan.copy_ptr, plan.copy_pos,
+                                                                          kv_heads), strict=True))
 
 
 @pytest.mark.timeout(300)
