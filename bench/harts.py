@@ -10,7 +10,9 @@ Sections:
   every microbatch plain packing (a chain forest: block-diagonal causal FlexAttention, or
   FlashAttention-2 varlen with one sequence per packed sequence, i.e. standard THD, no gather);
   ``tree`` [flex] and ``treev`` [varlen]: every microbatch a prefix forest, no fallback (``treev``
-  with the varlen plan that ``auto`` picks, the key gather; ``treevl`` forced to the cascade ``levels``);
+  with the varlen plan that ``auto`` picks, the key gather; ``treevs`` the same gather keeping the
+  gathered keys/values for the backward, ``save_gathered_kv=True``; ``treevl`` forced to the cascade
+  ``levels``);
   ``harts`` [``--backend``]: the planner with THD fallback below ``--fallback``.
   Per step (all microbatches, fwd+bwd) the timed region holds only model work: the plan
   (``planner_ms``) and the per-microbatch metadata (forests, BlockMask / varlen plan, LM-head edges:
@@ -31,7 +33,7 @@ Sections:
   time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
   peak − (dW, dh in bf16 + their fp32 accumulators).
 
-Run: ``python bench/harts.py`` on a GPU (≈1.5 min on an H200: providers thdv, treev, treevl, harts; add
+Run: ``python bench/harts.py`` on a GPU (≈2 min on an H200: providers thdv, treev, treevs, treevl, harts; add
 ``--providers all`` for the FlexAttention ones and ``--fused-head`` for the compiled head kernels,
 each costing compile time; ``--cases rho=0.75 --profile rho=0.75`` adds GPU kernel time by kind
 per provider and chrome traces), ``python bench/harts.py --quick`` for a CPU smoke run (dense
@@ -111,19 +113,19 @@ def _workloads(quick: bool, vocab: int):
 
 PROVIDERS = {  # name: (fallback threshold, backend or None for --backend)
     "thd": (math.inf, "flex"), "thdv": (math.inf, "varlen"), "tree": (0.0, "flex"),
-    "treev": (0.0, "varlen"), "treevl": (0.0, "varlen"), "harts": (None, None),
+    "treev": (0.0, "varlen"), "treevs": (0.0, "varlen"), "treevl": (0.0, "varlen"), "harts": (None, None),
 }
-VARLEN_MODE = {"treevl": "levels"}  # the others: "auto" (harts.varlen.build_varlen_plan)
+TREE_OPTS = {"treevl": {"varlen_mode": "levels"}, "treevs": {"save_gathered_kv": True}}  # make_tree_params
 
 
-def _prepare(seqs, plan, backend, dev, varlen_mode="auto"):
+def _prepare(seqs, plan, backend, dev, opts):
     """Per-microbatch metadata built ahead of the step (forest, attention plan, head edges)."""
     from harts.megatron import make_tree_params
 
     out = []
     for mb in plan.microbatches:
         f = mb.build(seqs, device=dev)
-        out.append((f, make_tree_params(f, backend=backend, varlen_mode=varlen_mode)))
+        out.append((f, make_tree_params(f, backend=backend, **(opts if backend == "varlen" else {}))))
     return out
 
 
@@ -218,7 +220,7 @@ def bench_model(args, dev, rows, plots):
             plan_ms = time_cpu(lambda pc=pc, seqs=seqs: plan_step(seqs, pc), warmup=1, iters=3)["p50"]
             plan = plan_step(seqs, pc)
             t0 = time.perf_counter()
-            prepared = _prepare(seqs, plan, backend, dev, VARLEN_MODE.get(provider, "auto"))
+            prepared = _prepare(seqs, plan, backend, dev, TREE_OPTS.get(provider, {}))
             _sync()
             prep_ms = (time.perf_counter() - t0) * 1e3
             step = _step_fn(model, prepared)
@@ -267,10 +269,13 @@ def bench_model(args, dev, rows, plots):
         table.append({"case": case, "C": st.compression,
                       "C_packed": hp["plan"].summary()["packed_compression"] if hp else nan,
                       "S_attn": st.attention_ratio, "thd": res["thd"], "thdv": res["thdv"], "tree": res["tree"],
-                      "treev": res["treev"], "treevl": res["treevl"], "harts": res["harts"], "x_best_thd": base / res["harts"],
+                      "treev": res["treev"], "treevs": res["treevs"], "treevl": res["treevl"], "harts": res["harts"],
+                      "x_best_thd": base / res["harts"],
                       "x/C": base / res["harts"] / st.compression,
                       "x/C_packed": base / res["harts"] / hp["plan"].summary()["packed_compression"] if hp else nan,
                       "peak_GiB": hp.get("peak", 0) / 2**30 if hp else nan,
+                      "peak_thdv_GiB": runs["thdv"]["peak"] / 2**30 if "thdv" in runs else nan,
+                      "peak_treevs_GiB": runs["treevs"]["peak"] / 2**30 if "treevs" in runs else nan,
                       "plan_ms": hp.get("planner_ms", nan), "prep_ms": hp.get("prep_ms", nan),
                       "harts_plan": same or "own"})
         thd_plan = runs["thdv"]["plan"] if "thdv" in runs else runs["thd"]["plan"] if "thd" in runs else None
@@ -375,7 +380,7 @@ def main():
     ap.add_argument("--backend", default="varlen", choices=["varlen", "flex"], help="attention backend of 'harts'")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--sections", default="model,head")
-    ap.add_argument("--providers", default="thdv,treev,treevl,harts",
+    ap.add_argument("--providers", default="thdv,treev,treevs,treevl,harts",
                     help=f"subset of {','.join(PROVIDERS)}, or 'all' (the FlexAttention providers thd/tree add "
                          "about a minute of compilation)")
     ap.add_argument("--fused-head", action="store_true", help="also time tree_lm_head(fused=True) (compiles)")
@@ -409,8 +414,9 @@ def main():
     print(f"wrote {path} in {extra['wall_s']:.0f} s; fallback_compression used {args.fallback}; crossover "
           f"(smallest C with forced tree >= best THD, interpolated): {cross}")
     if model_table:
-        print_table(model_table, ["case", "C", "C_packed", "S_attn", "thd", "thdv", "tree", "treev", "treevl", "harts",
-                                  "x_best_thd", "x/C", "x/C_packed", "attn_share", "S_flops", "x/S_flops", "peak_GiB", "plan_ms", "prep_ms", "harts_plan"])
+        print_table(model_table, ["case", "C", "C_packed", "S_attn", "thd", "thdv", "tree", "treev", "treevs", "treevl",
+                                  "harts", "x_best_thd", "x/C", "x/C_packed", "attn_share", "S_flops", "x/S_flops",
+                                  "peak_GiB", "peak_thdv_GiB", "peak_treevs_GiB", "plan_ms", "prep_ms", "harts_plan"])
     if head_table:
         print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "extra_chunks"])
     for line in _target_lines(model_table, head_table):

@@ -201,15 +201,17 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
 
 
 def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128,
-                     varlen_mode: VarlenMode = "auto") -> TreePackedSeqParams:
+                     varlen_mode: VarlenMode = "auto", save_gathered_kv: bool = False) -> TreePackedSeqParams:
     """Per-microbatch tree metadata, built once (ahead of the step, e.g. in the data loader): the
-    flex BlockMask or varlen plan (``varlen_mode``: see :func:`harts.varlen.build_varlen_plan`),
+    flex BlockMask or varlen plan (``varlen_mode``, ``save_gathered_kv``: see
+    :func:`harts.varlen.build_varlen_plan`),
     the LM head's edge list and host-side sizes, so the forward/backward parts that harts owns
     need no device-to-host synchronization."""
     if backend not in ("flex", "varlen", "dense"):
         raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
-    vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent, mode=varlen_mode) if backend == "varlen" else None
+    vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent, mode=varlen_mode,
+                           save_gathered_kv=save_gathered_kv) if backend == "varlen" else None
     rope_len = int(forest.depth.max()) + 1  # the RoPE table only needs positions 0..max depth
     return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
                                varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len,

@@ -26,20 +26,21 @@ per query head, and one pass (:func:`sum_kv_copies`: fp32 registers, one roundin
 sums each shared row's copies and each key head's query heads together. With grouped keys the
 kernel would sum the heads itself over all ``K`` gathered rows, and a second pass would sum the
 copies: on an H200 (6-layer Qwen3-1.7B-width GPT, 16 query / 8 key heads, ρ = 0.75) those two passes
-took 0.50 ms per layer, 0.43 of it the kernel's head sum. The price is activation memory: the
-saved keys and values have ``Hq`` heads, not ``Hkv``. ``"auto"`` is ``"gather"``: measured on the
-same GPT before the expansion, the cascade was 0.9 % slower at ``K − T = 8 Q`` (GRPO, 4000-token
-prompts) and 4.5 % slower at 4.8 Q. ``"levels"`` stays available: it never materializes the
-``K``-row gathered keys and values (saved for the backward in every attention layer), so it needs
-less activation memory when prompts are long and shared many times. On CPU the same plans
-run on plain-torch kernels (:func:`attention_with_lse`, :func:`attention_backward`) that follow
-the flash math, so the fp64 tests check the decomposition and the backward formula themselves.
+took 0.50 ms per layer, the gathers of ``k`` and a strided ``v`` 0.20 ms; the expanded gather takes
+0.12 ms and the fused sum 0.11 ms. The backward gathers again from the compact ``k, v`` it saved
+(``2·T·Hkv·D`` elements per layer, less than the ``2·K·Hkv·D`` gathered keys that a plain varlen
+call would save); ``save_gathered_kv=True`` saves the expanded ``2·K·Hq·D`` instead and skips that
+gather. ``"auto"`` is ``"gather"`` (measured on the same GPT before the expansion, the cascade
+was 0.9 % slower at ``K − T = 8 Q``, GRPO with 4000-token prompts, and 4.5 % slower at 4.8 Q);
+``"levels"`` stays available and never materializes ``K`` gathered rows, not even transiently.
+On CPU the same plans run on plain-torch kernels (:func:`attention_with_lse`,
+:func:`attention_backward`) that follow the flash math, so the fp64 tests check the
+decomposition and the backward formula themselves.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -96,6 +97,9 @@ class VarlenPlan:
     are ``copy_pos[copy_ptr[r]:copy_ptr[r+1]]``, used to sum the key gradients of shared rows."""
     copy_pos: torch.Tensor | None = None
     """[K] int64 positions in the gathered keys, grouped by source row (stable)."""
+    save_gathered_kv: bool = False
+    """Gather mode: keep the gathered, head-expanded keys/values for the backward (``2·K·Hq·D``
+    elements per layer) instead of the compact ones (``2·T·Hkv·D``) and gathering again there."""
 
 
 def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -112,10 +116,10 @@ def _cu(lens: np.ndarray, dev) -> torch.Tensor:
 
 
 def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
-                      mode: VarlenMode = "auto") -> VarlenPlan:
+                      mode: VarlenMode = "auto", save_gathered_kv: bool = False) -> VarlenPlan:
     """:class:`VarlenPlan` of a pre-order forest's segments (``keys(s) = rows(ancestors) ++ rows(s)``),
     built on the host once per microbatch. ``mode``: ``"gather"``, ``"levels"`` or ``"auto"``
-    (= ``"gather"``, see the module docstring)."""
+    (= ``"gather"``, see the module docstring); ``save_gathered_kv``: see :class:`VarlenPlan`."""
     if mode not in ("auto", "gather", "levels"):
         raise ValueError(f"mode must be 'auto', 'gather' or 'levels', got {mode!r}")
     so = seg_offsets.cpu().numpy().astype(np.int64)
@@ -143,7 +147,8 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
         return VarlenPlan(cu_q=cu, cu_k=_cu(path_len, dev), kv_index=torch.as_tensor(kv, device=dev),
                           max_q=mq, max_k=int(path_len.max()), mode="gather", gathered_rows=int(path_len.sum()) - t,
                           copy_ptr=_cu(np.bincount(kv, minlength=t), dev),
-                          copy_pos=torch.as_tensor(np.argsort(kv, kind="stable"), device=dev))
+                          copy_pos=torch.as_tensor(np.argsort(kv, kind="stable"), device=dev),
+                          save_gathered_kv=save_gathered_kv)
     sub_end = so[1:].copy()
     for s in range(n - 1, -1, -1):
         if sp[s] >= 0:
@@ -333,27 +338,40 @@ def sum_kv_copies(gk: torch.Tensor, gv: torch.Tensor, copy_ptr: torch.Tensor, co
     return dk, dv
 
 
-class _GatherKV(torch.autograd.Function):
-    """:func:`gather_kv` whose backward sums each shared row's copies (and a key head's query
-    heads) in fp32 and rounds once: :func:`sum_kv_copies` on CUDA, else
-    :func:`sum_row_copies_reference`. Handing the attention kernel keys already expanded to the
-    query heads moves grouped-query attention's head sum out of the kernel's backward (where it
-    would read and write every gathered row once more) into this one pass."""
+def _sum_copies(gk: torch.Tensor, gv: torch.Tensor, plan: VarlenPlan, rows: int, kv_heads: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    if gk.is_cuda:
+        return sum_kv_copies(gk, gv, plan.copy_ptr, plan.copy_pos, kv_heads)
+    return sum_row_copies_reference(gk, plan.kv_index, rows, kv_heads), \
+        sum_row_copies_reference(gv, plan.kv_index, rows, kv_heads)
+
+
+class _GatherAttention(torch.autograd.Function):
+    """Gather-plan tree attention: :func:`gather_kv` (keys/values along each segment's ancestor
+    path, expanded to the query heads), one varlen call, and in the backward the varlen backward
+    followed by :func:`sum_kv_copies` (each shared row's copies and each key head's query heads
+    summed in fp32, rounded once). The expanded keys are either saved or, by default, gathered
+    again from the saved compact ``k, v`` (``plan.save_gathered_kv``)."""
 
     @staticmethod
-    def forward(ctx, k, v, index, copy_ptr, copy_pos, heads):
-        ctx.save_for_backward(index, copy_ptr, copy_pos)
-        ctx.rows, ctx.kv_heads = k.shape[0], k.shape[1]
-        return gather_kv(k, v, index, heads)
+    def forward(ctx, q, k, v, plan: VarlenPlan, scale: float):
+        k, v = _rows(k), _rows(v)  # a strided v would keep the whole fused QKV tensor alive
+        kk, vv = gather_kv(k, v, plan.kv_index, q.shape[1])
+        out, lse = attention_with_lse(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, causal=True,
+                                      scale=scale)
+        ctx.save_for_backward(q, *((kk, vv) if plan.save_gathered_kv else (k, v)), out, lse)
+        ctx.plan, ctx.scale, ctx.rows, ctx.kv_heads = plan, scale, k.shape[0], k.shape[1]
+        return out
 
     @staticmethod
-    def backward(ctx, gk, gv):
-        index, copy_ptr, copy_pos = ctx.saved_tensors
-        if gk.is_cuda and copy_ptr is not None:
-            dk, dv = sum_kv_copies(gk, gv, copy_ptr, copy_pos, ctx.kv_heads)
-        else:
-            dk, dv = (sum_row_copies_reference(g, index, ctx.rows, ctx.kv_heads) for g in (gk, gv))
-        return dk, dv, None, None, None, None
+    def backward(ctx, do):
+        q, a, b, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        kk, vv = (a, b) if plan.save_gathered_kv else gather_kv(a, b, plan.kv_index, q.shape[1])
+        dq, gk, gv = attention_backward(_rows(do), q, kk, vv, out, lse, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
+                                        causal=True, scale=ctx.scale)
+        dk, dv = _sum_copies(gk, gv, plan, ctx.rows, ctx.kv_heads)
+        return dq, dk, dv, None, None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -421,10 +439,9 @@ def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         raise TypeError(f"varlen tree attention on CUDA needs bf16 or fp16 inputs, got {q.dtype}; use backend='flex'")
     if plan.mode == "levels":
         return _LevelsAttention.apply(q, k, v, plan, scale)
-    if plan.kv_index is None:  # keys are the rows themselves; v may be a strided slice of a fused QKV
-        kk, vv = _rows(k), _rows(v)
-    else:
-        kk, vv = _GatherKV.apply(k, v, plan.kv_index, plan.copy_ptr, plan.copy_pos, q.shape[1])
+    if plan.kv_index is not None:
+        return _GatherAttention.apply(q, k, v, plan, scale)
+    kk, vv = _rows(k), _rows(v)  # keys are the rows themselves; v may be a strided slice of a fused QKV
     if not q.is_cuda:
         return segment_attention_reference(q, kk, vv, cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)
     from torch.nn.attention.varlen import varlen_attn

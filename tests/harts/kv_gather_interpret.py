@@ -15,7 +15,13 @@ import sys
 import torch
 
 from harts.forest import build_forest
-from harts.varlen import build_varlen_plan, gather_kv, gather_kv_triton, sum_kv_copies, sum_row_copies_reference
+from harts.varlen import (
+    build_varlen_plan,
+    gather_kv,
+    gather_kv_triton,
+    sum_kv_copies,
+    sum_row_copies_reference,
+)
 
 
 def main(seqs: list[list[int]]) -> dict[str, float | bool]:

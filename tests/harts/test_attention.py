@@ -103,15 +103,17 @@ def test_flex_forward_matches_dense_cpu():
     assert_close("flex vs dense", ref, out, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.parametrize("mode", ["gather", "levels", "auto"])
+@pytest.mark.parametrize("mode", ["gather", "gather+save", "levels", "auto"])
 @pytest.mark.parametrize("seqs", CASES)
 def test_varlen_plan_equals_dense(seqs, mode):
-    """Both varlen plans are the tree mask: keys gathered along the ancestor path (bottom-right
-    causal, gradients summed into shared rows), and the cascade (causal self part + one full
-    attention per level, merged by log-sum-exp; backward with the merged out/lse). fp64, CPU
+    """Both varlen plans are the tree mask: keys gathered along the ancestor path and expanded to
+    the query heads (bottom-right causal; gradients summed into shared rows and key heads; the
+    backward gathers again or uses the saved gather), and the cascade (causal self part + one
+    full attention per level, merged by log-sum-exp; backward with the merged out/lse). fp64, CPU
     kernels that follow the flash math."""
     f = build_forest(seqs).padded(4)
-    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode=mode)
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode=mode.removesuffix("+save"),
+                             save_gathered_kv=mode.endswith("+save"))
     chains = bool((f.seg_parent < 0).all())
     if chains:  # a forest of chains: keys are the rows themselves, no gather, no levels
         assert plan.kv_index is None and torch.equal(plan.cu_k, plan.cu_q) and not plan.levels

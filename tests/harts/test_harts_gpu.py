@@ -49,12 +49,12 @@ def test_flex_backward_matches_dense(kind):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["gather", "levels"])
+@pytest.mark.parametrize("mode", ["gather", "gather+save", "levels"])
 @pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
 def test_varlen_matches_dense_bf16(kind, mode):
     """FlashAttention-2 varlen (bf16), both plans, vs the fp64 dense reference on the same
-    bf16-rounded inputs: the key gather (also checks the kernel's bottom-right causal alignment)
-    and the cascade (FA2 partials with their log-sum-exp, merged in fp32; the backward calls
+    bf16-rounded inputs: the key gather (also checks the kernel's bottom-right causal alignment;
+    the backward gathers again or uses the saved gather) and the cascade (FA2 partials with their log-sum-exp, merged in fp32; the backward calls
     FA2's backward with the merged output and lse)."""
     seqs = (grpo_groups(2, prompt_len=300, response_len=200, n=4, vocab_size=1000, seed=1) if kind == "grpo"
             else caterpillar(2, turns=4, turn_len=70, branches=2, branch_len=50, vocab_size=1000))
@@ -66,8 +66,9 @@ def test_varlen_matches_dense_bf16(kind, mode):
     qf, kf = (x.clone().requires_grad_(True) for x in (q, k))
     v_base = torch.cat([torch.zeros_like(v), v], -1).requires_grad_(True)  # v as a strided slice, as in Megatron
     vf = v_base[..., 64:]
-    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode=mode)
-    assert plan.mode == mode
+    plan = build_varlen_plan(f.seg_offsets, f.seg_parent, mode=mode.removesuffix("+save"),
+                             save_gathered_kv=mode.endswith("+save"))
+    assert plan.mode == mode.removesuffix("+save")
     out = tree_attention(qf, kf, vf, last=f.last, backend="varlen", varlen_plan=plan, scale=0.125)
     out.backward(do)
     assert torch.count_nonzero(v_base.grad[..., :64]) == 0
