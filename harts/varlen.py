@@ -173,12 +173,20 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
 # ---- kernels: FlashAttention-2 varlen on CUDA, plain torch (same math) elsewhere --------------
 
 
+def _flash_ops():
+    """``torch.ops.torch_attn``: PyTorch's FlashAttention-2 varlen ops, registered when
+    ``torch.nn.attention.varlen`` is first imported."""
+    import torch.nn.attention.varlen  # noqa: F401
+
+    return torch.ops.torch_attn
+
+
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                        max_q: int, max_k: int, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` → ``(o [Tq, Hq, D], lse [Hq, Tq] fp32)``,
     ``lse_i = log Σ_j exp(scale · q_i·k_j)`` over the allowed keys (bottom-right causal alignment)."""
     if q.is_cuda:
-        o, lse, _ = torch.ops.torch_attn._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, [-1, 0 if causal else -1])
+        o, lse, _ = _flash_ops()._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, [-1, 0 if causal else -1])
         return o, lse
     rep = q.shape[1] // k.shape[1]
     o = torch.empty_like(q)
@@ -207,7 +215,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − D)``, ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q``."""
     if q.is_cuda:
         zero = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        return torch.ops.torch_attn._varlen_attn_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, zero,
+        return _flash_ops()._varlen_attn_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, zero,
                                                           scale, [-1, 0 if causal else -1])
     rep = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
