@@ -204,3 +204,14 @@ def test_kv_gather_kernels_under_triton_interpreter():
             assert v is True, name
         else:  # error / bound
             assert v <= 1.0, (name, v)
+
+
+def test_flash_ops_resolve_in_a_fresh_interpreter():
+    """``torch.ops.torch_attn`` exists only after ``torch.nn.attention.varlen`` is imported; the
+    varlen kernels' wrapper imports it itself (a fresh process, nothing else imported first)."""
+    import subprocess
+    import sys
+
+    code = "from harts.varlen import _flash_ops; ops = _flash_ops(); ops._varlen_attn; ops._varlen_attn_backward"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
