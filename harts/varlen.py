@@ -20,16 +20,18 @@ itself. Two exact plans, chosen per microbatch by :func:`build_varlen_plan`:
   global softmax weights of its keys and ``D = rowsum(dO ∘ o)`` the global one), and the partial
   gradients add up.
 
-The gather plan hands the kernel keys and values already expanded to the query heads
-(:func:`gather_kv`, one Triton launch for both): FlashAttention's backward then writes ``dk, dv``
-per query head, and one pass (:func:`sum_kv_copies`: fp32 registers, one rounding, no atomics)
+In the backward the gather plan hands FlashAttention keys and values expanded to the query heads
+(:func:`gather_kv`, one Triton launch for both): the kernel then writes ``dk, dv`` per query
+head, and one pass (:func:`sum_kv_copies`: fp32 registers, one rounding, no atomics)
 sums each shared row's copies and each key head's query heads together. With grouped keys the
 kernel would sum the heads itself over all ``K`` gathered rows, and a second pass would sum the
 copies: on an H200 (6-layer Qwen3-1.7B-width GPT, 16 query / 8 key heads, ρ = 0.75) those two passes
 took 0.50 ms per layer, the gathers of ``k`` and a strided ``v`` 0.20 ms; the expanded gather takes
-0.12 ms and the fused sum 0.11 ms. The backward gathers again from the compact ``k, v`` it saved
-(``2·T·Hkv·D`` elements per layer, less than the ``2·K·Hkv·D`` gathered keys that a plain varlen
-call would save); ``save_gathered_kv=True`` saves the expanded ``2·K·Hq·D`` instead and skips that
+0.12 ms and the fused sum 0.11 ms. Only the backward needs the expansion: by default the forward
+gathers grouped keys (the kernel maps query head ``h`` to key head ``h // rep`` itself), saves the
+compact ``k, v`` (``2·T·Hkv·D`` elements per layer, less than the ``2·K·Hkv·D`` gathered keys that
+a plain varlen call would save) and the backward gathers again, expanded;
+``save_gathered_kv=True`` gathers expanded once and saves those ``2·K·Hq·D`` instead, skipping a
 gather. ``"auto"`` is ``"gather"`` (measured on the same GPT before the expansion, the cascade
 was 0.9 % slower at ``K − T = 8 Q``, GRPO with 4000-token prompts, and 4.5 % slower at 4.8 Q);
 ``"levels"`` stays available and never materializes ``K`` gathered rows, not even transiently.
@@ -356,19 +358,25 @@ def _sum_copies(gk: torch.Tensor, gv: torch.Tensor, plan: VarlenPlan, rows: int,
 
 class _GatherAttention(torch.autograd.Function):
     """Gather-plan tree attention: :func:`gather_kv` (keys/values along each segment's ancestor
-    path, expanded to the query heads), one varlen call, and in the backward the varlen backward
-    followed by :func:`sum_kv_copies` (each shared row's copies and each key head's query heads
-    summed in fp32, rounded once). The expanded keys are either saved or, by default, gathered
-    again from the saved compact ``k, v`` (``plan.save_gathered_kv``)."""
+    path), one varlen call, and in the backward the varlen backward on keys/values expanded to the
+    query heads followed by :func:`sum_kv_copies` (each shared row's copies and each key head's
+    query heads summed in fp32, rounded once). By default the forward gathers grouped keys (the
+    kernel reads key head ``h // rep`` itself) and saves the compact ``k, v``; the backward gathers
+    again, expanded. ``plan.save_gathered_kv``: the forward gathers expanded and saves that."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: VarlenPlan, scale: float):
-        k, v = _rows(k), _rows(v)  # a strided v would keep the whole fused QKV tensor alive
-        kk, vv = gather_kv(k, v, plan.kv_index, q.shape[1])
+        ctx.plan, ctx.scale, ctx.rows, ctx.kv_heads = plan, scale, k.shape[0], k.shape[1]
+        if plan.save_gathered_kv:
+            kk, vv = gather_kv(k, v, plan.kv_index, q.shape[1])
+            saved = (kk, vv)
+        else:
+            k, v = _rows(k), _rows(v)  # saved: a strided v would keep the whole fused QKV tensor alive
+            kk, vv = gather_kv(k, v, plan.kv_index, k.shape[1])
+            saved = (k, v)
         out, lse = attention_with_lse(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, causal=True,
                                       scale=scale)
-        ctx.save_for_backward(q, *((kk, vv) if plan.save_gathered_kv else (k, v)), out, lse)
-        ctx.plan, ctx.scale, ctx.rows, ctx.kv_heads = plan, scale, k.shape[0], k.shape[1]
+        ctx.save_for_backward(q, *saved, out, lse)
         return out
 
     @staticmethod
