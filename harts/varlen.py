@@ -190,16 +190,18 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
     if q.is_cuda:
         o, lse, _ = _flash_ops()._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, [-1, 0 if causal else -1])
         return o, lse
+    dt, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: fp32 math, as flash
+    q, k, v = (x.to(acc) for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     o = torch.empty_like(q)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=acc, device=q.device)
     for i in range(cu_q.numel() - 1):
         a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
         sc = _scores(q[a:b], k[c:d], rep, scale, causal)
         ls = torch.logsumexp(sc, -1)  # [H, nq]
         o[a:b] = (torch.exp(sc - ls[..., None]) @ v[c:d].repeat_interleave(rep, 1).transpose(0, 1)).transpose(0, 1)
         lse[:, a:b] = ls
-    return o, lse
+    return o.to(dt), lse
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, rep: int, scale: float, causal: bool) -> torch.Tensor:
@@ -219,6 +221,8 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         zero = torch.zeros(2, dtype=torch.uint64, device=q.device)
         return _flash_ops()._varlen_attn_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, zero,
                                                           scale, [-1, 0 if causal else -1])
+    dt, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    do, q, k, v, o = (x.to(acc) for x in (do, q, k, v, o))
     rep = q.shape[1] // k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for i in range(cu_q.numel() - 1):
@@ -234,7 +238,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         hk = k.shape[1]
         dk[c:d] = dkh.view(hk, rep, d - c, -1).sum(1).transpose(0, 1)
         dv[c:d] = dvh.view(hk, rep, d - c, -1).sum(1).transpose(0, 1)
-    return dq, dk, dv
+    return dq.to(dt), dk.to(dt), dv.to(dt)
 
 
 # ---- the two plans ----------------------------------------------------------------------------

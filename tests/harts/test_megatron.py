@@ -78,6 +78,63 @@ def run_exactness(seqs, *, dtype, recompute, mode="seq_mean", chunk_size=3, tie=
     return len(g_ref)
 
 
+def _varlen_bf16_errors(device: str, save_gathered_kv: bool) -> dict[str, tuple[float, float]]:
+    """The tiny GPT (GQA 4:2, full recomputation) in bf16 through the varlen backend, as a prefix
+    forest (gather plan) and as THD packing (chain forest, same kernels), each against fp32
+    per-sequence execution of the same weights: ``{name: (tree error, THD error)}`` for the
+    per-token log-probs (max abs) and every parameter gradient (relative Frobenius)."""
+    from harts.forest import build_chain_forest
+    from harts.megatron import apply_harts, make_tree_params, tree_forward
+    from harts.workload import caterpillar, grpo_groups
+
+    seqs = grpo_groups(2, prompt_len=150, response_len=70, n=4, vocab_size=500, seed=3) + \
+        caterpillar(1, turns=3, turn_len=40, branches=2, branch_len=30, vocab_size=500, seed=4)
+    shape = dict(vocab_size=500, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+                 max_sequence_length=1024, recompute=True)
+    seed_all(0)
+    model32 = build_tiny_gpt(TinyGPTConfig(**shape)).to(device)
+    model16 = build_tiny_gpt(TinyGPTConfig(**shape, params_dtype=torch.bfloat16)).to(device=device, dtype=torch.bfloat16)
+    model16.load_state_dict(model32.state_dict())
+    apply_harts(model16)
+    w = torch.randn(sum(len(s) - 1 for s in seqs), generator=torch.Generator().manual_seed(0)).to(device)
+
+    lp_ref, _ = _per_sequence(model32, seqs, device)
+    (lp_ref.float() * w).sum().backward()
+    g_ref = _grads(model32)
+
+    def run(forest):
+        model16.zero_grad(set_to_none=True)
+        params = make_tree_params(forest, backend="varlen", save_gathered_kv=save_gathered_kv)
+        lp = sequence_logprobs(tree_forward(model16, forest, params=params, chunk_size=128).logp, forest)
+        (lp.float() * w).sum().backward()
+        return lp.detach().double(), _grads(model16)
+
+    tree, thd = run(build_forest(seqs, device=device).padded(16)), run(build_chain_forest(seqs, device=device).padded(16))
+    assert tree[0].shape == thd[0].shape == lp_ref.shape and set(tree[1]) == set(thd[1]) == set(g_ref)
+    err = {"logp": tuple(float((x[0] - lp_ref).abs().max()) for x in (tree, thd))}
+    for name, ref in g_ref.items():
+        err[name] = tuple(float((x[1][name].double() - ref.double()).norm() / ref.double().norm()) for x in (tree, thd))
+    return err
+
+
+def check_varlen_bf16(device: str, save_gathered_kv: bool) -> None:
+    """Tree error ≤ 3 × THD error (plus a floor of one bf16 ulp at 1) for every entry of
+    :func:`_varlen_bf16_errors`; shared by the CPU test and the GPU lane."""
+    for name, (tree, thd) in _varlen_bf16_errors(device, save_gathered_kv).items():
+        assert thd < 0.1, (name, thd)  # the THD error itself is bf16-sized, so the bound means something
+        assert tree <= 3 * thd + 2**-7, (name, tree, thd)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save", [False, True], ids=["regather", "save_gathered_kv"])
+def test_tree_varlen_bf16_as_close_as_thd(cpu_megatron, save):
+    """bf16 model through the varlen gather plan on the CPU kernels (fp32 math inside, bf16
+    in and out, as flash): log-probs and every gradient are as close to fp32 per-sequence
+    execution as bf16 THD packing through the same kernels is. The GPU lane runs the same check
+    on the flash and Triton kernels."""
+    check_varlen_bf16("cpu", save)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("recompute", [False, True], ids=["no-recompute", "recompute"])
 @pytest.mark.parametrize("seqs", CASES)
