@@ -3,7 +3,7 @@ tree-aware chunked LM head vs full logits.
 
 Sections:
 
-* ``model``: GRPO groups swept over sharing ratio ρ ∈ {0, .05, .1, .25, .5, .75}, GRPO shapes
+* ``model``: GRPO groups swept over sharing ratio ρ ∈ {0, .05, .1, .25, .5, .75, .9}, GRPO shapes
   (P, R, n) and a multi-turn caterpillar tree, on a Qwen3-1.7B-width GPT (hidden 2048, FFN 6144,
   16 heads of 128, 8 KV groups, vocab 32000, 6 layers, bf16): token-linear work dominates, as in
   the real model. Providers (attention backend in brackets): ``thd`` [flex] and ``thdv`` [varlen]:
@@ -103,7 +103,7 @@ def _workloads(quick: bool, vocab: int):
         for rho in (0.0, 0.1, 0.75):
             w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=2, n=8, seq_len=64, vocab_size=vocab)))
         return w
-    for rho in (0.0, 0.05, 0.1, 0.25, 0.5, 0.75):
+    for rho in (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9):
         w.append((f"rho={rho}", grpo_for_sharing(rho, num_groups=3, n=16, seq_len=1024, vocab_size=vocab, seed=1)))
     for p, r, n, groups in ((200, 300, 8, 12), (4000, 500, 8, 2), (4800, 1000, 16, 1), (300, 4000, 16, 1)):
         w.append((f"P{p}-R{r}-n{n}", grpo_groups(groups, prompt_len=p, response_len=r, n=n, vocab_size=vocab, seed=2)))
