@@ -52,7 +52,8 @@ import torch
 from harts.reference import bottom_right_causal, segment_attention_reference
 
 __all__ = ["VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
-           "build_varlen_plan", "gather_kv", "gather_kv_triton", "sum_kv_copies", "sum_row_copies_reference", "varlen_tree_attention"]
+           "build_varlen_plan", "gather_kv", "gather_kv_triton", "sum_kv_copies", "sum_row_copies_reference",
+           "varlen_tree_attention"]
 
 VarlenMode = Literal["auto", "gather", "levels"]
 
@@ -220,7 +221,7 @@ def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if q.is_cuda:
         zero = torch.zeros(2, dtype=torch.uint64, device=q.device)
         return _flash_ops()._varlen_attn_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, zero,
-                                                          scale, [-1, 0 if causal else -1])
+                                                  scale, [-1, 0 if causal else -1])
     dt, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     do, q, k, v, o = (x.to(acc) for x in (do, q, k, v, o))
     rep = q.shape[1] // k.shape[1]
