@@ -181,23 +181,15 @@ def test_kv_gather_kernels_under_triton_interpreter():
     """The CUDA path of the gather plan's keys/values: the Triton gather with head expansion
     (strided ``k``/``v``) is bitwise ``index_select`` + ``repeat_interleave``, and its backward
     (copies and query heads summed in fp32, one rounding) is within the error bound of that sum
-    against fp64 (fp32 and bf16; GQA 2:1 and 3:1, MHA, non-power-of-two widths). Triton's CPU interpreter in a
-    subprocess, on a forest with a GRPO fork, nested forks, a duplicate and a prefix-of-another.
+    against fp64 (fp32 and bf16; GQA 2:1 and 3:1, MHA, non-power-of-two widths). Triton's CPU
+    interpreter in a subprocess, on a forest with a GRPO fork, nested forks, a duplicate and a prefix-of-another.
     The interpreter rounds fp32 → bf16 toward zero (the GPU rounds to nearest even, which
     ``test_sum_kv_copies_triton_matches_fp64`` pins to half an ulp), so bf16 gets one ulp here
     (the bound is in ``kv_gather_interpret``)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.harts.interpreter import run_interpreted
 
     seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 3, 6, 7, 8], [1, 2, 9], [1, 2, 9], [10, 11, 12], [10, 13]]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "tests.harts.kv_gather_interpret", json.dumps(seqs)],
-                         cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_interpreted("kv_gather_interpret", seqs)
     assert len(res) == 12
     for name, v in res.items():
         if name.startswith("gather"):

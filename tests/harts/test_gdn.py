@@ -128,19 +128,10 @@ def test_fla_tree_conv_under_triton_interpreter():
     """The GPU conv path (FLA ``causal_conv1d`` per trie segment, ancestors as its initial state,
     state gradient back into the ancestor rows) equals the torch tree conv: FLA's real Triton
     kernels, run by Triton's CPU interpreter in a subprocess (fp32, outputs and all gradients)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.harts.interpreter import run_interpreted
 
     cases = {c.id: c.values[0] for c in GDN_CASES}
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-m", "tests.harts.fla_conv_interpret", json.dumps(cases)], cwd=root,
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    err = json.loads(out.stdout.strip().splitlines()[-1])
+    err = run_interpreted("fla_conv_interpret", cases)
     assert len(err) == 3 * len(cases)
     assert max(err.values()) <= 1e-5, err
 
