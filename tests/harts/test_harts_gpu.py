@@ -54,8 +54,8 @@ def test_flex_backward_matches_dense(kind):
 def test_varlen_matches_dense_bf16(kind, mode):
     """FlashAttention-2 varlen (bf16), both plans, vs the fp64 dense reference on the same
     bf16-rounded inputs: the key gather (also checks the kernel's bottom-right causal alignment;
-    the backward gathers again or uses the saved gather) and the cascade (FA2 partials with their log-sum-exp, merged in fp32; the backward calls
-    FA2's backward with the merged output and lse)."""
+    the backward gathers again or uses the saved gather) and the cascade (FA2 partials with their
+    log-sum-exp, merged in fp32; the backward calls FA2's backward with the merged output and lse)."""
     seqs = (grpo_groups(2, prompt_len=300, response_len=200, n=4, vocab_size=1000, seed=1) if kind == "grpo"
             else caterpillar(2, turns=4, turn_len=70, branches=2, branch_len=50, vocab_size=1000))
     f = build_forest(seqs, device="cuda")
