@@ -15,6 +15,7 @@ import torch
 
 from optim_staged.base import StagedOptimizerBase, grad_of
 from optim_staged.config import AdamWConfig, SlotConfig
+from optim_staged.flat import read_flat_range, write_flat_range
 from optim_staged.slabs import Piece, Unit, build_units
 from optim_staged.update import adamw_update_
 
@@ -92,7 +93,7 @@ class StagedAdamW(StagedOptimizerBase):
             if piece is None or piece.dtype != torch.float32:  # e.g. bf16 grads: fp32 copy on the device
                 if scratch is None:
                     scratch = self._scratch(unit.numel)
-                scratch[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
+                read_flat_range(grad, pc.p_start, scratch[sl], non_blocking=True)  # any strides
                 piece = scratch[sl]
             masters.append(views["master_param"][sl])
             grads.append(piece)
@@ -106,4 +107,4 @@ class StagedAdamW(StagedOptimizerBase):
                       lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
                       weight_decay=g["weight_decay"], impl=self.impl, step_value=g["step"])
         for pc, m in zip(live, masters):
-            params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel].copy_(m)
+            write_flat_range(params[pc.param_index].detach(), pc.p_start, m)  # view(-1) when contiguous
