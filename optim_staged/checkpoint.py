@@ -1,77 +1,43 @@
-"""Atomic checkpoint files and directories (temp + fsync + rename), and a model-space state view.
+"""Checkpoint pieces that need only torch: atomic files and directories (from
+:mod:`mcore_distill.atomic`), the per-parameter state of a standalone staged optimizer, its
+background save, and the parallel-layout record of a Megatron checkpoint.
 
 Megatron checkpoints go through ``DistributedOptimizer.sharded_state_dict`` with the
 ``fully_reshardable`` sharding type: each parameter's ``fp32_param`` / ``exp_avg`` /
 ``exp_avg_sq`` is a canonical model-space tensor, so a checkpoint saved at one DP size loads at
-another (see :func:`optim_staged.megatron.save_checkpoint`). This module holds the torch-only
-pieces: atomic writes and the per-parameter state of a standalone staged optimizer.
+another (see :func:`optim_staged.megatron.save_checkpoint`).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mcore_distill.atomic import atomic_torch_save, atomic_write_json, fsync_tree, publish_directory
+
 __all__ = ["atomic_torch_save", "fsync_tree", "publish_directory", "model_space_state", "AsyncSave", "async_save",
-           "LAYOUT_FILE",
-           "parallel_layout", "write_layout", "check_layout"]
+           "LAYOUT_FILE", "LAYOUT_FIELDS", "LAYOUT_FIXED",
+           "parallel_layout", "write_layout", "read_layout", "check_layout"]
+
+# atomic_torch_save / fsync_tree / publish_directory are mcore_distill.atomic's (re-exported here
+# under their old names): crash-safe at every step of the directory switch, see that module.
 
 LAYOUT_FILE = "optim_staged_layout.json"
 """Written next to the ``dist_checkpointing`` files: the parallel layout the checkpoint was saved at."""
-LAYOUT_FORMAT = 1
-_LAYOUT_FIXED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size")
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str | os.PathLike) -> None:
-    """fsync every file and directory under ``root`` (and ``root`` itself)."""
-    root = Path(root)
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            _fsync_path(Path(dirpath) / f)
-        _fsync_path(Path(dirpath))
-
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to ``path.tmp-<pid>``, fsync, then rename over ``path`` and fsync the folder:
-    readers see the old file or the complete new one, never a partial write."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_path(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def publish_directory(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> None:
-    """fsync ``tmp_dir`` and rename it to ``final_dir``; an existing ``final_dir`` is moved aside
-    first and deleted only after the new one is in place."""
-    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
-    fsync_tree(tmp_dir)
-    old = final_dir.with_name(f"{final_dir.name}.old-{os.getpid()}")
-    if final_dir.exists():
-        os.replace(final_dir, old)
-    os.replace(tmp_dir, final_dir)
-    _fsync_path(final_dir.parent)
-    if old.exists():
-        shutil.rmtree(old)
+LAYOUT_FORMAT = 2
+_READABLE_FORMATS = (1, 2)  # format 1 recorded TP/PP/EP (from TransformerConfig) and DP only
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "context_parallel_size", "data_parallel_size",
+                 "expert_data_parallel_size")
+"""Process-group sizes a layout records (read from Megatron's parallel state when saving)."""
+LAYOUT_FIXED = LAYOUT_FIELDS[:4]
+"""Sizes that must match on load: they change parameter shapes or which rank owns which expert.
+DP (and CP, and with it the expert DP size) may differ: optimizer state is stored per parameter
+in model space."""
 
 
 def model_space_state(optimizer: torch.optim.Optimizer, names: dict[int, str], *,
@@ -91,36 +57,30 @@ def model_space_state(optimizer: torch.optim.Optimizer, names: dict[int, str], *
     return out
 
 
-def parallel_layout(model_config: Any, *, data_parallel_size: int) -> dict[str, int]:
-    """The layout fields of a Megatron ``TransformerConfig`` (TP, PP, EP sizes) plus the DP size."""
-    out = {k: int(getattr(model_config, k, 1) or 1) for k in _LAYOUT_FIXED}
-    out["data_parallel_size"] = int(data_parallel_size)
+def parallel_layout(**sizes: int) -> dict[str, int]:
+    """A layout record: the given process-group sizes (names from :data:`LAYOUT_FIELDS`, each an
+    int >= 1) plus the format number."""
+    from optim_staged.config import CheckpointLayoutError
+
+    out: dict[str, int] = {}
+    for k, v in sizes.items():
+        if k not in LAYOUT_FIELDS:
+            raise CheckpointLayoutError(f"layout field {k!r} is unknown: one of {', '.join(LAYOUT_FIELDS)}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise CheckpointLayoutError(f"layout field {k}={v!r} is invalid: must be an int >= 1")
+        out[k] = v
     out["format"] = LAYOUT_FORMAT
     return out
 
 
 def write_layout(directory: str | os.PathLike, layout: dict[str, int]) -> None:
     """Write ``layout`` as ``<directory>/optim_staged_layout.json`` (temp + fsync + rename)."""
-    import json
-
-    path = Path(directory) / LAYOUT_FILE
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(layout, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(Path(directory) / LAYOUT_FILE, layout)
 
 
-def check_layout(directory: str | os.PathLike, current: dict[str, int]) -> dict[str, int]:
-    """Refuse a checkpoint whose TP / PP / EP sizes differ from ``current`` (DP may differ: the
-    optimizer state is stored per parameter in model space). Returns the saved layout.
-
-    Raises :class:`~optim_staged.config.CheckpointLayoutError` naming the field, the saved value
-    and this run's value, or when the layout record is missing or of another format.
-    """
-    import json
-
+def read_layout(directory: str | os.PathLike) -> dict[str, int]:
+    """The layout record of a checkpoint directory; :class:`CheckpointLayoutError` when it is
+    missing or of a format this version cannot read."""
     from optim_staged.config import CheckpointLayoutError
 
     path = Path(directory) / LAYOUT_FILE
@@ -128,13 +88,36 @@ def check_layout(directory: str | os.PathLike, current: dict[str, int]) -> dict[
         raise CheckpointLayoutError(
             f"{directory}: no {LAYOUT_FILE}; not written by optim_staged.megatron.save_checkpoint")
     saved = json.loads(path.read_text())
-    if saved.get("format") != LAYOUT_FORMAT:
-        raise CheckpointLayoutError(f"{path}: format={saved.get('format')!r}, this version reads {LAYOUT_FORMAT}")
-    for k in _LAYOUT_FIXED:
-        if int(saved.get(k, 1)) != int(current.get(k, 1)):
+    if saved.get("format") not in _READABLE_FORMATS:
+        raise CheckpointLayoutError(
+            f"{path}: format={saved.get('format')!r}, this version reads {list(_READABLE_FORMATS)}")
+    return saved
+
+
+def _describe(layout: dict[str, int]) -> str:
+    short = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
+             "expert_model_parallel_size": "EP", "expert_tensor_parallel_size": "ETP",
+             "context_parallel_size": "CP", "data_parallel_size": "DP", "expert_data_parallel_size": "EDP"}
+    return " ".join(f"{short[k]}={layout[k]}" for k in LAYOUT_FIELDS if k in layout)
+
+
+def check_layout(directory: str | os.PathLike, current: dict[str, int]) -> dict[str, int]:
+    """Refuse a checkpoint whose TP / PP / EP / expert-TP sizes differ from ``current`` (DP and CP
+    may differ: the optimizer state is stored per parameter in model space). Returns the saved
+    layout. A field that the saved record lacks (format 1 has no expert-TP) is not compared.
+
+    Raises :class:`~optim_staged.config.CheckpointLayoutError` naming the field, the saved value
+    and this run's value, and both layouts; or when the record is missing or of another format.
+    """
+    from optim_staged.config import CheckpointLayoutError
+
+    saved = read_layout(directory)
+    for k in LAYOUT_FIXED:
+        if k in saved and k in current and int(saved[k]) != int(current[k]):
             raise CheckpointLayoutError(
-                f"checkpoint {directory} was saved with {k}={saved.get(k)}, this run has {k}={current.get(k)}: "
-                "optimizer state reshards across data-parallel sizes only (TP/PP/EP changes are refused)")
+                f"checkpoint {directory} was saved with {k}={saved[k]}, this run has {k}={current[k]} "
+                f"(saved layout: {_describe(saved)}; this run: {_describe(current)}): optimizer state "
+                "reshards across data-parallel sizes only (TP/PP/EP/expert-TP changes are refused)")
     return saved
 
 

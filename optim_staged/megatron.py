@@ -17,6 +17,7 @@ The stock build allocates fp32 main-param shards once (4 B/param, freed when the
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,8 +28,9 @@ from optim_staged.adamw import StagedAdamW
 from optim_staged.config import StagedOptimizerConfig, UnsupportedMegatronConfigError
 from optim_staged.muon import StagedMuon
 
-__all__ = ["get_staged_optimizer", "save_checkpoint", "load_checkpoint", "StagedDistributedOptimizer", "megatron_optimizer_config",
-           "megatron_muon_config", "staged_leaves"]
+__all__ = ["get_staged_optimizer", "save_checkpoint", "load_checkpoint", "async_save_checkpoint", "AsyncCheckpoint",
+           "StagedDistributedOptimizer", "megatron_optimizer_config", "megatron_muon_config", "megatron_layout",
+           "staged_leaves"]
 
 
 def megatron_optimizer_config(cfg: StagedOptimizerConfig, model_chunks: list[Any], **overrides: Any) -> OptimizerConfig:
@@ -278,71 +280,237 @@ CHECKPOINT_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 """Model-space, per-parameter optimizer state: loads at a different DP size."""
 
 
-def _layout(model_chunk: Any, optimizer: Any) -> dict[str, int]:
+def _pg_collection(model_chunk: Any) -> Any:
+    """The model's process groups (``pg_collection`` of the innermost module that has one)."""
+    m = model_chunk
+    while m is not None:
+        pg = getattr(m, "pg_collection", None)
+        if pg is not None:
+            return pg
+        m = getattr(m, "module", None)
+    return None
+
+
+def megatron_layout(model_chunk: Any) -> dict[str, int]:
+    """The parallel layout this rank runs at: sizes of the model's process groups (its
+    ``pg_collection``), else of Megatron's parallel state. Never from ``TransformerConfig``: a job
+    may set TP only in parallel state and leave the config at TP=1 (Megatron's own minimal
+    training example does), and the layers follow the process groups."""
+    from megatron.core import parallel_state as ps
+
     from optim_staged.checkpoint import parallel_layout
 
-    leaves = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    dp_group = next((getattr(x, "data_parallel_group", None) for x in leaves
-                     if getattr(x, "data_parallel_group", None) is not None), None)
-    cfg = model_chunk.config
-    mp = int(getattr(cfg, "tensor_model_parallel_size", 1) or 1) * int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1)
-    dp = (torch.distributed.get_world_size(dp_group) if dp_group is not None
-          else torch.distributed.get_world_size() // mp)
-    return parallel_layout(model_chunk.config, data_parallel_size=dp)
+    pg = _pg_collection(model_chunk)
+
+    def size(name: str, fallback) -> int:
+        group = getattr(pg, name, None) if pg is not None else None
+        return torch.distributed.get_world_size(group) if group is not None else int(fallback())
+
+    return parallel_layout(
+        tensor_model_parallel_size=size("tp", ps.get_tensor_model_parallel_world_size),
+        pipeline_model_parallel_size=size("pp", ps.get_pipeline_model_parallel_world_size),
+        expert_model_parallel_size=size("ep", ps.get_expert_model_parallel_world_size),
+        expert_tensor_parallel_size=size("expt_tp", ps.get_expert_tensor_parallel_world_size),
+        context_parallel_size=size("cp", ps.get_context_parallel_world_size),
+        data_parallel_size=size("dp", ps.get_data_parallel_world_size),
+        expert_data_parallel_size=size("expt_dp", ps.get_expert_data_parallel_world_size),
+    )
+
+
+def _sharded_state_dict(model_chunk: Any, optimizer: Any, *, is_loading: bool = False) -> dict[str, Any]:
+    kw = {"is_loading": True} if is_loading else {}
+    return {"model": model_chunk.sharded_state_dict(),
+            "optimizer": optimizer.sharded_state_dict(model_chunk.sharded_state_dict(), metadata=CHECKPOINT_SHARDING,
+                                                      **kw)}
+
+
+def _begin_save(directory: str, group: Any) -> Path:
+    """The temp directory every rank writes into: ``<directory>.tmp-<token>`` with rank 0's token,
+    broadcast. Rank 0 first renames back a checkpoint left aside by a crashed switch and deletes
+    the temporaries of dead writers; the others wait at a barrier."""
+    from mcore_distill.atomic import new_token, recover_directory, remove_stale, temp_directory_for
+
+    rank = torch.distributed.get_rank(group)
+    token = [new_token() if rank == 0 else None]
+    src = 0 if group is None else torch.distributed.get_global_rank(group, 0)
+    torch.distributed.broadcast_object_list(token, src=src, group=group)
+    if rank == 0:
+        recover_directory(directory)
+        remove_stale(directory)
+    torch.distributed.barrier(group)
+    return temp_directory_for(directory, token[0])  # created by every rank (idempotent)
+
+
+def _publish(model_chunk: Any, tmp: Path, directory: str, group: Any) -> None:
+    """After every rank wrote ``tmp``: rank 0 records the layout and switches ``tmp`` in as
+    ``directory`` (crash-safe at every step, :func:`mcore_distill.atomic.publish_directory`)."""
+    from optim_staged.checkpoint import publish_directory, write_layout
+
+    torch.distributed.barrier(group)
+    if torch.distributed.get_rank(group) == 0:
+        write_layout(tmp, megatron_layout(model_chunk))
+        publish_directory(tmp, directory)
+    torch.distributed.barrier(group)
 
 
 def save_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: Any = None) -> None:
     """Synchronous, atomic ``dist_checkpointing`` save of ``{'model', 'optimizer'}``.
 
-    Every rank writes into ``<directory>.tmp``; after a barrier rank 0 records the parallel layout
-    (``optim_staged_layout.json``: TP/PP/EP/DP sizes), fsyncs the folder and renames it to
-    ``directory`` (an older checkpoint there is replaced only once the new one is complete).
-    """
-    import os
-
-    from megatron.core import dist_checkpointing
-
-    from optim_staged.checkpoint import publish_directory, write_layout
-
-    tmp = f"{directory}.tmp"
-    rank = torch.distributed.get_rank(group)
-    if rank == 0:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    torch.distributed.barrier(group)
-    sd = {"model": model_chunk.sharded_state_dict(),
-          "optimizer": optimizer.sharded_state_dict(model_chunk.sharded_state_dict(), metadata=CHECKPOINT_SHARDING)}
-    dist_checkpointing.save(sd, tmp)
-    torch.distributed.barrier(group)
-    if rank == 0:
-        write_layout(tmp, _layout(model_chunk, optimizer))
-        publish_directory(tmp, directory)
-    torch.distributed.barrier(group)
-
-
-def load_checkpoint(model_chunk: Any, optimizer: Any, directory: str) -> None:
-    """Load a :func:`save_checkpoint` directory into ``model_chunk`` and ``optimizer`` (any DP size;
-    a different TP/PP/EP size raises :class:`~optim_staged.config.CheckpointLayoutError` before
-    anything is read).
-
-    The optimizer template is built with ``is_loading=True`` after its state exists, so every
-    state key (master, exp_avg, exp_avg_sq) is requested from the checkpoint: a checkpoint without
-    moments fails to load instead of silently resetting them.
+    Every rank writes into ``<directory>.tmp-<token>`` (one token, from rank 0); after a barrier
+    rank 0 records the parallel layout (``optim_staged_layout.json``: TP/PP/EP/expert-TP/CP/DP
+    sizes from the process groups) and switches the folder in as ``directory``. At every instant
+    ``directory`` is the old or the new complete checkpoint (or, on file systems without
+    ``RENAME_EXCHANGE``, recoverable: the next save or load renames the surviving copy back). The
+    save also deletes temporaries left by saves that were killed.
     """
     from megatron.core import dist_checkpointing
 
+    tmp = _begin_save(directory, group)
+    dist_checkpointing.save(_sharded_state_dict(model_chunk, optimizer), str(tmp))
+    _publish(model_chunk, tmp, directory, group)
+
+
+def load_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: Any = None) -> None:
+    """Load a :func:`save_checkpoint` / :func:`async_save_checkpoint` directory into
+    ``model_chunk`` and ``optimizer`` (any DP size; a different TP/PP/EP/expert-TP size raises
+    :class:`~optim_staged.config.CheckpointLayoutError`, naming both layouts, before anything is
+    read).
+
+    Rank 0 first renames back a complete copy left by a save that crashed during the switch
+    (others wait at a barrier). It does not delete temporaries: a save of another job may still
+    be writing them (saves clean up). The optimizer template is built with ``is_loading=True``
+    after its state exists, so every state key (master, exp_avg, exp_avg_sq) is requested from
+    the checkpoint: a checkpoint without moments fails to load instead of silently resetting them.
+    """
+    from megatron.core import dist_checkpointing
+
+    from mcore_distill.atomic import recover_directory
     from optim_staged.checkpoint import check_layout
 
-    check_layout(directory, _layout(model_chunk, optimizer))  # TP/PP/EP changes: CheckpointLayoutError
-    template = {"model": model_chunk.sharded_state_dict(),
-                "optimizer": optimizer.sharded_state_dict(model_chunk.sharded_state_dict(), is_loading=True,
-                                                          metadata=CHECKPOINT_SHARDING)}
-    loaded = dist_checkpointing.load(template, directory)
+    if torch.distributed.get_rank(group) == 0:
+        recover_directory(directory)
+    torch.distributed.barrier(group)
+    check_layout(directory, megatron_layout(model_chunk))  # TP/PP/EP changes: CheckpointLayoutError
+    loaded = dist_checkpointing.load(_sharded_state_dict(model_chunk, optimizer, is_loading=True), directory)
     # Megatron's wrappers prefix sharded keys with "module." but load through to the inner module.
     model_sd, want = loaded["model"], set(model_chunk.state_dict())
     while model_sd and not (set(model_sd) & want) and all(k.startswith("module.") for k in model_sd):
         model_sd = {k.removeprefix("module."): v for k, v in model_sd.items()}
     model_chunk.load_state_dict(model_sd)
     optimizer.load_state_dict(loaded["optimizer"])
+
+
+# -------------------------------------------------------------------------- async checkpoints
+def _all_ranks_true(flag: bool, group: Any) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (one all-reduce)."""
+    nccl = torch.distributed.get_backend(group) == "nccl"
+    t = torch.tensor([0 if flag else 1], dtype=torch.int32,
+                     device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(t.item()) == 0
+
+
+def _live_storages(model_chunk: Any, optimizer: Any, sharded: dict[str, Any]) -> set[int]:
+    """Data pointers of the host storages that training writes: model parameters and buffers,
+    staged slabs, and every tensor of the sharded state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    tensors = [*torch.nn.Module.parameters(model_chunk), *torch.nn.Module.buffers(model_chunk)]
+    for buf in getattr(model_chunk, "buffers", None) or []:  # Megatron DDP's param/grad buffers (a list)
+        tensors.append(getattr(buf, "param_data", None))
+    for leaf in (optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]):
+        inner = getattr(leaf, "optimizer", leaf)
+        for store in (getattr(inner, "slabs", None), getattr(inner, "resident", None)):
+            if store is not None:
+                tensors += list(store.tensors.values())
+    tensors += [getattr(v, "data", None) for v in nested_values(sharded)]
+    return {t.untyped_storage().data_ptr() for t in tensors
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel()}
+
+
+def _private_copies(buckets: list, live: set[int]) -> list:
+    """The writer's buckets with every tensor that shares host memory with training state cloned."""
+    out = []
+    for file_name, storage_key, (bytes_data, tensor_data) in buckets:
+        tensor_data = [(item, t.clone() if t.untyped_storage().data_ptr() in live else t) for item, t in tensor_data]
+        out.append((file_name, storage_key, (bytes_data, tensor_data)))
+    return out
+
+
+class AsyncCheckpoint:
+    """A Megatron checkpoint whose files are being written on a background thread.
+
+    Made by :func:`async_save_checkpoint`. ``done()`` tells (locally) whether this rank's files are
+    written. ``wait()`` is collective (every rank calls it, e.g. once per iteration or before
+    the next save): it waits for the writers, then writes the metadata and switches the folder
+    in as the checkpoint, exactly as :func:`save_checkpoint` does.
+    """
+
+    def __init__(self, request: Any, args: list, *, tmp: Path, directory: str, model_chunk: Any, group: Any,
+                 timeout_s: float) -> None:
+        import threading
+
+        self.directory, self.tmp, self.timeout_s = directory, tmp, timeout_s
+        self._request, self._model_chunk, self._group = request, model_chunk, group
+        self.error: BaseException | None = None
+        self.published = False
+
+        def write() -> None:
+            try:
+                if request.async_fn is not None:
+                    request.async_fn(*args, **request.async_fn_kwargs)
+            except BaseException as e:  # noqa: BLE001 - reported by wait() on every rank
+                self.error = e
+
+        self._thread = threading.Thread(target=write, name=f"optim_staged-ckpt-{Path(directory).name}", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether this rank's background write has ended (no collective)."""
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Collective: wait up to ``timeout`` s (default ``timeout_s``) for every rank's writer,
+        then finalize and publish. Raises ``TimeoutError`` on every rank if any rank's writer is
+        still running (call again later), or the writer's error (on every rank) if one failed;
+        the previous checkpoint at ``directory`` stays in place in both cases."""
+        if self.published:
+            return
+        t = self.timeout_s if timeout is None else timeout
+        self._thread.join(t)
+        if not _all_ranks_true(not self._thread.is_alive(), self._group):
+            raise TimeoutError(f"async checkpoint save to {self.directory}: a rank's writer is still running after {t} s")
+        if not _all_ranks_true(self.error is None, self._group):
+            raise RuntimeError(f"async checkpoint save to {self.directory} failed on a rank; "
+                               f"this rank's error: {self.error!r}") from self.error
+        for fn in self._request.finalize_fns:  # write results gathered, .metadata, metadata.json
+            fn()
+        _publish(self._model_chunk, self.tmp, self.directory, self._group)
+        self.published = True
+
+
+def async_save_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: Any = None,
+                          timeout_s: float = 600.0) -> AsyncCheckpoint:
+    """Start a :func:`save_checkpoint` whose file writes run on a background thread; returns an
+    :class:`AsyncCheckpoint` (call ``wait()`` on every rank to publish it).
+
+    Before returning, the state is a snapshot: Megatron's async ``dist_checkpointing`` plans the
+    save (the collectives), copies device tensors to host and clones host views; every remaining
+    host tensor that shares memory with training state (model parameters, staged slabs) is cloned
+    here. Training may go on at once: a step taken after this call does not reach the files. Host
+    RAM: one copy of this rank's checkpoint shard until the write ends.
+
+    A crash (kill -9) before ``wait()`` has published leaves the previous checkpoint at
+    ``directory`` untouched; the next save deletes the incomplete temporary.
+    """
+    from megatron.core import dist_checkpointing
+
+    tmp = _begin_save(directory, group)
+    sharded = _sharded_state_dict(model_chunk, optimizer)
+    live = _live_storages(model_chunk, optimizer, sharded)
+    request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=True, async_strategy="mcore")
+    args = list(request.async_fn_args)
+    if request.preload_fn is not None:  # device -> host now, as Megatron's own async callers do
+        args[1] = _private_copies(request.preload_fn(), live)
+    return AsyncCheckpoint(request, args, tmp=tmp, directory=directory, model_chunk=model_chunk, group=group,
+                           timeout_s=timeout_s)

@@ -81,27 +81,35 @@ def test_hydra_structured_config():
 
 
 def test_layout_check_refuses_tp_pp_ep_changes_and_unknown_checkpoints(tmp_path):
-    from types import SimpleNamespace
-
     from optim_staged import CheckpointLayoutError
-    from optim_staged.checkpoint import LAYOUT_FILE, check_layout, parallel_layout, write_layout
+    from optim_staged.checkpoint import LAYOUT_FILE, LAYOUT_FIXED, check_layout, parallel_layout, write_layout
 
-    saved = parallel_layout(SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                            expert_model_parallel_size=1), data_parallel_size=4)
+    saved = parallel_layout(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                            expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                            context_parallel_size=1, data_parallel_size=4, expert_data_parallel_size=4)
     write_layout(tmp_path, saved)
     assert sorted(os.listdir(tmp_path)) == [LAYOUT_FILE]
-    same_but_dp = dict(saved, data_parallel_size=1)  # DP may change
-    assert check_layout(tmp_path, same_but_dp) == saved
-    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+    same_but_dp = dict(saved, data_parallel_size=1, context_parallel_size=2, expert_data_parallel_size=2)
+    assert check_layout(tmp_path, same_but_dp) == saved  # DP and CP may change
+    for field in LAYOUT_FIXED:
         other = dict(saved, **{field: saved[field] * 2})
         with pytest.raises(CheckpointLayoutError, match=rf"saved with {field}={saved[field]}, this run has "
-                                                        rf"{field}={saved[field] * 2}"):
+                                                        rf"{field}={saved[field] * 2}") as err:
             check_layout(tmp_path, other)
+        assert "saved layout: TP=2 PP=2 EP=2 ETP=1 CP=1 DP=4 EDP=4" in str(err.value)  # both layouts named
     with pytest.raises(CheckpointLayoutError, match="not written by"):
         check_layout(tmp_path / "missing", saved)
     write_layout(tmp_path, dict(saved, format=99))
     with pytest.raises(CheckpointLayoutError, match="format=99"):
         check_layout(tmp_path, saved)
+    # a format-1 record (TP/PP/EP/DP only) is still read; the fields it lacks are not compared
+    write_layout(tmp_path, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                            "expert_model_parallel_size": 2, "data_parallel_size": 4, "format": 1})
+    assert check_layout(tmp_path, dict(saved, expert_tensor_parallel_size=2))["format"] == 1
+    with pytest.raises(CheckpointLayoutError, match="layout field 'tp'"):
+        parallel_layout(tp=2)
+    with pytest.raises(CheckpointLayoutError, match="data_parallel_size=0"):
+        parallel_layout(data_parallel_size=0)
 
 
 @pytest.mark.parametrize("mode", ["fence", "snapshot"])
