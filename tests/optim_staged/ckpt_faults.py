@@ -73,11 +73,12 @@ def build(seed: int = 7):
 def train(model, optim, steps: range) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    device = next(model.parameters()).device
     for step in steps:
-        tokens = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(step))
+        tokens = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(step)).to(device)
 
         def fwd(it, m, tokens=tokens):
-            out = m(tokens, torch.arange(S).expand(B, S), None, labels=tokens)
+            out = m(tokens, torch.arange(S, device=device).expand(B, S), None, labels=tokens)
             return out, lambda o: (o.float().mean(), {})
 
         model.zero_grad_buffer()
