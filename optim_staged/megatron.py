@@ -261,18 +261,24 @@ def _get_staged_muon(config: StagedOptimizerConfig, model_chunks: list[Any], *, 
         twin.initialize_state()
         return twin
 
-    leaves = opt.chained_optimizers if isinstance(opt, ChainedOptimizer) else [opt]
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, DistributedOptimizer):
-            raise UnsupportedMegatronConfigError(
-                "OptimizerConfig.use_distributed_optimizer=True with Muon: scalar Adam leaves under a "
-                "DistributedOptimizer are not staged by the Muon path; set it to False")
-        if isinstance(leaf, torch.optim.Optimizer):  # layer-wise DistOpt, fp32: raw inner optimizers
-            leaves[i] = staged_twin(leaf)
-        elif getattr(leaf, "optimizer", None) is not None:  # FP32Optimizer / Float16Optimizer wrappers
-            leaf.optimizer = staged_twin(leaf.optimizer)
-            leaf.init_state_fn = _init_state_fn  # checkpoint templates: state exists, keep it
-    return opt
+    def swap(leaves: list[Any]) -> None:
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, DistributedOptimizer):  # layer-wise Muon's byte-sharded Adam leaf
+                leaves[i] = _restage(leaf, config)
+            elif isinstance(leaf, ChainedOptimizer):  # LayerWiseDistributedOptimizer inside the chain
+                swap(leaf.chained_optimizers)
+            elif isinstance(leaf, torch.optim.Optimizer):  # layer-wise DistOpt, fp32: raw inner optimizers
+                leaves[i] = staged_twin(leaf)
+            elif getattr(leaf, "optimizer", None) is not None:  # FP32Optimizer / Float16Optimizer wrappers
+                leaf.optimizer = staged_twin(leaf.optimizer)
+                leaf.init_state_fn = _init_state_fn  # checkpoint templates: state exists, keep it
+
+    if isinstance(opt, ChainedOptimizer):
+        swap(opt.chained_optimizers)
+        return opt
+    one = [opt]
+    swap(one)
+    return one[0]
 
 
 # -------------------------------------------------------------------------------- checkpoints

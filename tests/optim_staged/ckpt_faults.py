@@ -91,16 +91,25 @@ def train(model, optim, steps: range) -> None:
 
 def fingerprint(model, optim) -> dict[str, torch.Tensor]:
     """Model parameters and every staged state tensor (host slabs) with the step counters."""
-    from optim_staged.base import StagedOptimizerBase
-
-    out = {f"model.{n}": p.detach().float().clone() for n, p in model.named_parameters()}
-    inners = [getattr(leaf, "optimizer", leaf) for leaf in getattr(optim, "chained_optimizers", [optim])]
-    for i, inner in enumerate(x for x in inners if isinstance(x, StagedOptimizerBase)):
+    out = {f"model.{n}": p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    for i, inner in enumerate(staged_inners(optim)):
         inner.drain(release=False)
         for k, t in inner.slabs.tensors.items():
             out[f"leaf{i}.{k}"] = t.clone()
         out[f"leaf{i}.steps"] = torch.tensor([g["step"] for g in inner.param_groups])
     return out
+
+
+def staged_inners(optim) -> list:
+    """The staged optimizers inside a (nested) Megatron optimizer chain, in chain order."""
+    from optim_staged.base import StagedOptimizerBase
+
+    if isinstance(optim, StagedOptimizerBase):
+        return [optim]
+    if hasattr(optim, "chained_optimizers"):
+        return [x for leaf in optim.chained_optimizers for x in staged_inners(leaf)]
+    inner = getattr(optim, "optimizer", None)
+    return [inner] if isinstance(inner, StagedOptimizerBase) else []
 
 
 def which_state(fp: dict[str, torch.Tensor], work: Path) -> str:
