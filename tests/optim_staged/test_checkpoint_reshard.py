@@ -20,7 +20,7 @@ import torch
 from mcore_distill.testing import run_ranks
 
 
-def _build(kind: str, seed: int, *, ep: int = 1):
+def _build(kind: str, seed: int, *, ep: int = 1, residency: str = "staged"):
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.transformer.module import Float16Module
@@ -52,7 +52,7 @@ def _build(kind: str, seed: int, *, ep: int = 1):
             ddp)
     model = DDP(model.config, ddp, model, full_param_layout=layout)
     model.config.finalize_model_grads_func = finalize_model_grads
-    cfg = StagedOptimizerConfig(algorithm="muon" if kind in ("muon", "layerwise") else "adamw",
+    cfg = StagedOptimizerConfig(algorithm="muon" if kind in ("muon", "layerwise") else "adamw", residency=residency,
                                 muon=MuonConfig(lr=0.02), adamw=AdamWConfig(lr=2e-3, impl="foreach"),
                                 slots=SlotConfig(slot_numel=1 << 14, num_slots=2))
     mcfg = megatron_muon_config(cfg, [model], use_layer_wise_distributed_optimizer=True) if kind == "layerwise" else None

@@ -145,6 +145,39 @@ def test_staged_muon_moe_experts_under_ep2():
                                       results[1]["duplicated"]["gpu"]["params"][n])
 
 
+def layerwise_body(rank: int, world_size: int):
+    from mcore_distill.testing import init_megatron
+    from tests.optim_staged.ckpt_faults import staged_inners, train
+    from tests.optim_staged.test_checkpoint_reshard import _build as build_kind
+
+    init_megatron(tp=1, pp=1, seed=3)
+    out = {}
+    for residency in ("gpu", "staged"):
+        model, optim = build_kind("layerwise", 3, residency=residency)
+        train(model, optim, range(10 * rank, 10 * rank + 3))
+        out[residency] = {"params": {n: p.detach().float().cpu().numpy().copy() for n, p in model.named_parameters()},
+                          "staged": [type(x).__name__ for x in staged_inners(optim)],
+                          "leaves": [type(x).__name__ for x in optim.chained_optimizers]}
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_staged_layerwise_distributed_muon_matches_native_gloo():
+    """Megatron's layer-wise distributed Muon (bf16, whole matrices per DP rank, Adam in a
+    byte-sharded DistributedOptimizer, buffer all-gather) on 2 gloo ranks: staged == stock,
+    exactly, and the DP replicas agree."""
+    r0, r1 = run_ranks(layerwise_body, 2, timeout=240)
+    for r in (r0, r1):
+        assert r["staged"]["leaves"] == ["LayerWiseDistributedOptimizer", "StagedDistributedOptimizer"]
+        assert r["gpu"]["leaves"] == ["LayerWiseDistributedOptimizer", "DistributedOptimizer"]
+        assert "StagedMuon" in r["staged"]["staged"] and "StagedAdamW" in r["staged"]["staged"]
+        for name, ref in r["gpu"]["params"].items():
+            np.testing.assert_array_equal(r["staged"]["params"][name], ref, err_msg=name)
+    for name, ref in r0["staged"]["params"].items():
+        np.testing.assert_array_equal(r1["staged"]["params"][name], ref, err_msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.multirank
 @pytest.mark.timeout(400)
