@@ -17,6 +17,7 @@ __all__ = [
     "SlotConfig",
     "AdamWConfig",
     "MuonConfig",
+    "MemorySnapshotConfig",
     "StagedOptimizerConfig",
 ]
 
@@ -137,6 +138,28 @@ class MuonConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MemorySnapshotConfig:
+    """A CUDA caching-allocator snapshot of one whole training iteration (forward, backward,
+    optimizer step), for ``pytorch.org/memory_viz``; see :class:`optim_staged.memory.AllocatorSnapshot`."""
+
+    output_dir: str = ""
+    """Folder for ``optim_staged_alloc_step<step>_rank<rank>.pickle`` (the run's output folder);
+    empty: no snapshot."""
+    step: int = 2
+    """Training iteration to record, counted in optimizer steps from 1 (step 1 includes one-time
+    allocations such as slots; step 2 is the steady state)."""
+    max_entries: int = 100_000
+    """Allocator events kept (``torch.cuda.memory._record_memory_history(max_entries=...)``)."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.output_dir, str), "MemorySnapshotConfig.output_dir", self.output_dir, "must be a str")
+        _check(isinstance(self.step, int) and self.step >= 1, "MemorySnapshotConfig.step", self.step,
+               "must be an int >= 1")
+        _check(isinstance(self.max_entries, int) and self.max_entries >= 1, "MemorySnapshotConfig.max_entries",
+               self.max_entries, "must be an int >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
 class StagedOptimizerConfig:
     """Top-level config: which algorithm, where its state lives, and how it streams."""
 
@@ -156,6 +179,8 @@ class StagedOptimizerConfig:
     """Muon hyper-parameters (used when ``algorithm='muon'``)."""
     clip_grad: float = 1.0
     """Global grad-norm clip passed to Megatron (0 disables)."""
+    memory_snapshot: MemorySnapshotConfig = field(default_factory=MemorySnapshotConfig)
+    """CUDA allocator snapshot of one training iteration (off unless ``output_dir`` is set)."""
 
     def __post_init__(self) -> None:
         _check(self.algorithm in ("adamw", "muon"), "algorithm", self.algorithm, "one of adamw|muon")

@@ -189,12 +189,27 @@ def get_staged_optimizer(config: StagedOptimizerConfig, model_chunks: list[Any],
         pg_collection: explicit process groups, passed to ``get_megatron_optimizer``.
 
     Returns the Megatron optimizer (``ChainedOptimizer`` of :class:`StagedDistributedOptimizer`
-    leaves). ``residency='gpu'`` returns the stock Megatron optimizer unchanged.
+    leaves). ``residency='gpu'`` returns the stock Megatron optimizer unchanged. With
+    ``config.memory_snapshot.output_dir`` set, a CUDA allocator snapshot of training iteration
+    ``config.memory_snapshot.step`` is written there (:class:`optim_staged.memory.AllocatorSnapshot`).
     """
     if config.algorithm == "muon":
-        return _get_staged_muon(config, model_chunks, megatron_config=megatron_config,
+        opt = _get_staged_muon(config, model_chunks, megatron_config=megatron_config,
+                               config_overrides=config_overrides, pg_collection=pg_collection,
+                               use_gloo_process_groups=use_gloo_process_groups)
+    else:
+        opt = _get_staged_adamw(config, model_chunks, megatron_config=megatron_config,
                                 config_overrides=config_overrides, pg_collection=pg_collection,
                                 use_gloo_process_groups=use_gloo_process_groups)
+    if config.memory_snapshot.output_dir:
+        from optim_staged.memory import AllocatorSnapshot
+
+        opt.memory_snapshot = AllocatorSnapshot(config.memory_snapshot).attach(opt)
+    return opt
+
+
+def _get_staged_adamw(config: StagedOptimizerConfig, model_chunks: list[Any], *, megatron_config, config_overrides,
+                      pg_collection, use_gloo_process_groups):
     mcfg = megatron_config or megatron_optimizer_config(config, model_chunks)
     _check_supported(mcfg, model_chunks)
     opt = get_megatron_optimizer(mcfg, model_chunks, config_overrides=config_overrides,
