@@ -17,7 +17,7 @@ from optim_staged.base import StagedOptimizerBase, grad_of
 from optim_staged.config import AdamWConfig, SlotConfig
 from optim_staged.flat import read_flat_range, write_flat_range
 from optim_staged.slabs import Piece, Unit, build_units
-from optim_staged.update import adamw_update_
+from optim_staged.update import adamw_update_, choose_adamw_impl
 
 __all__ = ["StagedAdamW"]
 
@@ -32,7 +32,10 @@ class StagedAdamW(StagedOptimizerBase):
         slots: slot size/count and pinning (:class:`~optim_staged.config.SlotConfig`).
         staged_fraction: fraction of elements (parameter order) whose state is staged; the rest
             stays on the parameters' device.
-        impl: ``auto`` | ``fused`` | ``foreach`` update kernel.
+        impl: ``auto`` | ``fused`` | ``foreach`` update kernel; ``auto`` chooses per unit by its
+            number of slices (:func:`~optim_staged.update.choose_adamw_impl`).
+        fused_max_slices: with ``auto``, most slices per unit for the fused kernel (None: the
+            measured default of the device).
 
     ``state[p]`` holds ``master_param``, ``exp_avg``, ``exp_avg_sq`` (fp32 views of the slabs).
     """
@@ -41,11 +44,13 @@ class StagedAdamW(StagedOptimizerBase):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, slots: SlotConfig | None = None,
-                 staged_fraction: float = 1.0, impl: str = "auto",
+                 staged_fraction: float = 1.0, impl: str = "auto", fused_max_slices: int | None = None,
                  device: torch.device | str | None = None) -> None:
-        AdamWConfig(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, impl=impl)  # validates
+        AdamWConfig(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, impl=impl,
+                    fused_max_slices=fused_max_slices)  # validates
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.impl = impl
+        self.fused_max_slices = fused_max_slices
         super().__init__(params, defaults, slots=slots, staged_fraction=staged_fraction, device=device)
         self._step_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -53,7 +58,7 @@ class StagedAdamW(StagedOptimizerBase):
     def from_config(cls, params: Iterable[Any], cfg: AdamWConfig, *, slots: SlotConfig | None = None,
                     staged_fraction: float = 1.0) -> StagedAdamW:
         return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                   slots=slots, staged_fraction=staged_fraction, impl=cfg.impl)
+                   slots=slots, staged_fraction=staged_fraction, impl=cfg.impl, fused_max_slices=cfg.fused_max_slices)
 
     def _units(self, entries, *, whole: bool = False) -> list[Unit]:
         if not entries:
@@ -105,6 +110,13 @@ class StagedAdamW(StagedOptimizerBase):
         beta1, beta2 = g["betas"]
         adamw_update_(masters, grads, ms, vs, step=self._step_tensors[(unit.group, self.compute_device)],
                       lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
-                      weight_decay=g["weight_decay"], impl=self.impl, step_value=g["step"])
+                      weight_decay=g["weight_decay"], impl=self._unit_impl(len(live), masters[0]),
+                      step_value=g["step"])
         for pc, m in zip(live, masters):
             write_flat_range(params[pc.param_index].detach(), pc.p_start, m)  # view(-1) when contiguous
+
+    def _unit_impl(self, num_slices: int, sample: torch.Tensor) -> str:
+        """The AdamW kernel for one unit: ``impl``, or with ``auto`` the per-unit choice by slice count."""
+        if self.impl != "auto":
+            return self.impl
+        return choose_adamw_impl(num_slices, sample, self.fused_max_slices)

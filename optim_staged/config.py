@@ -87,8 +87,11 @@ class AdamWConfig:
     weight_decay: float = 0.01
     """Decoupled weight decay: p <- p * (1 - lr * wd)."""
     impl: str = "auto"
-    """Update kernel: PyTorch's fused AdamW, its foreach ops, or ``auto`` (fused where the device
-    supports it for the dtype, else foreach)."""
+    """Update kernel: PyTorch's fused AdamW, its foreach ops, or ``auto`` (chosen per unit: fused
+    where the device supports it and the unit has at most ``fused_max_slices`` slices, else foreach)."""
+    fused_max_slices: int | None = None
+    """With ``impl='auto'``: most parameter slices per unit for the fused kernel; None: the measured
+    default of the device (``optim_staged.update.FUSED_MAX_SLICES``)."""
 
     def __post_init__(self) -> None:
         _check(self.lr >= 0.0, "lr", self.lr, "must be >= 0")
@@ -97,6 +100,8 @@ class AdamWConfig:
         _check(self.eps > 0.0, "eps", self.eps, "must be > 0")
         _check(self.weight_decay >= 0.0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.impl in ("auto", "fused", "foreach"), "impl", self.impl, "one of auto|fused|foreach")
+        _check(self.fused_max_slices is None or (isinstance(self.fused_max_slices, int) and self.fused_max_slices >= 1),
+               "fused_max_slices", self.fused_max_slices, "must be None or an int >= 1")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -150,7 +150,8 @@ def _restage(leaf: DistributedOptimizer, cfg: StagedOptimizerConfig) -> Distribu
         groups.append({**{k: v for k, v in orig.items() if k != "params"}, "params": params})
     a = cfg.adamw
     inner = StagedAdamW(groups, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,
-                        slots=cfg.slots, staged_fraction=cfg.staged_fraction, impl=a.impl)
+                        slots=cfg.slots, staged_fraction=cfg.staged_fraction, impl=a.impl,
+                        fused_max_slices=a.fused_max_slices)
     # Precision-aware flags on a copy: OptimizerConfig's own check only looks for TE FusedAdam.
     pa = copy.copy(leaf.config)
     pa.use_precision_aware_optimizer = True
@@ -268,7 +269,7 @@ def _get_staged_muon(config: StagedOptimizerConfig, model_chunks: list[Any], *, 
             g0 = inner.param_groups[0]
             twin = StagedAdamW([dict(g) for g in inner.param_groups], lr=g0["lr"], betas=g0["betas"],
                                eps=g0["eps"], weight_decay=g0["weight_decay"], slots=config.slots,
-                               impl=config.adamw.impl)
+                               impl=config.adamw.impl, fused_max_slices=config.adamw.fused_max_slices)
         else:
             raise UnsupportedMegatronConfigError(
                 f"Muon chain leaf optimizer {type(inner).__name__} cannot be staged "

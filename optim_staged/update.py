@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["adamw_update_", "fused_supported", "muon_apply_", "muon_momentum_", "muon_update_"]
+__all__ = ["FUSED_MAX_SLICES", "adamw_update_", "choose_adamw_impl", "fused_supported", "muon_apply_", "muon_momentum_",
+           "muon_update_"]
 
 
 def fused_supported(t: torch.Tensor) -> bool:
@@ -36,6 +37,25 @@ def fused_supported(t: torch.Tensor) -> bool:
     if t.device.type == "cpu":
         return t.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     return False
+
+
+FUSED_MAX_SLICES: dict[str, int | None] = {"cpu": None, "cuda": None}
+"""Per device type, the most slices (parameter pieces) a unit may have for ``impl='auto'`` to run
+the fused kernel; a unit with more runs the foreach kernels. None: fused at every slice count.
+From ``bench/optim_staged_kernels.py`` (one unit of N elements split into k equal slices, fused vs
+foreach, min of interleaved runs; docs/optim_staged.md "Kernel choice"): on CPU (torch 2.11,
+1 Mi elements, 1 thread, 2026-12-01) fused is faster at every k from 1 to 4096, so no limit. On
+CUDA no crossover has been measured yet: fused at every k until the GPU-lane run gives one."""
+
+
+def choose_adamw_impl(num_slices: int, sample: torch.Tensor, fused_max_slices: int | None = None) -> str:
+    """``fused`` or ``foreach`` for one unit of ``num_slices`` pieces like ``sample``: fused where
+    the device supports it and ``num_slices`` is at most ``fused_max_slices`` (None: the measured
+    :data:`FUSED_MAX_SLICES` of the device)."""
+    if not fused_supported(sample):
+        return "foreach"
+    limit = FUSED_MAX_SLICES.get(sample.device.type) if fused_max_slices is None else fused_max_slices
+    return "fused" if limit is None or num_slices <= limit else "foreach"
 
 
 @torch.no_grad()
