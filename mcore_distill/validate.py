@@ -155,8 +155,9 @@ def validate_fields(obj: Any, *, error: type[Exception] = ConfigError,
     Raises ``type_error`` (default ``error``) for a value of the wrong type and ``error`` for NaN,
     a disallowed infinity or a str that names no member of an ``Enum`` field; the message starts
     with ``Class.field``. A str given for an ``Enum`` field is replaced by the member.
-    ``allow_inf`` lists float fields where ``±inf`` means "no limit"; ``skip`` lists fields
-    checked elsewhere.
+    ``allow_inf`` lists float fields where ``±inf`` means "no limit" (a field can also say so
+    itself with ``field(..., metadata={"allow_inf": True})``); ``skip`` lists fields checked
+    elsewhere.
     """
     cls = type(obj)
     hints = _hints(cls)
@@ -166,7 +167,8 @@ def validate_fields(obj: Any, *, error: type[Exception] = ConfigError,
             continue
         value = getattr(obj, f.name)
         try:
-            checked = _check(value, hints.get(f.name, Any), f.name in allow)
+            checked = _check(value, hints.get(f.name, Any),
+                             f.name in allow or bool(f.metadata.get("allow_inf")))
         except _Mismatch as e:
             exc = (type_error or error) if e.is_type else error
             raise exc(f"{cls.__name__}.{f.name} must be {e}") from None

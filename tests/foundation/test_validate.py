@@ -37,6 +37,7 @@ class Outer:
     inner: Inner = field(default_factory=Inner)
     ids: list[int] = field(default_factory=list)
     table: dict[str, float] = field(default_factory=dict)
+    limit: float = field(default=1.0, metadata={"allow_inf": True})
 
     def __post_init__(self):
         validate_fields(self, type_error=ConfigTypeError, allow_inf=("cap",))
@@ -71,6 +72,9 @@ def test_bad_fields_raise_typed_errors_naming_the_field(kw, cls, needle):
 
 def test_allow_inf_and_nested():
     assert Outer(cap=-math.inf).cap == -math.inf
+    assert Outer(limit=math.inf).limit == math.inf
+    with pytest.raises(ConfigError, match="Outer.limit"):
+        Outer(limit=math.nan)
     with pytest.raises(ConfigTypeError, match="Inner.k"):
         Inner(k="1")
 
