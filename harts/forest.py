@@ -31,16 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.errors import EmptySequenceError, TokenOutOfRangeError  # noqa: F401 (re-exported)
+
 __all__ = ["Forest", "build_forest", "build_chain_forest", "as_token_lists", "EmptySequenceError",
            "TokenOutOfRangeError", "lexicographic_order"]
 
 
-class EmptySequenceError(ValueError):
-    """A sequence has no tokens."""
-
-
-class TokenOutOfRangeError(ValueError):
-    """A token id is negative or not below the vocabulary size."""
 
 
 def as_token_lists(seqs: Sequence, *, vocab_size: int | None = None) -> list[np.ndarray]:

@@ -34,6 +34,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from harts.attention import Backend, build_block_mask, build_varlen_plan, tree_attention
 from harts.config import HeadConfig
+from harts.errors import TreeIncompatibleError  # noqa: F401 (re-exported)
 from harts.forest import Forest, TokenOutOfRangeError
 from harts.lm_head import HeadEdges, TreeHeadOutput, head_edges, tree_lm_head
 from harts.varlen import VarlenMode
@@ -41,9 +42,6 @@ from harts.varlen import VarlenMode
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
            "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward"]
 
-
-class TreeIncompatibleError(ValueError):
-    """The model configuration cannot run tree-packed batches exactly."""
 
 
 @dataclass

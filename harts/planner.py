@@ -18,18 +18,13 @@ import numpy as np
 import torch
 
 from harts.config import CostModelConfig, PlannerConfig
+from harts.errors import CapacityError, PlanError  # noqa: F401 (re-exported)
 from harts.forest import Forest, _lcp, as_token_lists, build_chain_forest, build_forest, lexicographic_order
 
 __all__ = ["CapacityError", "PlanError", "SharingStats", "sharing_stats", "Microbatch", "StepPlan", "plan_step",
            "fit_cost_model"]
 
 
-class CapacityError(ValueError):
-    """A single sequence does not fit into ``token_cap``."""
-
-
-class PlanError(ValueError):
-    """No plan satisfies the constraints (e.g. fewer sequences than DP ranks)."""
 
 
 @dataclass(frozen=True, slots=True)
