@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harts.errors import HartsConfigError, HartsConfigTypeError
+from mcore_distill.validate import validate_fields
+
 __all__ = ["HartsConfigError", "CostModelConfig", "PlannerConfig", "HeadConfig"]
 
 
-class HartsConfigError(ValueError):
-    """An invalid harts configuration value (the message names the field and the value)."""
+def _validate(obj: object) -> None:
+    validate_fields(obj, error=HartsConfigError, type_error=HartsConfigTypeError)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,6 +31,7 @@ class CostModelConfig:
     """Cost per attended (query, key) pair; 0 models token-linear-dominant shapes."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         for name in ("c0", "c_token", "c_attn"):
             v = getattr(self, name)
             if v < 0:
@@ -56,6 +60,7 @@ class PlannerConfig:
     """Cost model used to balance ranks."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if self.token_cap < 1:
             raise HartsConfigError(f"PlannerConfig.token_cap must be >= 1, got {self.token_cap}")
         if self.align < 1 or self.token_cap % self.align:
@@ -83,6 +88,7 @@ class HeadConfig:
     """Make the returned entropy differentiable (entropy bonus)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if self.backend not in ("flex", "varlen", "dense"):
             raise HartsConfigError(f"HeadConfig.backend must be 'flex', 'varlen' or 'dense', got {self.backend!r}")
         if self.chunk_size < 1:

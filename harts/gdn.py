@@ -37,19 +37,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.errors import GdnConfigError, GdnShapeError, HartsConfigTypeError
 from harts.forest import Forest
 from harts.gdn_reference import chunk_gated_delta_rule_reference
+from mcore_distill.validate import validate_fields
 
 __all__ = ["GdnConfigError", "GdnShapeError", "GdnTreeConfig", "GdnRound", "GdnPlan", "ancestor_table",
            "build_gdn_plan", "resolve_backend", "tree_causal_conv1d", "tree_causal_conv1d_fla", "tree_gated_delta_rule", "chain_rounds"]
 
 
-class GdnConfigError(ValueError):
-    """An invalid Gated DeltaNet tree option (the message names the field and the value)."""
-
-
-class GdnShapeError(ValueError):
-    """Tensors do not match each other or the plan (the message names the shapes)."""
 
 
 _CHUNK_SIZES = (16, 32, 64)
@@ -81,6 +77,7 @@ class GdnTreeConfig:
     (fewer rounds on deep trees), fork states inside a chain are recomputed by state-only pieces."""
 
     def __post_init__(self) -> None:
+        validate_fields(self, error=GdnConfigError, type_error=HartsConfigTypeError)
         if self.chunk_size not in _CHUNK_SIZES:
             raise GdnConfigError(f"GdnTreeConfig.chunk_size must be one of {_CHUNK_SIZES}, got {self.chunk_size}")
         if self.backend not in _BACKENDS:

@@ -6,7 +6,18 @@ validates and raises :class:`StagedConfigError` naming the field and the value.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+from mcore_distill.validate import validate_fields
+from optim_staged.errors import (
+    CheckpointLayoutError,
+    HostMemoryError,
+    SlotTooSmallError,
+    StagedConfigError,
+    StagedConfigTypeError,
+    UnsupportedMegatronConfigError,
+)
 
 __all__ = [
     "StagedConfigError",
@@ -18,27 +29,71 @@ __all__ = [
     "AdamWConfig",
     "MuonConfig",
     "StagedOptimizerConfig",
+    "AdamWImpl",
+    "MuonTPMode",
+    "NSCoefficients",
+    "MuonScaleMode",
+    "MatmulPrecision",
+    "Algorithm",
+    "Residency",
 ]
 
 
-class StagedConfigError(ValueError):
-    """A configuration field has an invalid value (the message names the field and value)."""
+class AdamWImpl(enum.StrEnum):
+    """AdamW update kernel."""
+
+    auto = "auto"
+    fused = "fused"
+    foreach = "foreach"
 
 
-class HostMemoryError(MemoryError):
-    """Host RAM is too small for the pinned slabs (the message gives bytes needed and available)."""
+class MuonTPMode(enum.StrEnum):
+    """How a TP-sharded matrix is orthogonalized (Megatron ``TensorParallelMuon`` modes)."""
+
+    duplicated = "duplicated"
+    distributed = "distributed"
+    blockwise = "blockwise"
 
 
-class SlotTooSmallError(ValueError):
-    """A whole-matrix unit (Muon) does not fit one transfer slot."""
+class NSCoefficients(enum.StrEnum):
+    """Newton-Schulz coefficient sets of emerging-optimizers (``coefficient_type``)."""
+
+    simple = "simple"
+    quintic = "quintic"
+    polar_express = "polar_express"
+    cans = "cans"
+    aol = "aol"
+    deepseekv4 = "deepseekv4"
 
 
-class CheckpointLayoutError(ValueError):
-    """A checkpoint does not match this optimizer's layout (shapes, keys, TP/PP sizes)."""
+class MuonScaleMode(enum.StrEnum):
+    """Scale of the orthogonalized update (emerging-optimizers ``scale_mode``)."""
+
+    spectral = "spectral"
+    shape_scaling = "shape_scaling"
+    unit_rms_norm = "unit_rms_norm"
 
 
-class UnsupportedMegatronConfigError(ValueError):
-    """The Megatron ``OptimizerConfig`` / DDP config asks for something staging cannot do."""
+class MatmulPrecision(enum.StrEnum):
+    """``torch.set_float32_matmul_precision`` values."""
+
+    highest = "highest"
+    high = "high"
+    medium = "medium"
+
+
+class Algorithm(enum.StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class Residency(enum.StrEnum):
+    gpu = "gpu"
+    staged = "staged"
+
+
+def _validate(obj: object) -> None:
+    validate_fields(obj, error=StagedConfigError, type_error=StagedConfigTypeError)
 
 
 def _check(cond: bool, name: str, value: object, need: str) -> None:
@@ -67,6 +122,7 @@ class SlotConfig:
     """Fraction of currently available host RAM the slabs may use; more raises HostMemoryError."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _check(self.slot_numel >= 1024, "slot_numel", self.slot_numel, "must be >= 1024 elements")
         _check(1 <= self.num_slots <= 16, "num_slots", self.num_slots, "must be in [1, 16]")
         _check(0.0 < self.host_memory_margin <= 1.0, "host_memory_margin", self.host_memory_margin,
@@ -85,17 +141,17 @@ class AdamWConfig:
     """Added to sqrt(v_hat)."""
     weight_decay: float = 0.01
     """Decoupled weight decay: p <- p * (1 - lr * wd)."""
-    impl: str = "auto"
+    impl: AdamWImpl = AdamWImpl.auto
     """Update kernel: PyTorch's fused AdamW, its foreach ops, or ``auto`` (fused where the device
     supports it for the dtype, else foreach)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _check(self.lr >= 0.0, "lr", self.lr, "must be >= 0")
         b1, b2 = self.betas
         _check(0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0, "betas", self.betas, "both must be in [0, 1)")
         _check(self.eps > 0.0, "eps", self.eps, "must be > 0")
         _check(self.weight_decay >= 0.0, "weight_decay", self.weight_decay, "must be >= 0")
-        _check(self.impl in ("auto", "fused", "foreach"), "impl", self.impl, "one of auto|fused|foreach")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -112,37 +168,38 @@ class MuonConfig:
     """Decoupled: p <- p - lr * wd * p."""
     num_ns_steps: int = 5
     """Newton-Schulz iterations."""
-    coefficient_type: str = "quintic"
+    coefficient_type: NSCoefficients = NSCoefficients.quintic
     """Newton-Schulz coefficients (emerging-optimizers ``coefficient_type``)."""
-    scale_mode: str = "spectral"
+    scale_mode: MuonScaleMode = MuonScaleMode.spectral
     """Update scale (``spectral``, ``shape_scaling``, ``unit_rms_norm``) on the full matrix shape."""
     extra_scale_factor: float = 1.0
     """Extra multiplier on the orthogonalized update."""
-    fp32_matmul_prec: str = "medium"
+    fp32_matmul_prec: MatmulPrecision = MatmulPrecision.medium
     """``torch`` float32 matmul precision inside Newton-Schulz."""
     split_qkv: bool = True
     """Orthogonalize Q, K, V parts of a fused QKV weight separately."""
-    tp_mode: str = "duplicated"
+    tp_mode: MuonTPMode = MuonTPMode.duplicated
     """How a TP-sharded matrix is orthogonalized (see docs/optim_staged.md)."""
     scalar_lr: float | None = None
     """AdamW learning rate for non-matrix parameters (None: ``lr``)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _check(self.lr >= 0.0, "lr", self.lr, "must be >= 0")
         _check(0.0 <= self.momentum < 1.0, "momentum", self.momentum, "must be in [0, 1)")
         _check(self.weight_decay >= 0.0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.num_ns_steps >= 1, "num_ns_steps", self.num_ns_steps, "must be >= 1")
-        _check(self.tp_mode in ("duplicated", "distributed", "blockwise"), "tp_mode", self.tp_mode,
-               "one of duplicated|distributed|blockwise")
+        _check(self.extra_scale_factor > 0.0, "extra_scale_factor", self.extra_scale_factor, "must be > 0")
+        _check(self.scalar_lr is None or self.scalar_lr >= 0.0, "scalar_lr", self.scalar_lr, "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
 class StagedOptimizerConfig:
     """Top-level config: which algorithm, where its state lives, and how it streams."""
 
-    algorithm: str = "adamw"
+    algorithm: Algorithm = Algorithm.adamw
     """``adamw`` | ``muon`` (Muon uses AdamW for embeddings, norms and other non-matrix params)."""
-    residency: str = "staged"
+    residency: Residency = Residency.staged
     """``gpu`` | ``staged``. ``gpu``: state lives on the accelerator (plain Megatron optimizer). ``staged``: state lives in
     host slabs and streams through slots."""
     staged_fraction: float = 1.0
@@ -158,8 +215,7 @@ class StagedOptimizerConfig:
     """Global grad-norm clip passed to Megatron (0 disables)."""
 
     def __post_init__(self) -> None:
-        _check(self.algorithm in ("adamw", "muon"), "algorithm", self.algorithm, "one of adamw|muon")
-        _check(self.residency in ("gpu", "staged"), "residency", self.residency, "one of gpu|staged")
+        _validate(self)
         _check(0.0 <= self.staged_fraction <= 1.0, "staged_fraction", self.staged_fraction,
                "must be in [0, 1]")
         _check(self.clip_grad >= 0.0, "clip_grad", self.clip_grad, "must be >= 0")

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from shared_teacher.errors import SourceConfigError
+from mcore_distill.validate import validate_fields
+from shared_teacher.errors import SourceConfigError, SourceConfigTypeError
 
 __all__ = ["SIGNALS", "CompatKey", "NodeLimits", "StudentSpec", "SourceConfig"]
 
 SIGNALS = ("logprobs", "topk", "hidden")
 """Teacher signals a source can capture: sampled-token log-probs, top-k log-probs, hidden taps."""
+
+
+def _validate(obj: object) -> None:
+    validate_fields(obj, error=SourceConfigError, type_error=SourceConfigTypeError)
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -67,6 +72,7 @@ class CompatKey:
     _SUBSET_FIELDS = ("signals", "hidden_taps")
 
     def __post_init__(self) -> None:
+        _validate(self)
         bad = [s for s in self.signals if s not in SIGNALS]
         if bad:
             raise SourceConfigError(f"CompatKey.signals has unknown entries {bad}; choose from {list(SIGNALS)}")
@@ -123,6 +129,7 @@ class NodeLimits:
     """Hard cap on in-flight bytes (0: none). Never pauses admission below one dispatch quantum."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _positive(self, "high_samples")
         _non_negative(self, "low_samples", "high_tokens", "low_tokens", "byte_cap")
         if self.low_samples > self.high_samples:
@@ -157,6 +164,7 @@ class StudentSpec:
     """Token budget of one packed micro-batch (packed students only)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise SourceConfigError(f"StudentSpec.name must be non-empty [A-Za-z0-9-_.], got {self.name!r}")
         _positive(self, "micro_batch_size", "accumulation_steps")
@@ -220,6 +228,7 @@ class SourceConfig:
     """Folder for per-student ledgers and watchdog dumps ('' → no files)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _positive(self, "dataset_size", "num_epochs", "max_sample_bytes", "max_seq_len", "min_seq_len")
         _non_negative(self, "lag_cap_samples")
         if self.min_seq_len > self.max_seq_len:

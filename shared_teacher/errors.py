@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from mcore_distill import errors as _base
+
 __all__ = [
     "SharedTeacherError",
     "SourceConfigError",
+    "SourceConfigTypeError",
     "AdmissionConfigError",
     "CrossNodeSkewError",
     "IncompatibleSubscriptionError",
@@ -17,12 +20,16 @@ __all__ = [
 ]
 
 
-class SharedTeacherError(RuntimeError):
+class SharedTeacherError(_base.McoreDistillError, RuntimeError):
     """Base class of every error raised by :mod:`shared_teacher`."""
 
 
-class SourceConfigError(SharedTeacherError, ValueError):
+class SourceConfigError(SharedTeacherError, _base.ConfigError):
     """A config field has an invalid value (the message names the field and the value)."""
+
+
+class SourceConfigTypeError(SourceConfigError, _base.ConfigTypeError):
+    """A config field has a value of the wrong type (the message names the field and the value)."""
 
 
 class AdmissionConfigError(SourceConfigError):

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mcore_distill.errors import ConfigError, ConfigTypeError
+from mcore_distill.validate import validate_fields
+
 __all__ = ["ArchConfig", "WorkloadConfig", "RunConfig", "TrainConfig", "TrainConfigError", "to_train_config"]
 
 _DTYPES = ("float32", "bfloat16", "float64")
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(ConfigError):
     """A field of the runner config holds an invalid value (the message names field and value)."""
+
+
+class TrainConfigTypeError(TrainConfigError, ConfigTypeError):
+    """A config field holds a value of the wrong type (the message names the field and the value)."""
+
+
+def _fields(obj: object) -> None:
+    validate_fields(obj, error=TrainConfigError, type_error=TrainConfigTypeError)
 
 
 def _check(ok: bool, name: str, value, why: str) -> None:
@@ -72,6 +83,9 @@ class ArchConfig:
     recompute: bool = False
     """Full activation recomputation of every layer."""
 
+    def __post_init__(self) -> None:
+        _fields(self)
+
     def validate(self, name: str = "model") -> None:
         for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                   "ffn_hidden_size", "max_sequence_length", "moe_router_topk"):
@@ -120,6 +134,9 @@ class WorkloadConfig:
     agent_p_error: float = 0.2
     """``agent``: probability that the scripted policy takes a wrong action at a step."""
 
+    def __post_init__(self) -> None:
+        _fields(self)
+
     def validate(self, name: str = "workload") -> None:
         _check(self.kind in ("grpo", "agent"), f"{name}.kind", self.kind, "one of grpo|agent")
         _check(0.0 <= self.agent_p_error <= 1.0, f"{name}.agent_p_error", self.agent_p_error, "must be in [0, 1]")
@@ -158,6 +175,9 @@ class RunConfig:
     memory_margin: float = 0.9
     """Refuse to start when the estimated resident bytes exceed this share of free device memory."""
 
+    def __post_init__(self) -> None:
+        _fields(self)
+
     def validate(self, name: str = "run") -> None:
         _check(self.steps >= 1, f"{name}.steps", self.steps, "must be >= 1")
         _check(self.lr > 0, f"{name}.lr", self.lr, "must be > 0")
@@ -184,6 +204,9 @@ class TrainConfig:
     """Steps and execution."""
     out_json: str | None = None
     """Write the results as JSON here (null: print only)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
 
     def validate(self) -> None:
         self.model.validate("model")
