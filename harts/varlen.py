@@ -119,18 +119,28 @@ def _cu(lens: np.ndarray, dev) -> torch.Tensor:
 
 
 def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
-                      mode: VarlenMode = "auto", save_gathered_kv: bool = False) -> VarlenPlan:
+                      mode: VarlenMode = "auto", save_gathered_kv: bool = False, context_rows: int = 0) -> VarlenPlan:
     """:class:`VarlenPlan` of a pre-order forest's segments (``keys(s) = rows(ancestors) ++ rows(s)``),
     built on the host once per microbatch. ``mode``: ``"gather"``, ``"levels"`` or ``"auto"``
-    (= ``"gather"``, see the module docstring); ``save_gathered_kv``: see :class:`VarlenPlan`."""
+    (= ``"gather"``, see the module docstring); ``save_gathered_kv``: see :class:`VarlenPlan`.
+
+    ``context_rows = c > 0``: the keys and values passed to the attention hold ``c`` context rows
+    first (a shared prefix computed in another microbatch, :func:`harts.megatron.tree_shared_step`),
+    then the forest's rows; the context is a chain above every root segment, so each segment's
+    keys are ``context ++ rows(ancestors) ++ rows(s)`` while queries are the forest's rows only.
+    Gather plan only; ``kv_index`` and the copy CSR then index the ``c + T`` key rows."""
     if mode not in ("auto", "gather", "levels"):
         raise ValueError(f"mode must be 'auto', 'gather' or 'levels', got {mode!r}")
+    if context_rows < 0 or (context_rows and mode == "levels"):
+        raise ValueError(f"context_rows={context_rows} needs >= 0 and the gather plan (mode={mode!r})")
     so = seg_offsets.cpu().numpy().astype(np.int64)
     sp = seg_parent.cpu().numpy().astype(np.int64)
     dev = seg_offsets.device
     lens = np.diff(so)
     cu = seg_offsets.to(torch.int32)
     mq = int(lens.max())
+    if context_rows:
+        return _context_gather_plan(so, sp, context_rows, cu, mq, dev, save_gathered_kv)
     if (sp < 0).all():  # no sharing: exactly the THD varlen call, without gathers
         return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq)
     n = sp.size
@@ -171,6 +181,28 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
             cu_q=_cu(qe - qs, dev), cu_k=_cu(ke - ks, dev), max_q=int((qe - qs).max()), max_k=int((ke - ks).max())))
     return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq, mode="levels", levels=tuple(levels),
                       gathered_rows=int(below.sum()))
+
+
+def _context_gather_plan(so: np.ndarray, sp: np.ndarray, c: int, cu: torch.Tensor, mq: int, dev,
+                         save_gathered_kv: bool) -> VarlenPlan:
+    """Gather plan of a forest below ``c`` context rows (key rows ``0..c-1``; forest row ``r`` is key
+    row ``c + r``): the plan of the forest with one more root segment, the context, above every
+    root, without the context's own queries."""
+    n, t = sp.size, int(so[-1])
+    path_len = np.diff(so) + c  # every segment's keys start with the whole context
+    keys = []
+    ctx = np.arange(c, dtype=np.int64)
+    for s in range(n):  # pre-order: a parent precedes its children
+        own = np.arange(so[s] + c, so[s + 1] + c, dtype=np.int64)
+        keys.append(np.concatenate([ctx if sp[s] < 0 else keys[sp[s]], own]))
+        if sp[s] >= 0:
+            path_len[s] += path_len[sp[s]] - c
+    kv = np.concatenate(keys)
+    return VarlenPlan(cu_q=cu, cu_k=_cu(path_len, dev), kv_index=torch.as_tensor(kv, device=dev), max_q=mq,
+                      max_k=int(path_len.max()), mode="gather", gathered_rows=int(path_len.sum()) - t,
+                      copy_ptr=_cu(np.bincount(kv, minlength=t + c), dev),
+                      copy_pos=torch.as_tensor(np.argsort(kv, kind="stable"), device=dev),
+                      save_gathered_kv=save_gathered_kv)
 
 
 # ---- kernels: FlashAttention-2 varlen on CUDA, plain torch (same math) elsewhere --------------
@@ -454,8 +486,9 @@ class _LevelsAttention(torch.autograd.Function):
 
 def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: VarlenPlan,
                           scale: float) -> torch.Tensor:
-    """Tree attention on a :class:`VarlenPlan`. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` →
-    ``[T, Hq, D]``. CUDA needs bf16/fp16 (FlashAttention-2); CPU runs the same plan in plain torch."""
+    """Tree attention on a :class:`VarlenPlan`. ``q [T, Hq, D]``, ``k, v [c + T, Hkv, D]`` (``c`` context
+    rows first, see ``build_varlen_plan(context_rows=c)``; usually ``c = 0``) → ``[T, Hq, D]``. CUDA
+    needs bf16/fp16 (FlashAttention-2); CPU runs the same plan in plain torch."""
     if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"varlen tree attention on CUDA needs bf16 or fp16 inputs, got {q.dtype}; use backend='flex'")
     if plan.mode == "levels":
