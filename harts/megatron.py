@@ -29,6 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -38,6 +39,7 @@ from harts.config import HeadConfig
 from harts.forest import Forest, TokenOutOfRangeError
 from harts.lm_head import HeadEdges, TreeHeadOutput, head_edges, tree_lm_head
 from harts.prefix import SharedPrefixBatch
+from harts.upload import upload
 from harts.varlen import VarlenMode
 
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
@@ -270,15 +272,32 @@ def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: i
     if context_rows and backend != "varlen":
         raise TreeIncompatibleError(f"context_rows={context_rows} (a shared-prefix part) needs backend='varlen', "
                                     f"got {backend!r}")
+    h = forest.host
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
-    vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent, mode=varlen_mode, save_gathered_kv=save_gathered_kv,
-                           context_rows=context_rows) if backend == "varlen" else None
-    host = torch.stack([forest.depth.max(), forest.tokens.max()]).tolist()  # one device-to-host copy
-    rope_len = host[0] + 1  # the RoPE table only needs positions 0..max depth
+    vp = build_varlen_plan(*((h["seg_offsets"], h["seg_parent"]) if h else (forest.seg_offsets, forest.seg_parent)),
+                           mode=varlen_mode, save_gathered_kv=save_gathered_kv, context_rows=context_rows,
+                           device=forest.tokens.device) if backend == "varlen" else None
+    if h is not None:  # host copies: no device-to-host synchronization at all
+        top = [int(h["depth"].max()), int(h["tokens"].max())]
+        edges = _head_edges_host(forest.tokens, h["parent"])
+    else:
+        top = torch.stack([forest.depth.max(), forest.tokens.max()]).tolist()  # one device-to-host copy
+        edges = head_edges(forest.tokens, forest.parent)
+    rope_len = top[0] + 1  # the RoPE table only needs positions 0..max depth
     return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
-                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len,
-                               head_edges=head_edges(forest.tokens, forest.parent), max_token=host[1],
-                               context_rows=context_rows)
+                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len, head_edges=edges,
+                               max_token=top[1], context_rows=context_rows)
+
+
+def _head_edges_host(tokens: torch.Tensor, parent: np.ndarray) -> HeadEdges:
+    """:func:`harts.lm_head.head_edges` from the host copy of ``parent`` (the same edges and
+    offsets, uploaded in one non-blocking copy; the tokens are gathered on their device)."""
+    child = np.flatnonzero(parent >= 0)
+    child = child[np.argsort(parent[child], kind="stable")]
+    e_parent = parent[child]
+    off = np.searchsorted(e_parent, np.arange(parent.size + 1))
+    child_d, parent_d = upload([child, e_parent], tokens.device)
+    return HeadEdges(child=child_d, parent=parent_d, token=tokens.index_select(0, child_d), offsets=tuple(off.tolist()))
 
 
 def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, temperature: float,

@@ -26,7 +26,6 @@ Each sequence's per-position vectors (log-probs of positions ``1..L−1``, entro
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,8 +121,7 @@ def build_shared_prefix(seqs: Sequence, parts: Sequence[Sequence[int]], *, prefi
             rows.append(np.concatenate([pre[:min(n, p)], suf])[:n - 1])  # rows of positions 0..n-2
             lens.append(n - 1)
         off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        forest = forest.padded(align)
-        forest = dataclasses.replace(forest, depth=forest.depth + p)
+        forest = forest.padded(align).shift_depth(p)
 
         def dev(x):
             return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.int64, device=device)
