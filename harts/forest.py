@@ -140,20 +140,27 @@ class Forest:
 
     def _pred_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """CSR position ``j + seq(j)`` of the row of prediction ``j`` and ``seq(j)``, without a
-        device-to-host synchronization (all sizes are known on the host)."""
-        m = self.total_tokens - self.num_seqs
-        j = torch.arange(m, device=self.index.device)
-        sid = torch.searchsorted(self.pred_offsets()[1:], j, right=True)
-        return j + sid, sid
+        device-to-host synchronization (all sizes are known on the host); computed once per forest
+        (the loss of every step reads them: no kernels for them after the first call)."""
+        cached = self.__dict__.get("_pred")
+        if cached is None:
+            m = self.total_tokens - self.num_seqs
+            j = torch.arange(m, device=self.index.device)
+            sid = torch.searchsorted(self.pred_offsets()[1:], j, right=True)
+            pos = j + sid
+            cached = (pos, sid, self.index.index_select(0, pos + 1), self.index.index_select(0, pos))
+            object.__setattr__(self, "_pred", cached)  # frozen dataclass: a private cache, not a field
+        return cached
 
     def label_index(self) -> torch.Tensor:
         """[Σ(L_i-1)] compact node of positions ``1..L_i-1``: the edge whose log-prob is
         ``log p(x_t | x_<t)``, read from the parent's logits row."""
-        return self.index.index_select(0, self._pred_positions()[0] + 1)
+        return self._pred_positions()[2]
 
     def row_index(self) -> torch.Tensor:
         """[Σ(L_i-1)] compact node of positions ``0..L_i-2``: the row predicting position t+1."""
-        return self.index.index_select(0, self._pred_positions()[0])
+        return self._pred_positions()[3]
+
 
     def pred_seq_ids(self) -> torch.Tensor:
         """[Σ(L_i-1)] sequence id of every prediction position."""
@@ -209,12 +216,12 @@ class Forest:
 
     def to(self, device) -> Forest:
         """Copy every tensor to ``device`` (one non-blocking transfer when host copies exist)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not the private caches
         if self.host is not None:
-            names = [k for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)]
+            names = [k for k, v in fields.items() if isinstance(v, torch.Tensor)]
             moved = dict(zip(names, upload([self.host[k] for k in names], device)))
             return dataclasses.replace(self, **moved)
-        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return Forest(**kw)
+        return Forest(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
 
 
 def lexicographic_order(arrs: list[np.ndarray]) -> list[int]:

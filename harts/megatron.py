@@ -231,7 +231,13 @@ class HartsHandle:
 
 
 def _gpt_models(model: torch.nn.Module):
-    return [m for m in model.modules() if hasattr(m, "decoder") and hasattr(m, "position_embedding_type")]
+    """The GPTModel-like modules inside ``model`` (remembered on ``model``: ``tree_forward`` runs
+    once per microbatch and would otherwise walk every module each time)."""
+    found = model.__dict__.get("_harts_gpt_models")
+    if found is None:
+        found = [m for m in model.modules() if hasattr(m, "decoder") and hasattr(m, "position_embedding_type")]
+        model.__dict__["_harts_gpt_models"] = found
+    return found
 
 
 def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
