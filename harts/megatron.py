@@ -116,6 +116,7 @@ class PrefixContext:
         self.rows = rows
         self._kv: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         self._leaves: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._acc: dict[tuple[torch.nn.Module, int], torch.Tensor] = {}
 
     def record(self, layer: torch.nn.Module, k: torch.Tensor, v: torch.Tensor) -> None:
         if self._leaves is not None:
@@ -131,13 +132,25 @@ class PrefixContext:
                                "first (harts.megatron.tree_shared_step)")
         return self._leaves[layer]
 
-    def backward_roots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        roots, grads = [], []
-        for m, kv in self._kv.items():
-            for x, leaf in zip(kv, self._leaves[m]):
+    def collect(self) -> None:
+        """Move the leaves' gradients (one part's) into fp32 accumulators: the parts' key/value
+        gradients of a bf16 model add up in fp32 and are rounded once, as the copies' sum of
+        the key gather is within one microbatch."""
+        for m, leaves in self._leaves.items():
+            for i, leaf in enumerate(leaves):
                 if leaf.grad is not None:
-                    roots.append(x)
-                    grads.append(leaf.grad)
+                    g = leaf.grad.to(torch.promote_types(leaf.dtype, torch.float32))
+                    acc = self._acc.get((m, i))
+                    self._acc[(m, i)] = g if acc is None else acc.add_(g)
+                    leaf.grad = None
+
+    def backward_roots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The recorded keys/values and their accumulated gradients (after :meth:`collect`)."""
+        roots, grads = [], []
+        for (m, i), g in self._acc.items():
+            x = self._kv[m][i]
+            roots.append(x)
+            grads.append(g.to(x.dtype))
         return roots, grads
 
 
@@ -422,6 +435,7 @@ def tree_shared_step(model: torch.nn.Module, batch: SharedPrefixBatch, loss_fn, 
         loss = loss_fn(part, lp, ent)
         if loss.requires_grad:
             loss.backward()
+            ctx.collect()
         losses.append(loss.detach())
     roots, grads = ctx.backward_roots()
     for x, leaf in ((out.logp, lp_leaf), (out.entropy, ent_leaf)):
