@@ -381,12 +381,15 @@ class SharedParams:
 def make_shared_params(batch: SharedPrefixBatch, *, backend: Backend = "varlen",
                        save_gathered_kv: bool = False) -> SharedParams:
     """:class:`SharedParams` of a :class:`~harts.prefix.SharedPrefixBatch` (varlen backend: the parts'
-    attention reads the prefix's keys as context rows of the key gather)."""
+    attention reads the prefix's keys as context rows of the key gather). The prefix microbatch
+    runs the cascade plan (``levels``): its lookahead rows are siblings below the whole prefix, and
+    the key gather would copy the prefix's keys once per lookahead row (16 × 4,800 rows for a
+    16-response group with a 4,800-token prompt) where the cascade reads them once."""
     if backend != "varlen":
         raise TreeIncompatibleError(f"shared-prefix groups need backend='varlen', got {backend!r}")
-    kw = dict(backend=backend, save_gathered_kv=save_gathered_kv)
-    return SharedParams(prefix=make_tree_params(batch.prefix, **kw),
-                        parts=[make_tree_params(p.forest, context_rows=batch.prefix_len, **kw) for p in batch.parts])
+    return SharedParams(prefix=make_tree_params(batch.prefix, backend=backend, varlen_mode="levels"),
+                        parts=[make_tree_params(p.forest, backend=backend, context_rows=batch.prefix_len,
+                                                save_gathered_kv=save_gathered_kv) for p in batch.parts])
 
 
 def _check_shared(model: torch.nn.Module) -> None:
