@@ -219,8 +219,9 @@ XC_CASES = ("rho=0.5", "rho=0.75", "P4000-R500-n8", "caterpillar", "P4800-R1000-
 
 
 def _measure(model, seqs, providers, args, dev):
-    """Plan, prepare and time ``providers`` on one workload, interleaved (round robin, ``args.iters``
-    steps each after one warmup step): ``{provider: {step, plan, backend, planner_ms, prep_ms, samples}}``."""
+    """Plan, prepare and time ``providers`` on one workload, interleaved (round robin in a rotating
+    order, ``args.iters`` steps each after one warmup step):
+    ``{provider: {step, plan, backend, planner_ms, prep_ms, samples}}``."""
     from harts.config import PlannerConfig
     from harts.planner import plan_step
 
@@ -246,8 +247,9 @@ def _measure(model, seqs, providers, args, dev):
         step()  # warmup (and FlexAttention compilation for new shapes)
         runs[provider] = {"step": step, "plan": plan, "backend": backend, "planner_ms": plan_ms,
                           "prep_ms": prep_ms, "samples": []}
-    for _ in range(args.iters):  # interleaved: drift hits every provider alike
-        for r in runs.values():
+    order = list(runs.values())
+    for it in range(args.iters):  # interleaved: drift hits every provider alike; the order rotates, so no
+        for r in order[it % len(order):] + order[:it % len(order)]:  # provider always follows the long THD step
             r["samples"].append(_timed(r["step"]))
     return runs
 
