@@ -56,6 +56,11 @@ class PlannerConfig:
     crossover (docs/harts.md records the evidence)."""
     dp_size: int = 1
     """Data-parallel ranks; every rank receives the same number of microbatches."""
+    prefix_reuse: bool = False
+    """A tree larger than ``token_cap`` runs as one *shared-prefix group* (:mod:`harts.prefix`) instead
+    of being cut into trees that each repeat its prefix: the prefix's activations stay alive while the
+    parts below it run (prefix rows + part rows ≤ ``token_cap``). Such microbatches (``mode="shared"``)
+    run through :func:`harts.megatron.tree_shared_step`, not ``tree_forward``."""
     cost: CostModelConfig = field(default_factory=CostModelConfig)
     """Cost model used to balance ranks."""
 
