@@ -155,7 +155,13 @@ def test_shared_step_equals_per_sequence_fp64(cpu_megatron, seqs, parts):
 
 @pytest.mark.timeout(120)
 def test_shared_step_rejects_what_it_cannot_run(cpu_megatron):
-    from harts.megatron import TreeIncompatibleError, apply_harts, make_shared_params, make_tree_params, tree_shared_step
+    from harts.megatron import (
+        TreeIncompatibleError,
+        apply_harts,
+        make_shared_params,
+        make_tree_params,
+        tree_shared_step,
+    )
 
     seqs, parts = GROUPS[0].values
     batch = build_shared_prefix(seqs, parts)
