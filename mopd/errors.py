@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mcore_distill import errors as _base
+
 __all__ = [
     "MOPDError",
     "ConfigError",
@@ -17,11 +19,11 @@ __all__ = [
 ]
 
 
-class MOPDError(Exception):
+class MOPDError(_base.McoreDistillError):
     """Base class of every error raised by ``mopd``."""
 
 
-class ConfigError(MOPDError, ValueError):
+class ConfigError(MOPDError, _base.ConfigError):
     """A configuration value is invalid; the message names the field and the value."""
 
 

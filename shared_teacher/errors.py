@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mcore_distill import errors as _base
+
 __all__ = [
     "SharedTeacherError",
     "SourceConfigError",
@@ -17,11 +19,11 @@ __all__ = [
 ]
 
 
-class SharedTeacherError(RuntimeError):
+class SharedTeacherError(_base.McoreDistillError, RuntimeError):
     """Base class of every error raised by :mod:`shared_teacher`."""
 
 
-class SourceConfigError(SharedTeacherError, ValueError):
+class SourceConfigError(SharedTeacherError, _base.ConfigError):
     """A config field has an invalid value (the message names the field and the value)."""
 
 
