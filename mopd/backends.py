@@ -235,7 +235,10 @@ class HTTPTeacher:
         if vocab_size is None and spec.hf_path:
             cfg = Path(spec.hf_path) / "config.json"
             if cfg.is_file():
-                vocab_size = json.loads(cfg.read_text()).get("vocab_size")
+                try:
+                    vocab_size = json.loads(cfg.read_text()).get("vocab_size")
+                except (ValueError, AttributeError) as err:
+                    raise ConfigError(f"teacher {teacher_id!r}: {cfg} is not a JSON object: {err}") from None
         return cls(teacher_id, spec.url, temperature=temperature, timeout_s=spec.timeout_s,
                    max_retries=spec.max_retries, retry_backoff_s=spec.retry_backoff_s, max_batch=spec.max_batch,
                    server_scales_temperature=spec.server_scales_temperature, vocab_size=vocab_size)
