@@ -37,7 +37,7 @@ from mopd.errors import (
     TeacherTimeoutError,
 )
 
-__all__ = ["HTTPTeacher", "TeacherBackend", "TokenBatch", "TransformersTeacher", "atomic_torch_save", "read_teacher_shard",
+__all__ = ["HTTPTeacher", "TeacherBackend", "TokenBatch", "TransformersTeacher", "read_teacher_shard",
            "write_teacher_shard"]
 
 
@@ -460,6 +460,7 @@ def write_teacher_shard(state: dict[str, torch.Tensor], folder: str | os.PathLik
     """Write one model-parallel rank's tensors as ``<folder>/shard_<rank_tag>.pt`` (atomic)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
     path = Path(folder) / f"shard_{rank_tag}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_torch_save({"format": "mopd-teacher-shard-v1", "tensors": tensors}, path)
     return path
 
