@@ -214,11 +214,15 @@ class HTTPTeacher:
         for name, value, low in (("max_retries", max_retries, 0), ("max_batch", max_batch, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"teacher {teacher_id!r}: {name} must be an int >= {low}, got {value!r}")
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port
+        except (ValueError, TypeError, AttributeError):
+            parts = port = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"teacher {teacher_id!r}: url must be http(s)://host[:port][/prefix], got {url!r}")
         self._conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port, self._prefix = parts.hostname, parts.port, parts.path.rstrip("/")
+        self._host, self._port, self._prefix = parts.hostname, port, parts.path.rstrip("/")
         self.vocab_size = vocab_size
         self.teacher_id, self.url = teacher_id, url.rstrip("/")
         self.temperature, self.timeout_s = float(temperature), float(timeout_s)
@@ -284,7 +288,10 @@ class HTTPTeacher:
             self.requests += 1
             try:
                 status, data = self._exchange(method, path, body, deadline)
-            except TimeoutError:
+            except TimeoutError as err:
+                if deadline - time.monotonic() > 0.05:  # the kernel's ETIMEDOUT, not our deadline
+                    failures.append(f"{type(err).__name__}: {err}")
+                    continue
                 raise TeacherTimeoutError(
                     f"{where} timed out: budget timeout_s={self.timeout_s}s spent after {attempt + 1} attempt(s)"
                     + (f"; earlier: {'; '.join(failures)}" if failures else "")) from None
