@@ -84,26 +84,26 @@ def test_watchdog_shorter_than_failure_recovery_is_refused(lease, teardown, watc
 def test_reader_without_timeout_raises_stall_instead_of_spinning():
     spec = StudentSpec(name="s", ranks_per_node={"n0": 1}, micro_batch_size=2)
     cfg = SourceConfig(key=KEY, nodes={"n0": NodeLimits(high_samples=8, low_samples=4)}, students=[spec],
-                       dataset_size=30, max_sample_bytes=600, max_seq_len=16, lease_timeout_s=0.5,
-                       teardown_timeout_s=0.1, watchdog_s=1.5)
+                       dataset_size=30, max_sample_bytes=600, max_seq_len=16, lease_timeout_s=3.0,
+                       teardown_timeout_s=0.1, watchdog_s=4.0)  # a lease that survives a loaded host
     store = ShmStore()
     src = SharedTeacherSource(cfg, store)
     server = SourceServer(src)
     reader = StudentReader(server.connect_info, student="s", rank=0, key=KEY, store_spec=store.spec(),
-                           heartbeat_s=0.05, timeout=None)
+                           heartbeat_s=0.1, timeout=None)
     calls, real = [], reader.client.call
     reader.client.call = lambda method, **kw: (calls.append(method), real(method, **kw))[1]
     got: list[BaseException] = []
 
     def wait():
         try:
-            reader.next_window()  # no producer ever publishes: the watchdog fires after 1.5 s
+            reader.next_window()  # no producer ever publishes: the watchdog fires after 4 s
         except BaseException as e:  # noqa: BLE001 - checked below
             got.append(e)
 
     th = threading.Thread(target=wait, daemon=True)
     th.start()
-    th.join(timeout=20)
+    th.join(timeout=30)
     spinning = th.is_alive()
     n = len(calls)
     server.close()  # ends a spinning reader (its calls fail with ConnectionError)
@@ -111,7 +111,7 @@ def test_reader_without_timeout_raises_stall_instead_of_spinning():
     reader.close()
     src.close()
     store.close(remove=True)
-    assert not spinning, f"next_window still retrying after 20 s ({n} RPCs)"
+    assert not spinning, f"next_window still retrying after 30 s ({n} RPCs)"
     assert len(got) == 1 and isinstance(got[0], SourceStalledError), got
     assert n <= 3, f"{n} next_window RPCs for one stall"
 
@@ -181,6 +181,41 @@ def test_student_failing_before_the_start_does_not_block_it(before):
     h.run(skip=("b",))
     st = h.src.stats()
     assert st["students"]["a"]["status"] == "done" and h.store.objects() == []
+
+
+def test_partly_subscribed_student_that_dies_expires_and_the_source_starts():
+    """Rank 0 of b subscribed, then its process died before rank 1 came: its lease expires like a
+    live student's, b fails, and the source starts for a (it waited for b forever before)."""
+    cfg = _config(STUDENTS[:2], epochs=1, lease_timeout_s=0.3)
+    store = ShmStore()
+    src = SharedTeacherSource(cfg, store)  # with the monitor thread
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        src.subscribe(student="b", rank=0, pid=gone.pid, key=asdict(KEY))  # never heartbeats again
+        for r in range(STUDENTS[0].world_size):
+            src.subscribe(student="a", rank=r, pid=os.getpid(), key=asdict(KEY))
+        leases = [lid for lid, (name, _) in src._leases.items() if name == "a"]
+        stop = threading.Event()
+
+        def beat():  # a's readers are alive
+            while not stop.wait(0.05):
+                for lid in leases:
+                    src.heartbeat(lease=lid)
+
+        th = threading.Thread(target=beat, daemon=True)
+        th.start()
+        try:
+            plan = src.plan(key=asdict(KEY), timeout=20)
+        finally:
+            stop.set()
+            th.join(5)
+        assert plan["start_epoch"] == 0
+        assert src.stats()["students"]["b"]["status"] in ("failed", "fencing", "fenced")
+        assert "missed heartbeats" in src.stats()["students"]["b"]["reason"]
+    finally:
+        src.close()
+        store.close(remove=True)
 
 
 def test_plan_timeout_names_the_students_still_missing():
