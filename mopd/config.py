@@ -246,9 +246,11 @@ class TeacherSpec:
     url: str | None = None
     """Server base URL, e.g. ``http://10.0.0.7:30000`` (http backend)."""
     timeout_s: float = 60.0
-    """Per-request timeout of the http backend, seconds."""
+    """Budget of one http request (a health check, or one ``/generate`` of ``max_batch`` rows),
+    seconds: connecting, waiting, reading, every retry and backoff included."""
     max_retries: int = 2
-    """Retries after a failed request (connection error, 5xx, timeout); then BROKEN."""
+    """Retries after a failed attempt (refused/reset connection, reply cut short, 5xx) within
+    ``timeout_s``; then BROKEN."""
     retry_backoff_s: float = 0.5
     """Sleep before retry ``i`` is ``retry_backoff_s · 2**i`` seconds."""
     max_batch: int = 64

@@ -17,6 +17,8 @@ __all__ = [
     "SourceStalledError",
     "SourceClosedError",
     "StoreError",
+    "PublishError",
+    "WaitTimeoutError",
 ]
 
 
@@ -76,8 +78,23 @@ class SourceTeardownBlockedError(SharedTeacherError):
     """A failed student's reader processes could not be confirmed exited; its pins are kept."""
 
 
-class SourceStalledError(SharedTeacherError, TimeoutError):
-    """The watchdog saw no progress for ``watchdog_s`` seconds; the state dump path is in the message."""
+class SourceStalledError(SharedTeacherError):
+    """The watchdog saw no progress for ``watchdog_s`` seconds; the state dump path is in the message.
+
+    Fatal for the source: every later call raises it. Deliberately not a ``TimeoutError`` (which
+    callers retry, see :class:`WaitTimeoutError`)."""
+
+
+class WaitTimeoutError(SharedTeacherError, TimeoutError):
+    """A blocking call's own ``timeout`` expired while the source is healthy (no window yet, other
+    ranks not acked yet, students not subscribed yet). Safe to call again; nothing else is."""
+
+
+class PublishError(SharedTeacherError, ValueError):
+    """A producer published a ref the source cannot place: an unknown node, a position that is not
+    on that node, another schema, a generation never admitted, another sample at that position
+    (a producer with a different order), or an object over ``max_sample_bytes``. Fatal for the
+    source: the stream's promises (order, memory caps) no longer hold."""
 
 
 class SourceClosedError(SharedTeacherError):
