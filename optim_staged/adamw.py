@@ -1,24 +1,81 @@
 """``StagedAdamW``: AdamW whose fp32 master, exp_avg and exp_avg_sq live in host slabs.
 
-Each ``step()`` streams contiguous slab ranges ("units", at most ``slot_numel`` elements, which
-may split parameters) through the slot ring: H2D of (master, m, v) -> one PyTorch AdamW kernel
-call over the unit's pieces (fp32 gradients are read in place, others are cast into one fp32
-scratch buffer) -> write the parameter pieces from the master (cast to the parameter dtype,
-e.g. bf16) -> D2H."""
+Two lanes update the staged elements, at the same time:
+
+* **Slot lane.** Contiguous slab ranges ("units", at most ``slot_numel`` elements, which may split
+  parameters) stream through the GPU slot ring: H2D of the state -> one PyTorch AdamW kernel call
+  over the unit's pieces -> D2H. fp32 gradients are read in place; others are cast into one fp32
+  scratch buffer. With fp32 parameters the parameter *is* the master weight (as in
+  ``torch.optim.AdamW``), so only the moments travel: 8 B/param each way instead of 12.
+* **Host lane** (``host_fraction`` > 0). The trailing units (whose gradients a backward pass
+  produces first) are updated on the CPU by PyTorch's fused CPU AdamW, in place on the host
+  slabs: gradient D2H (4 B/param), update, weights H2D (4 B/param). It runs on a worker thread
+  while the slot lane streams; ``auto_balance`` sizes the two lanes from their measured rates.
+
+``offload_gradients`` copies each staged parameter's gradient into a pinned host slab from a
+post-accumulate-grad hook during the backward pass and frees the device gradient there (as
+torchao's ``CPUOffloadOptimizer(offload_gradients=True)``); the slot lane then brings its units'
+gradients back in with the moments (H2D-only slot keys), and gives its slots back after each step.
+
+Moments may be stored in bf16 (``exp_avg_dtype`` / ``exp_avg_sq_dtype``); the update still runs in
+fp32 on upcast copies and rounds the moments back to bf16 (round-to-nearest-even).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+import weakref
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from optim_staged.base import StagedOptimizerBase, grad_of
-from optim_staged.config import AdamWConfig, SlotConfig
-from optim_staged.slabs import Piece, Unit, build_units
+from optim_staged.config import AdamWConfig, SlotConfig, StagedConfigError
+from optim_staged.slabs import Piece, StateSlabs, Unit, build_units
 from optim_staged.update import adamw_update_
 
-__all__ = ["StagedAdamW"]
+__all__ = ["StagedAdamW", "merge_units"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _dtype_name(field: str, value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        if value not in _NAMES:
+            raise StagedConfigError(f"{field}={value!r} is invalid: one of torch.float32|torch.bfloat16")
+        return _NAMES[value]
+    return value
+
+
+def merge_units(units: list[Unit], max_numel: int) -> list[Unit]:
+    """Merge consecutive units of one group into batches of at most ``max_numel`` elements (a unit
+    larger than that stays alone); pieces of one parameter that meet at a unit border are joined."""
+    out: list[Unit] = []
+    cur: Unit | None = None
+    for u in units:
+        if cur is not None and cur.group == u.group and cur.end == u.start and cur.numel + u.numel <= max_numel:
+            pieces = list(cur.pieces)
+            for pc in u.pieces:
+                last = pieces[-1] if pieces else None
+                if (last is not None and last.param_index == pc.param_index
+                        and last.p_start + last.numel == pc.p_start):
+                    pieces[-1] = Piece(last.param_index, last.p_start, last.numel + pc.numel, last.unit_offset)
+                else:
+                    pieces.append(Piece(pc.param_index, pc.p_start, pc.numel, pc.unit_offset + cur.numel))
+            cur = Unit(cur.group, cur.start, u.end, tuple(pieces))
+        else:
+            if cur is not None:
+                out.append(cur)
+            cur = u
+    if cur is not None:
+        out.append(cur)
+    return out
 
 
 class StagedAdamW(StagedOptimizerBase):
@@ -31,9 +88,22 @@ class StagedAdamW(StagedOptimizerBase):
         slots: slot size/count and pinning (:class:`~optim_staged.config.SlotConfig`).
         staged_fraction: fraction of elements (parameter order) whose state is staged; the rest
             stays on the parameters' device.
-        impl: ``auto`` | ``fused`` | ``foreach`` update kernel.
+        impl: ``auto`` | ``fused`` | ``foreach`` update kernel (both lanes).
+        host_fraction: share of the staged elements updated on the host CPU (trailing units).
+            0 (default): every update runs in the GPU slots, bitwise equal to
+            ``torch.optim.AdamW(fused=True)``.
+        auto_balance: re-estimate the split from the measured lane rates after each of the first
+            ``balance_steps`` steps (starting from ``host_fraction``, or 0.5 when that is 0).
+        offload_gradients: move gradients to the host during the backward pass and free them on
+            the device (standalone use; not with gradient accumulation: a second gradient for a
+            parameter before ``step()`` raises).
+        host_batch_numel: elements per host-lane kernel call.
+        host_threads: CPU threads of the host lane (None: PyTorch's default).
+        exp_avg_dtype, exp_avg_sq_dtype: moment storage, ``fp32`` | ``bf16`` (or the torch dtypes).
 
-    ``state[p]`` holds ``master_param``, ``exp_avg``, ``exp_avg_sq`` (fp32 views of the slabs).
+    ``state[p]`` holds ``master_param``, ``exp_avg``, ``exp_avg_sq`` (views of the host slabs,
+    current after ``drain()``). With fp32 parameters the parameter is the master weight: writes
+    through ``set_scaled_state``/``load_state_dict`` update the parameter too.
     """
 
     state_keys = ("master_param", "exp_avg", "exp_avg_sq")
@@ -41,18 +111,67 @@ class StagedAdamW(StagedOptimizerBase):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, slots: SlotConfig | None = None,
                  staged_fraction: float = 1.0, impl: str = "auto",
-                 device: torch.device | str | None = None) -> None:
-        AdamWConfig(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, impl=impl)  # validates
+                 device: torch.device | str | None = None, host_fraction: float = 0.0,
+                 auto_balance: bool = False, balance_steps: int = 6, offload_gradients: bool = False,
+                 host_batch_numel: int = 16 << 20, host_threads: int | None = None,
+                 exp_avg_dtype: str | torch.dtype = "fp32", exp_avg_sq_dtype: str | torch.dtype = "fp32") -> None:
+        m_name = _dtype_name("exp_avg_dtype", exp_avg_dtype)
+        v_name = _dtype_name("exp_avg_sq_dtype", exp_avg_sq_dtype)
+        AdamWConfig(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, impl=impl,  # validates
+                    host_fraction=host_fraction, auto_balance=auto_balance, balance_steps=balance_steps,
+                    exp_avg_dtype=m_name, exp_avg_sq_dtype=v_name)
+        if host_batch_numel < 1024:
+            raise StagedConfigError(f"host_batch_numel={host_batch_numel!r} is invalid: must be >= 1024 elements")
+        if host_threads is not None and host_threads < 1:
+            raise StagedConfigError(f"host_threads={host_threads!r} is invalid: must be >= 1 or None")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.impl = impl
-        super().__init__(params, defaults, slots=slots, staged_fraction=staged_fraction, device=device)
+        self.host_fraction = float(host_fraction)
+        self.auto_balance = bool(auto_balance)
+        self.balance_steps = int(balance_steps)
+        self.offload_gradients = bool(offload_gradients)
+        self.host_batch_numel = int(host_batch_numel)
+        self.host_threads = host_threads
+        self.moment_dtypes = {"exp_avg": _DTYPES[m_name], "exp_avg_sq": _DTYPES[v_name]}
         self._step_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._grads: StateSlabs | None = None  # host gradient slab (host lane, offloaded gradients)
+        self._hooks: list[Any] = []
+        self._has_grad: list[bool] = []
+        self._param_is_master = False
+        self._masters_stale = False  # slot lane updated fp32 params: host masters lag behind
+        self._host_units: list[Unit] = []
+        self._host_batches: list[Unit] = []
+        self._all_units: list[Unit] = []
+        self._host_share: float | None = None  # current host share of staged elements
+        self._balanced = 0
+        self._timing: tuple[int, int, Any, Any] | None = None
+        self._upload_buf: torch.Tensor | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._cuda: dict[str, Any] | None = None  # streams and events of the host lane
+        self._tmp: dict[str, torch.Tensor] = {}
+        super().__init__(params, defaults, slots=slots, staged_fraction=staged_fraction, device=device)
+        if self.offload_gradients:
+            self._ensure_layout()  # slabs and gradient hooks before the first backward pass
 
     @classmethod
     def from_config(cls, params: Iterable[Any], cfg: AdamWConfig, *, slots: SlotConfig | None = None,
-                    staged_fraction: float = 1.0) -> StagedAdamW:
+                    staged_fraction: float = 1.0, **kwargs: Any) -> StagedAdamW:
         return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                   slots=slots, staged_fraction=staged_fraction, impl=cfg.impl)
+                   slots=slots, staged_fraction=staged_fraction, impl=cfg.impl, host_fraction=cfg.host_fraction,
+                   auto_balance=cfg.auto_balance, balance_steps=cfg.balance_steps,
+                   exp_avg_dtype=cfg.exp_avg_dtype, exp_avg_sq_dtype=cfg.exp_avg_sq_dtype, **kwargs)
+
+    # ------------------------------------------------------------------ layout
+    def _state_dtypes(self) -> dict[str, torch.dtype]:
+        return {"master_param": torch.float32, **self.moment_dtypes}
+
+    def _ring_spec(self) -> dict[str, Any]:
+        self._param_is_master = bool(self._staged_idx) and all(
+            self._plist[i][1].dtype == torch.float32 for i in self._staged_idx)
+        keys = _MOMENTS if self._param_is_master else self.state_keys
+        return {"keys": keys, "in_keys": ("grad",) if self.offload_gradients else (),
+                "dtypes": {**self._state_dtypes(), "grad": torch.float32},
+                "keep_resident": self.slot_config.keep_resident and not self.offload_gradients}
 
     def _units(self, entries, *, whole: bool = False) -> list[Unit]:
         if not entries:
@@ -67,43 +186,454 @@ class StagedAdamW(StagedOptimizerBase):
                      tuple(Piece(idx[pc.param_index], pc.p_start, pc.numel, pc.unit_offset) for pc in u.pieces))
                 for u in units]
 
+    def _build_ring(self) -> None:
+        super()._build_ring()
+        self._all_units = list(self._staged_units)
+        self._masters_stale = False
+        if self._host_share is None or not self.auto_balance:
+            share = self.host_fraction
+            if self.auto_balance and share == 0.0:
+                share = 0.5
+            self._host_share = share
+        self._set_split(self._split_index(self._host_share))
+
+    def _split_index(self, host_share: float) -> int:
+        """Index of the first host-lane unit: the host lane gets about ``host_share`` of the
+        staged elements, taken from the end."""
+        units = self._all_units
+        if not units:
+            return 0
+        total = units[-1].end - units[0].start
+        target = (1.0 - host_share) * total
+        k = min(range(len(units) + 1), key=lambda j: abs((units[j].start if j < len(units) else units[-1].end)
+                                                         - units[0].start - target))
+        if self.auto_balance and len(units) >= 2:
+            k = min(max(k, 1), len(units) - 1)  # both lanes measurable
+        if host_share > 0.0 and k == len(units):
+            k = len(units) - 1
+        return k
+
+    def _set_split(self, k: int) -> None:
+        self._staged_units = self._all_units[:k]  # the slot lane (base class: prefetch, residency)
+        self._host_units = self._all_units[k:]
+        self._host_batches = merge_units(self._host_units, self.host_batch_numel)
+
+    def _ensure_layout(self) -> None:
+        before = self._layout_key
+        super()._ensure_layout()
+        if self._layout_key != before:
+            self._after_layout()
+
+    def _after_layout(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        plist = self._plist
+        self._has_grad = [False] * len(plist)
+        self._staged_ids = {id(plist[i][1]) for i in self._staged_idx}
+        need = self.offload_gradients or self.host_fraction > 0 or self.auto_balance
+        cfg = self.slot_config
+        cuda = self._dev.type == "cuda"
+        self._grads = (StateSlabs(("grad",), self.slabs.numel, pin=cfg.pin_memory and cuda,
+                                  memory_margin=cfg.host_memory_margin) if need else None)
+        if cuda and self._cuda is None:
+            self._cuda = {"grad": torch.cuda.Stream(self._dev), "upload": torch.cuda.Stream(self._dev),
+                          "ready": torch.cuda.Event(enable_timing=True),
+                          "host_end": torch.cuda.Event(enable_timing=True), "uploaded": False}
+        if cuda:
+            self._cuda["param_events"] = [torch.cuda.Event() for _ in plist]
+        if self.offload_gradients:
+            for i in self._staged_idx:
+                p = plist[i][1]
+                if not (p.requires_grad and p.is_leaf):
+                    raise StagedConfigError(
+                        f"offload_gradients=True needs leaf parameters that require grad; parameter {i} of shape "
+                        f"{tuple(p.shape)} is not one")
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._offload_hook))
+            self._pindex = {id(p): i for i, (_, p) in enumerate(plist)}
+
+    # ---------------------------------------------------------------- gradients
+    def _offload_hook(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: gradient -> host slab (async on CUDA), device gradient freed."""
+        g = p.grad
+        if g is None:
+            return
+        i = self._pindex[id(p)]
+        if self._has_grad[i]:
+            raise StagedConfigError(
+                f"offload_gradients=True does not support gradient accumulation: parameter {i} of shape "
+                f"{tuple(p.shape)} got a second gradient before step()")
+        o = self._offsets[i]
+        dst = self._grads["grad"][o:o + p.numel()]
+        if self._cuda is not None:
+            s = self._cuda["grad"]
+            s.wait_stream(torch.cuda.current_stream(self._dev))  # the backward wrote it there
+            with torch.cuda.stream(s):
+                dst.copy_(g.detach().reshape(-1), non_blocking=True)
+                self._cuda["param_events"][i].record(s)
+            g.record_stream(s)
+        else:
+            dst.copy_(g.detach().reshape(-1))
+        p.grad = None
+        self._has_grad[i] = True
+
+    def _live(self, params: list[torch.Tensor], i: int) -> bool:
+        return self._has_grad[i] if self.offload_gradients else grad_of(params[i]) is not None
+
+    def _wait_grads(self, unit: Unit, stream) -> None:
+        """Slot lane, offloaded gradients: the H2D of a unit's gradients waits for their D2H."""
+        if stream is None:
+            return
+        seen = set()
+        for pc in unit.pieces:
+            i = pc.param_index
+            if i not in seen and self._has_grad[i]:
+                seen.add(i)
+                stream.wait_event(self._cuda["param_events"][i])
+
+    def _grads_down(self, batches: list[Unit], params: list[torch.Tensor]) -> list[Any]:
+        """Host lane, gradients on the device: D2H of every batch's gradient pieces into the host
+        slab, in processing order; returns one event per batch (None on CPU)."""
+        grads = self._grads["grad"]
+        events = []
+        ctx = torch.cuda.stream(self._cuda["grad"]) if self._cuda is not None else contextlib.nullcontext()
+        with ctx:
+            if self._cuda is not None:
+                self._cuda["grad"].wait_event(self._cuda["ready"])
+            for b in batches:
+                for pc in b.pieces:
+                    g = grad_of(params[pc.param_index])
+                    if g is None:
+                        continue
+                    s = b.start + pc.unit_offset
+                    grads[s:s + pc.numel].copy_(g.detach().reshape(-1)[pc.p_start:pc.p_start + pc.numel],
+                                                non_blocking=True)
+                if self._cuda is not None:
+                    ev = torch.cuda.Event()
+                    ev.record(self._cuda["grad"])
+                    events.append(ev)
+                else:
+                    events.append(None)
+        return events
+
+    # -------------------------------------------------------------------- step
     def _begin_step(self) -> None:
         super()._begin_step()
-        dev = self.compute_device
-        # One step tensor per group, filled once on the host side of the step (no per-param sync).
-        for gi, g in enumerate(self.param_groups):
-            key = (gi, dev)
-            t = self._step_tensors.get(key)
-            if t is None:
-                t = self._step_tensors[key] = torch.zeros((), dtype=torch.float32, device=dev)
-            t.fill_(float(g["step"]))
+        devs = [self.compute_device]
+        if self._host_batches and self.compute_device.type != "cpu":
+            devs.append(torch.device("cpu"))
+        # One step tensor per group and device, filled once on the host side of the step.
+        for dev in devs:
+            for gi, g in enumerate(self.param_groups):
+                t = self._step_tensors.get((gi, dev))
+                if t is None:
+                    t = self._step_tensors[(gi, dev)] = torch.zeros((), dtype=torch.float32, device=dev)
+                t.fill_(float(g["step"]))
+
+    def _ring_walk(self, step: int) -> tuple[list[Unit], bool]:
+        """Slot-lane order: with offloaded gradients last unit first (the order gradients arrive in
+        a backward pass), else the base class's alternation (slot cache)."""
+        if self.offload_gradients:
+            return self._staged_units[::-1], False
+        return self._staged_units, self._reverse_at(step)
+
+    def prefetch(self) -> None:
+        self._ensure_layout()
+        if self._staged_units:
+            units, reverse = self._ring_walk(self._step_count() + 1)
+            self._ring.prefetch(units, self.slabs, reverse=reverse)
+
+    def _run_staged(self, params: list[torch.Tensor]) -> None:
+        self._maybe_rebalance()
+        ring, cu = self._ring, self._cuda
+        cuda = ring.cuda
+        batches = self._host_batches[::-1]  # trailing first: their gradients come first
+        caller = torch.cuda.current_stream(self._dev) if cuda else None
+        if cuda:
+            cu["ready"].record(caller)  # (2) gradients and prior uses of the parameters are queued before it
+        switch = sys.getswitchinterval()
+        t0 = time.perf_counter()
+        future = None
+        if batches and cuda:
+            cu["upload"].wait_event(cu["ready"])  # parameters are rewritten only after their uses
+            events = None if self.offload_gradients else self._grads_down(batches, params)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="optim_staged_host")
+                weakref.finalize(self, self._executor.shutdown, wait=False)
+            sys.setswitchinterval(min(switch, 2e-4))  # the host thread re-takes the GIL between kernels
+            future = self._executor.submit(self._host_lane, batches, params, events)
+        t_host = 0.0
+        try:
+            if self._staged_units:
+                units, reverse = self._ring_walk(self._step_count())
+                compute = lambda u, v, ph: self._compute(u, v, params, ph)  # noqa: E731
+                if self.offload_gradients:
+                    ring.run(units, self.slabs, compute, reverse=reverse, in_slabs={"grad": self._grads["grad"]},
+                             wait_in=self._wait_grads)
+                else:
+                    ring.run(units, self.slabs, compute, reverse=reverse)
+                self._masters_stale |= self._param_is_master
+            t_ring = time.perf_counter() - t0
+            if future is not None:
+                future, f = None, future
+                f.result()
+                caller.wait_stream(cu["upload"])
+            elif batches:
+                t1 = time.perf_counter()
+                events = None if self.offload_gradients else self._grads_down(batches, params)
+                self._host_lane(batches, params, events)
+                t_host = time.perf_counter() - t1
+        finally:
+            if future is not None:  # the slot lane raised: let the host lane finish before leaving
+                future.exception()
+            sys.setswitchinterval(switch)
+        if self.offload_gradients:
+            if cuda:
+                ring.release()  # slots back to the allocator before the next backward pass
+            self._has_grad = [False] * len(self._has_grad)
+        host_n = sum(u.numel for u in self._host_units)
+        ring_n = sum(u.numel for u in self._staged_units)
+        if cuda:
+            self._timing = (host_n, ring_n, "cuda", None)
+        else:
+            self._timing = (host_n, ring_n, t_host, t_ring)
+
+    def _host_lane(self, batches: list[Unit], params: list[torch.Tensor], events: list[Any] | None) -> None:
+        """Update ``batches`` on the CPU, in place on the host slabs, then send the weights up."""
+        cu = self._cuda
+        if cu is not None:
+            torch.cuda.set_device(self._dev)
+            if self.host_threads is not None:
+                torch.set_num_threads(self.host_threads)
+            if cu["uploaded"]:
+                cu["host_end"].synchronize()  # the last step's uploads have read the masters
+        slabs, grads, cpu = self.slabs, self._grads["grad"], torch.device("cpu")
+        narrow = any(d != torch.float32 for d in self.moment_dtypes.values())
+        for bi, b in enumerate(batches):
+            live = [pc for pc in b.pieces if self._live(params, pc.param_index)]
+            if not live:
+                continue
+            if cu is not None:  # gradients on the host
+                if events is not None:
+                    events[bi].synchronize()
+                else:
+                    for i in {pc.param_index for pc in live}:
+                        cu["param_events"][i].synchronize()
+            sl = [slice(b.start + pc.unit_offset, b.start + pc.unit_offset + pc.numel) for pc in live]
+            masters = [slabs["master_param"][s] for s in sl]
+            gs = [grads[s] for s in sl]
+            if narrow:
+                m32, v32 = self._host_tmp(b.numel)
+                m32[:b.numel].copy_(slabs["exp_avg"][b.start:b.end])
+                v32[:b.numel].copy_(slabs["exp_avg_sq"][b.start:b.end])
+                ms = [m32[pc.unit_offset:pc.unit_offset + pc.numel] for pc in live]
+                vs = [v32[pc.unit_offset:pc.unit_offset + pc.numel] for pc in live]
+            else:
+                ms = [slabs["exp_avg"][s] for s in sl]
+                vs = [slabs["exp_avg_sq"][s] for s in sl]
+            g = self.param_groups[b.group]
+            beta1, beta2 = g["betas"]
+            adamw_update_(masters, gs, ms, vs, step=self._step_tensors[(b.group, cpu)], lr=float(g["lr"]),
+                          beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"], impl=self.impl,
+                          step_value=g["step"])
+            if narrow:
+                slabs["exp_avg"][b.start:b.end].copy_(m32[:b.numel])
+                slabs["exp_avg_sq"][b.start:b.end].copy_(v32[:b.numel])
+            self._upload(b, live, params)
+        if cu is not None:
+            cu["host_end"].record(cu["upload"])
+            cu["uploaded"] = True
+
+    def _host_tmp(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._tmp.get("mv")
+        if t is None or t.numel() < 2 * numel:
+            t = self._tmp["mv"] = torch.empty(2 * max(numel, self.host_batch_numel), dtype=torch.float32)
+        h = t.numel() // 2
+        return t[:h], t[h:]
+
+    def _upload(self, b: Unit, live: list[Piece], params: list[torch.Tensor]) -> None:
+        """Parameters <- host masters of ``b``: straight into fp32 parameters, through one fp32
+        device buffer (then cast on the device) otherwise."""
+        master = self.slabs["master_param"]
+        cu = self._cuda
+        if cu is None:
+            for pc in live:
+                s = b.start + pc.unit_offset
+                params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel].copy_(master[s:s + pc.numel])
+            return
+        with torch.cuda.stream(cu["upload"]):
+            if self._param_is_master:
+                for pc in live:
+                    s = b.start + pc.unit_offset
+                    dst = params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel]
+                    dst.copy_(master[s:s + pc.numel], non_blocking=True)
+                return
+            if self._upload_buf is None or self._upload_buf.numel() < b.numel:
+                # allocated on the upload stream, its only user: reuse is ordered by that stream
+                self._upload_buf = torch.empty(max(b.numel, self.host_batch_numel), dtype=torch.float32,
+                                               device=self._dev)
+            buf = self._upload_buf
+            buf[:b.numel].copy_(master[b.start:b.end], non_blocking=True)
+            for pc in live:
+                dst = params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel]
+                dst.copy_(buf[pc.unit_offset:pc.unit_offset + pc.numel])
 
     def _compute(self, unit: Unit, views: dict[str, torch.Tensor], params: list[torch.Tensor], phases) -> None:
         g = self.param_groups[unit.group]
+        ring_lane = phases is not None
+        param_master = ring_lane and self._param_is_master
+        from_slot = ring_lane and self.offload_gradients
+        narrow = views["exp_avg"].dtype != torch.float32 or views["exp_avg_sq"].dtype != torch.float32
+        n = unit.numel
+        scratch = self._scratch(3 * n) if narrow else None
         masters, grads, ms, vs, live = [], [], [], [], []
-        scratch = None
         for pc in unit.pieces:
             p = params[pc.param_index]
-            grad = grad_of(p)
-            if grad is None:
-                continue
             sl = slice(pc.unit_offset, pc.unit_offset + pc.numel)
-            piece = grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel] if grad.is_contiguous() else None
-            if piece is None or piece.dtype != torch.float32:  # e.g. bf16 grads: fp32 copy on the device
-                if scratch is None:
-                    scratch = self._scratch(unit.numel)
-                scratch[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
-                piece = scratch[sl]
-            masters.append(views["master_param"][sl])
+            if from_slot:
+                if not self._has_grad[pc.param_index]:
+                    continue
+                piece = views["grad"][sl]
+            else:
+                grad = grad_of(p)
+                if grad is None:
+                    continue
+                piece = grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel] if grad.is_contiguous() else None
+                if piece is None or piece.dtype != torch.float32:  # e.g. bf16 grads: fp32 copy on the device
+                    if scratch is None:
+                        scratch = self._scratch(n)
+                    scratch[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
+                    piece = scratch[sl]
+            if param_master:
+                masters.append(p.detach().view(-1)[pc.p_start:pc.p_start + pc.numel])
+            else:
+                masters.append(views["master_param"][sl])
             grads.append(piece)
-            ms.append(views["exp_avg"][sl])
-            vs.append(views["exp_avg_sq"][sl])
             live.append(pc)
         if not live:
             return
+        if narrow:  # fp32 working copies of the moments (after the grad scratch at [0, n))
+            m32, v32 = scratch[n:2 * n], scratch[2 * n:3 * n]
+            m32.copy_(views["exp_avg"])
+            v32.copy_(views["exp_avg_sq"])
+            src_m, src_v = m32, v32
+        else:
+            src_m, src_v = views["exp_avg"], views["exp_avg_sq"]
+        for pc in live:
+            sl = slice(pc.unit_offset, pc.unit_offset + pc.numel)
+            ms.append(src_m[sl])
+            vs.append(src_v[sl])
         beta1, beta2 = g["betas"]
         adamw_update_(masters, grads, ms, vs, step=self._step_tensors[(unit.group, self.compute_device)],
                       lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"],
                       weight_decay=g["weight_decay"], impl=self.impl, step_value=g["step"])
-        for pc, m in zip(live, masters):
-            params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel].copy_(m)
+        if narrow:
+            views["exp_avg"].copy_(m32)
+            views["exp_avg_sq"].copy_(v32)
+        if not param_master:
+            for pc, m in zip(live, masters):
+                params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel].copy_(m)
+
+    # ----------------------------------------------------------------- balance
+    def _maybe_rebalance(self) -> None:
+        """``auto_balance``: move the lane border so both lanes take the same time, from the rates
+        of the previous step (host elements / host time, slot elements / slot time)."""
+        if not self.auto_balance or self._balanced >= self.balance_steps or self._timing is None:
+            return
+        host_n, ring_n, t_host, t_ring = self._timing
+        if host_n == 0 or ring_n == 0:
+            self._timing = None
+            return
+        if t_host == "cuda":
+            cu, ring = self._cuda, self._ring
+            ends = [e for e in ring.end_events] + [cu["host_end"]]
+            if not all(e.query() for e in ends):
+                return  # previous step still running: measure later
+            t_ring = max(cu["ready"].elapsed_time(e) for e in ring.end_events)
+            t_host = cu["ready"].elapsed_time(cu["host_end"])
+        self._timing = None
+        if host_n == 0 or ring_n == 0 or t_host <= 0 or t_ring <= 0:
+            return
+        total = host_n + ring_n
+        r_h, r_g = host_n / t_host, ring_n / t_ring
+        share = r_h / (r_h + r_g)
+        if self._balanced > 0:
+            share = 0.5 * (share + host_n / total)  # damped after the first estimate
+        self._balanced += 1
+        self._host_share = share
+        k = self._split_index(share)
+        if k != len(self._staged_units):
+            self.drain(release=False)  # slot cache and stale masters settled before units change lanes
+            self._ring.forget()
+            self._set_split(k)
+
+    def rebalance(self) -> None:
+        """Restart ``auto_balance`` (e.g. after the machine's load changed)."""
+        self._balanced = 0
+
+    # ------------------------------------------------------------ state access
+    def drain(self, *, release: bool = True) -> None:
+        super().drain(release=release)
+        cu = self._cuda
+        if cu is not None:
+            cu["grad"].synchronize()
+            cu["upload"].synchronize()
+        if self._masters_stale:  # fp32 params updated in the slots: the host masters follow them
+            plist = getattr(self, "_plist", [])
+            for i in self._staged_idx:
+                p = plist[i][1]
+                o = self._offsets[i]
+                self.slabs["master_param"][o:o + p.numel()].copy_(p.detach().reshape(-1))
+            self._masters_stale = False
+        if release:
+            self._upload_buf = None
+
+    def set_scaled_state(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        super().set_scaled_state(p, key, value)
+        if key == "master_param" and self._param_is_master and self._is_staged(p):
+            p.detach().copy_(value.reshape(p.shape))  # the parameter is the master
+
+    def get_unscaled_state(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        t = super().get_unscaled_state(p, key)
+        return t if t.dtype == torch.float32 else t.float()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._param_is_master:
+            for i in self._staged_idx:
+                p = self._plist[i][1]
+                p.detach().copy_(self.state[p]["master_param"])
+
+    def _is_staged(self, p: torch.Tensor) -> bool:
+        return id(p) in self._staged_ids
+
+    # ------------------------------------------------------------ accounting
+    @property
+    def gpu_state_bytes(self) -> int:
+        n = super().gpu_state_bytes
+        if self._upload_buf is not None:
+            n += self._upload_buf.numel() * self._upload_buf.element_size()
+        return n
+
+    @property
+    def residency(self) -> dict[str, Any]:
+        r = super().residency
+        host_n = sum(u.numel for u in self._host_units)
+        r.update(host_numel=host_n, host_fraction=host_n / max(1, self.slabs.numel),
+                 grad_host_bytes=0 if self._grads is None else self._grads.nbytes,
+                 param_is_master=self._param_is_master, offload_gradients=self.offload_gradients)
+        return r
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """Bytes each step moves host->device (``h2d``) and device->host (``d2h``) in the current
+        split, slot cache ignored: slot lane = its state keys each way plus offloaded gradients
+        in; host lane = gradients down, fp32 weights up; offloaded gradients all go down."""
+        self._ensure_layout()
+        size = {k: torch.empty((), dtype=d).element_size() for k, d in self._state_dtypes().items()}
+        keys = _MOMENTS if self._param_is_master else self.state_keys
+        ring_n = sum(u.numel for u in self._staged_units)
+        host_n = sum(u.numel for u in self._host_units)
+        per = sum(size[k] for k in keys)
+        h2d = ring_n * (per + (4 if self.offload_gradients else 0)) + 4 * host_n
+        d2h = ring_n * per + 4 * (ring_n + host_n if self.offload_gradients else host_n)
+        return {"h2d": h2d, "d2h": d2h, "host_numel": host_n, "ring_numel": ring_n}

@@ -41,6 +41,10 @@ class UnsupportedMegatronConfigError(ValueError):
     """The Megatron ``OptimizerConfig`` / DDP config asks for something staging cannot do."""
 
 
+MOMENT_DTYPES = ("fp32", "bf16")
+"""Storage dtypes AdamW moments may use (names as in ``AdamWConfig``)."""
+
+
 def _check(cond: bool, name: str, value: object, need: str) -> None:
     if not cond:
         raise StagedConfigError(f"{name}={value!r} is invalid: {need}")
@@ -88,6 +92,22 @@ class AdamWConfig:
     impl: str = "auto"
     """Update kernel: PyTorch's fused AdamW, its foreach ops, or ``auto`` (fused where the device
     supports it for the dtype, else foreach)."""
+    host_fraction: float = 0.0
+    """Share of the staged elements (the trailing ones, whose gradients the backward pass produces
+    first) updated by the host CPU (PyTorch's fused CPU AdamW on the host slabs: 4 B/param of
+    gradient down and 4 B/param of weights up) instead of streaming through the GPU slots (12 B/param
+    each way; 8 with fp32 parameters). Both halves run at the same time. 0 keeps every update on
+    the GPU, bitwise equal to ``torch.optim.AdamW(fused=True)``."""
+    auto_balance: bool = False
+    """Re-estimate ``host_fraction`` from the measured host and slot-pipeline rates after each of the
+    first ``balance_steps`` steps, then keep it (a fixed split keeps runs reproducible)."""
+    balance_steps: int = 6
+    """Steps over which ``auto_balance`` adjusts the split."""
+    exp_avg_dtype: str = "fp32"
+    """Storage dtype of the first moment: ``fp32`` or ``bf16`` (halves its bytes; the update itself
+    runs in fp32; see docs/optim_staged.md for the error bound)."""
+    exp_avg_sq_dtype: str = "fp32"
+    """Storage dtype of the second moment: ``fp32`` or ``bf16``."""
 
     def __post_init__(self) -> None:
         _check(self.lr >= 0.0, "lr", self.lr, "must be >= 0")
@@ -96,6 +116,10 @@ class AdamWConfig:
         _check(self.eps > 0.0, "eps", self.eps, "must be > 0")
         _check(self.weight_decay >= 0.0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.impl in ("auto", "fused", "foreach"), "impl", self.impl, "one of auto|fused|foreach")
+        _check(0.0 <= self.host_fraction <= 1.0, "host_fraction", self.host_fraction, "must be in [0, 1]")
+        _check(self.balance_steps >= 1, "balance_steps", self.balance_steps, "must be >= 1")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            _check(getattr(self, name) in MOMENT_DTYPES, name, getattr(self, name), "one of fp32|bf16")
 
 
 @dataclass(kw_only=True, slots=True)

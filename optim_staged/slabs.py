@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,10 @@ def available_host_bytes() -> int:
         raise
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _register(t: torch.Tensor) -> int | None:
     """Pin ``t``'s host memory in place (exact size, no power-of-two rounding); returns the pointer
     to unregister later, or None for an empty tensor."""
@@ -79,24 +83,33 @@ def _unregister(ptrs: list[int]) -> None:
 
 
 class StateSlabs:
-    """Flat state tensors ``{key: [numel]}`` of one dtype on the host (or on a device when resident)."""
+    """Flat state tensors ``{key: [numel]}`` on the host (or on a device when resident).
+
+    ``dtype`` is one dtype for every key, or a ``{key: dtype}`` mapping (keys it omits are fp32),
+    e.g. bf16 moments next to an fp32 master."""
 
     def __init__(self, keys: Sequence[str], numel: int, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, pin: bool = False, memory_margin: float = 0.9) -> None:
+                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32, pin: bool = False,
+                 memory_margin: float = 0.9) -> None:
         self.keys = tuple(keys)
         self.numel = int(numel)
         self.device = torch.device(device)
-        self.dtype = dtype
-        nbytes = self.nbytes_for(len(self.keys), self.numel, dtype)
+        if isinstance(dtype, torch.dtype):
+            self.dtypes = {k: dtype for k in self.keys}
+        else:
+            self.dtypes = {k: dtype.get(k, torch.float32) for k in self.keys}
+        self.dtype = self.dtypes[self.keys[0]] if self.keys else torch.float32
+        nbytes = self.nbytes
         if self.device.type == "cpu":
             avail = available_host_bytes()
             if nbytes > memory_margin * avail:
+                per = "+".join(str(_itemsize(self.dtypes[k])) for k in self.keys)
                 raise HostMemoryError(
-                    f"optimizer state slabs need {nbytes} bytes of host RAM ({len(self.keys)} x {self.numel} "
-                    f"x {torch.finfo(dtype).bits // 8} B) but only {avail} bytes are available "
+                    f"optimizer state slabs need {nbytes} bytes of host RAM ({self.numel} x ({per}) B) but only "
+                    f"{avail} bytes are available "
                     f"(host_memory_margin={memory_margin} allows {int(memory_margin * avail)})"
                 )
-        self.tensors = {k: torch.zeros(self.numel, dtype=dtype, device=self.device) for k in self.keys}
+        self.tensors = {k: torch.zeros(self.numel, dtype=self.dtypes[k], device=self.device) for k in self.keys}
         self.pinned = False
         if pin and self.device.type == "cpu" and torch.cuda.is_available():
             self.pin()
@@ -116,7 +129,7 @@ class StateSlabs:
 
     @property
     def nbytes(self) -> int:
-        return self.nbytes_for(len(self.keys), self.numel, self.dtype)
+        return sum(self.numel * _itemsize(self.dtypes[k]) for k in self.keys)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
@@ -187,6 +200,7 @@ class _Slot:
     buffers: dict[str, torch.Tensor]
     h2d_early: object = None
     h2d_late: object = None
+    h2d_in: object = None
     compute_early: object = None
     compute: object = None
     d2h: object = None
@@ -219,11 +233,18 @@ class SlotRing:
 
     ``late_keys`` are needed only at the end of a unit's compute (Muon's master weight): their H2D
     is queued after the early keys' and awaited by the compute through :class:`Phases`.
+
+    ``in_keys`` travel host -> device only (e.g. a gradient offloaded to the host): they are copied
+    in by :meth:`run` for every unit, cached or not, read by the compute and never written back.
+    ``dtypes`` maps keys to their slot dtype (fp32 when omitted).
     """
 
     def __init__(self, keys: Sequence[str], *, slot_numel: int, num_slots: int, device: torch.device | str,
-                 late_keys: Sequence[str] = (), keep_resident: bool = True) -> None:
+                 late_keys: Sequence[str] = (), keep_resident: bool = True, in_keys: Sequence[str] = (),
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.keys = tuple(keys)
+        self.in_keys = tuple(in_keys)
+        self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in self.keys + self.in_keys}
         self.late_keys = tuple(k for k in self.keys if k in late_keys)
         self.early_keys = tuple(k for k in self.keys if k not in late_keys)
         self.slot_numel = int(slot_numel)
@@ -238,6 +259,8 @@ class SlotRing:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
+            # ends of the last run() on the compute and D2H streams (timed: rate measurements)
+            self.end_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         self._reset_cache()
 
     def _reset_cache(self) -> None:
@@ -269,14 +292,15 @@ class SlotRing:
             return
         with self._stream(self.h2d_stream if self.cuda else None):
             for _ in range(self.num_slots):
-                bufs = {k: torch.empty(self.slot_numel, dtype=torch.float32, device=self.device) for k in self.keys}
+                bufs = {k: torch.empty(self.slot_numel, dtype=self.dtypes[k], device=self.device)
+                        for k in self.keys + self.in_keys}
                 slot = _Slot(bufs)
                 if self.cuda:
                     for b in bufs.values():
                         b.record_stream(self.compute_stream)
                         b.record_stream(self.d2h_stream)
-                    slot.h2d_early, slot.h2d_late, slot.compute_early, slot.compute, slot.d2h = (
-                        torch.cuda.Event() for _ in range(5))
+                    slot.h2d_early, slot.h2d_late, slot.h2d_in, slot.compute_early, slot.compute, slot.d2h = (
+                        torch.cuda.Event() for _ in range(6))
                 self.slots.append(slot)
 
     def scratch(self, numel: int) -> torch.Tensor:
@@ -309,6 +333,18 @@ class SlotRing:
             self.slots = []
             self._scratch = None
             self._reset_cache()
+
+    def release(self) -> None:
+        """Free the slot buffers and the scratch without waiting for the streams (no slot may hold
+        unwritten state). Safe because every buffer is marked as used by the compute and D2H
+        streams (``record_stream``) and was allocated on the H2D stream: the caching allocator
+        hands the memory out again only after those uses. Unlike :meth:`drain` this does not
+        block the host, so a step can give its slots back before the next backward pass."""
+        if any(d is not None for d in self._dirty):
+            raise RuntimeError("SlotRing.release() with unwritten slots: use drain()")
+        self.slots = []
+        self._scratch = None
+        self._reset_cache()
 
     def forget(self) -> None:
         """Drop the cache after the host slabs were written or replaced (call after :meth:`drain`).
@@ -400,15 +436,33 @@ class SlotRing:
             if unit.start not in self._held:
                 self._load(unit, slabs, protect=want)
 
+    def _load_in(self, si: int, unit: Unit, in_slabs: Mapping[str, torch.Tensor],
+                 wait_in: Callable[[Unit, object], None] | None) -> None:
+        """H2D of the ``in_keys`` of ``unit`` into slot ``si``, after the slot's previous compute
+        (which read those buffers) and after ``wait_in(unit, stream)`` (e.g. gradient D2H events)."""
+        slot = self.slots[si]
+        with self._stream(self.h2d_stream if self.cuda else None):
+            if self.cuda:
+                self.h2d_stream.wait_event(slot.compute)
+            if wait_in is not None:
+                wait_in(unit, self.h2d_stream if self.cuda else None)
+            for k in self.in_keys:
+                slot.buffers[k][: unit.numel].copy_(in_slabs[k][unit.start:unit.end], non_blocking=True)
+            if self.cuda:
+                slot.h2d_in.record(self.h2d_stream)
+
     def run(self, units: Sequence[Unit], slabs: StateSlabs,
-            compute: Callable[[Unit, dict[str, torch.Tensor], Phases], None], *, reverse: bool = False) -> None:
+            compute: Callable[[Unit, dict[str, torch.Tensor], Phases], None], *, reverse: bool = False,
+            in_slabs: Mapping[str, torch.Tensor] | None = None,
+            wait_in: Callable[[Unit, object], None] | None = None) -> None:
         """Stream every unit: H2D (unless cached) -> ``compute(unit, views, phases)`` on the compute
         stream -> D2H (the last ``num_slots`` units stay in their slots with ``keep_resident``).
 
         ``views[k]`` are the slot buffers narrowed to the unit. Returns after enqueueing; the
         caller stream waits on compute only. ``reverse`` walks the units last to first (with
         ``keep_resident``); callers alternate it per step, identically on every rank (TP
-        collectives inside the compute follow this order).
+        collectives inside the compute follow this order). ``in_slabs[k]`` are the host sources
+        of the ``in_keys``; ``wait_in`` orders their copies (see :meth:`_load_in`).
         """
         if not units:
             return
@@ -427,12 +481,16 @@ class SlotRing:
                 self._touch(si)
             except ValueError:
                 si = self._load(unit, slabs, protect=set(upcoming[i:i + self.num_slots]))
+            if self.in_keys:
+                self._load_in(si, unit, in_slabs, wait_in)
             slot = self.slots[si]
             views = {k: b[: unit.numel] for k, b in slot.buffers.items()}
             phases = Phases(self, slot)
             with self._stream(self.compute_stream if self.cuda else None):
                 if self.cuda:
                     self.compute_stream.wait_event(slot.h2d_early)
+                    if self.in_keys:
+                        self.compute_stream.wait_event(slot.h2d_in)
                     self.compute_stream.wait_event(slot.d2h)  # an earlier write-back still reading it
                 compute(unit, views, phases)
                 if self.cuda:
@@ -443,4 +501,6 @@ class SlotRing:
             if unit.start not in keep:
                 self._write_back(si)
         if self.cuda:
+            self.end_events[0].record(self.compute_stream)
+            self.end_events[1].record(self.d2h_stream)
             caller.wait_stream(self.compute_stream)  # (4) caller waits on compute only
