@@ -97,8 +97,8 @@ class StagedAdamW(StagedOptimizerBase):
         offload_gradients: move gradients to the host during the backward pass and free them on
             the device (standalone use; not with gradient accumulation: a second gradient for a
             parameter before ``step()`` raises).
-        host_batch_numel: elements per host-lane kernel call.
-        host_threads: CPU threads of the host lane (None: PyTorch's default).
+        host_batch_numel: elements per host-lane kernel call (it uses PyTorch's intra-op threads,
+            ``torch.set_num_threads``).
         exp_avg_dtype, exp_avg_sq_dtype: moment storage, ``fp32`` | ``bf16`` (or the torch dtypes).
 
     ``state[p]`` holds ``master_param``, ``exp_avg``, ``exp_avg_sq`` (views of the host slabs,
@@ -113,7 +113,7 @@ class StagedAdamW(StagedOptimizerBase):
                  staged_fraction: float = 1.0, impl: str = "auto",
                  device: torch.device | str | None = None, host_fraction: float = 0.0,
                  auto_balance: bool = False, balance_steps: int = 6, offload_gradients: bool = False,
-                 host_batch_numel: int = 16 << 20, host_threads: int | None = None,
+                 host_batch_numel: int = 16 << 20,
                  exp_avg_dtype: str | torch.dtype = "fp32", exp_avg_sq_dtype: str | torch.dtype = "fp32") -> None:
         m_name = _dtype_name("exp_avg_dtype", exp_avg_dtype)
         v_name = _dtype_name("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -122,8 +122,6 @@ class StagedAdamW(StagedOptimizerBase):
                     exp_avg_dtype=m_name, exp_avg_sq_dtype=v_name)
         if host_batch_numel < 1024:
             raise StagedConfigError(f"host_batch_numel={host_batch_numel!r} is invalid: must be >= 1024 elements")
-        if host_threads is not None and host_threads < 1:
-            raise StagedConfigError(f"host_threads={host_threads!r} is invalid: must be >= 1 or None")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.impl = impl
         self.host_fraction = float(host_fraction)
@@ -131,7 +129,6 @@ class StagedAdamW(StagedOptimizerBase):
         self.balance_steps = int(balance_steps)
         self.offload_gradients = bool(offload_gradients)
         self.host_batch_numel = int(host_batch_numel)
-        self.host_threads = host_threads
         self.moment_dtypes = {"exp_avg": _DTYPES[m_name], "exp_avg_sq": _DTYPES[v_name]}
         self._step_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._grads: StateSlabs | None = None  # host gradient slab (host lane, offloaded gradients)
@@ -224,7 +221,7 @@ class StagedAdamW(StagedOptimizerBase):
         if self._layout_key != before:
             self._after_layout()
 
-    def _after_layout(self) -> None:
+    def _after_layout(self, keep_grads: StateSlabs | None = None) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -234,8 +231,11 @@ class StagedAdamW(StagedOptimizerBase):
         need = self.offload_gradients or self.host_fraction > 0 or self.auto_balance
         cfg = self.slot_config
         cuda = self._dev.type == "cuda"
-        self._grads = (StateSlabs(("grad",), self.slabs.numel, pin=cfg.pin_memory and cuda,
-                                  memory_margin=cfg.host_memory_margin) if need else None)
+        if keep_grads is not None and keep_grads.numel == self.slabs.numel:
+            self._grads = keep_grads
+        else:
+            self._grads = (StateSlabs(("grad",), self.slabs.numel, pin=cfg.pin_memory and cuda,
+                                      memory_margin=cfg.host_memory_margin) if need else None)
         if cuda and self._cuda is None:
             self._cuda = {"grad": torch.cuda.Stream(self._dev), "upload": torch.cuda.Stream(self._dev),
                           "ready": torch.cuda.Event(enable_timing=True),
@@ -402,9 +402,8 @@ class StagedAdamW(StagedOptimizerBase):
         """Update ``batches`` on the CPU, in place on the host slabs, then send the weights up."""
         cu = self._cuda
         if cu is not None:
-            torch.cuda.set_device(self._dev)
-            if self.host_threads is not None:
-                torch.set_num_threads(self.host_threads)
+            if self._dev.index is not None:
+                torch.cuda.set_device(self._dev.index)
             if cu["uploaded"]:
                 cu["host_end"].synchronize()  # the last step's uploads have read the masters
         slabs, grads, cpu = self.slabs, self._grads["grad"], torch.device("cpu")
@@ -570,6 +569,32 @@ class StagedAdamW(StagedOptimizerBase):
     def rebalance(self) -> None:
         """Restart ``auto_balance`` (e.g. after the machine's load changed)."""
         self._balanced = 0
+
+    def set_split(self, host_fraction: float | None = None, *, auto_balance: bool | None = None,
+                  offload_gradients: bool | None = None) -> None:
+        """Change the lane split, auto-balancing or gradient offload between steps (no gradient
+        may be pending). Writes back and frees the slots; keeps the host slabs."""
+        if any(self._has_grad):
+            raise StagedConfigError("set_split() with offloaded gradients pending: call step() first")
+        hf = self.host_fraction if host_fraction is None else float(host_fraction)
+        ab = self.auto_balance if auto_balance is None else bool(auto_balance)
+        AdamWConfig(host_fraction=hf, auto_balance=ab, balance_steps=self.balance_steps)  # validates
+        self._wait_fences()
+        self._ensure_layout()
+        self.drain(release=True)
+        self.host_fraction, self.auto_balance = hf, ab
+        if offload_gradients is not None:
+            self.offload_gradients = bool(offload_gradients)
+        self._host_share, self._balanced, self._timing = None, 0, None
+        self._build_ring()
+        grads = self._grads
+        self._after_layout(keep_grads=grads)
+
+    @property
+    def split(self) -> float:
+        """Current host-lane share of the staged elements."""
+        self._ensure_layout()
+        return sum(u.numel for u in self._host_units) / max(1, self.slabs.numel)
 
     # ------------------------------------------------------------ state access
     def drain(self, *, release: bool = True) -> None:

@@ -305,3 +305,28 @@ def test_split_in_megatron_dp2_with_clipping_matches_native():
                 np.testing.assert_array_equal(r["staged_states"][name][key], st[key], err_msg=f"{name}.{key}")
         for name, ref in r["native_params"].items():
             np.testing.assert_array_equal(r["staged_params"][name], ref, err_msg=name)
+
+
+def test_set_split_between_steps_stays_exact():
+    """Switching lanes, balancing and gradient offload between steps keeps the run exact."""
+    g = torch.Generator().manual_seed(11)
+    init = [torch.randn(s, generator=g) for s in SHAPES]
+    ref = [p.clone().requires_grad_() for p in init]
+    out = [p.clone().requires_grad_() for p in init]
+    o_ref = torch.optim.AdamW(ref, lr=1e-2, foreach=True)
+    o_out = StagedAdamW(out, lr=1e-2, slots=SLOTS, impl="foreach")
+    plan = [dict(host_fraction=0.5), dict(offload_gradients=True), dict(host_fraction=0.0),
+            dict(auto_balance=True), dict(offload_gradients=False, auto_balance=False, host_fraction=1.0)]
+    for step in range(10):
+        if step % 2 == 0:
+            o_out.set_split(**plan[step // 2])
+        grads = _grads(g, SHAPES)
+        for a, gr in zip(ref, grads):
+            a.grad = gr.clone()
+        sum((b * gr).sum() for b, gr in zip(out, grads)).backward()
+        o_ref.step()
+        o_out.step()
+        o_out.zero_grad()
+    assert o_out.split == 1.0 and not o_out.offload_gradients
+    o_out.drain(release=False)
+    _assert_matches_torch(ref, out, o_ref, o_out, rtol=1e-6)
