@@ -518,7 +518,7 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         configs["staged_split"] = dict(host_fraction=found[False], offload_gradients=False)
         configs["staged_split_offload"] = dict(host_fraction=found[True], offload_gradients=True)
         if not quick:
-            for f in (0.5, 0.6, 0.7):
+            for f in (0.4, 0.5):
                 configs[f"staged_split_offload_{f}"] = dict(host_fraction=f, offload_gradients=True)
     order = [k for k in providers if k != "staged"] + (list(configs) if staged is not None else [])
     times: dict[str, list[float]] = {k: [] for k in order}
@@ -550,6 +550,25 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
             if CUDA:
                 peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - before)
             persist[name] = sum(p.numel() * p.element_size() for p in ps) + _gpu_state_bytes(opt)
+    # Reserved (not only allocated) transient memory: gradients freed while a copy or kernel still
+    # reads them stay reserved until it is done. One extra iteration each, from an emptied cache.
+    reserved: dict[str, int] = {}
+    if CUDA:
+        for name in order:
+            if name in configs:
+                staged.set_split(configs[name]["host_fraction"], auto_balance=False,
+                                 offload_gradients=configs[name]["offload_gradients"])
+                ps, opt = providers["staged"]["params"], staged
+            else:
+                ps, opt = providers[name]["params"], providers[name]["opt"]
+            h.iteration(ps, opt)
+            _sync()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_reserved()
+            h.iteration(ps, opt)
+            _sync()
+            reserved[name] = torch.cuda.max_memory_reserved() - before
     rates = host_adamw_rates(n, staged.host_batch_numel if staged else 16 << 20,
                              tao=providers.get("torchao_offload", {}).get("opt"), staged=staged)
     # floors
@@ -562,12 +581,13 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         row = {"case": f"peers/N={n / 1e6:.0f}M", "provider": name, "ms": t[0], "ms_p50": t[len(t) // 2],
                "runs": len(t), "params": n, "peak_GiB": (h.grad_bytes + persist[name] + peaks[name]) / gib,
                "transient_GiB": peaks[name] / gib}
+        if name in reserved:
+            row["transient_reserved_GiB"] = reserved[name] / gib
         if name in configs:
             staged.set_split(configs[name]["host_fraction"], offload_gradients=configs[name]["offload_gradients"],
                              auto_balance=False)
             b = staged.bytes_per_step()
-            host_bytes = staged.slabs.nbytes + (staged._grads.nbytes if (b["host_numel"] or staged.offload_gradients)
-                                                else 0)
+            host_bytes = staged.slabs.nbytes + (staged._grads.nbytes if b["host_numel"] else 0)
             row.update(host_fraction=b["host_numel"] / n, offload_gradients=staged.offload_gradients,
                        host_GiB=host_bytes / gib, pinned_GiB=host_bytes / gib, h2d_GB=b["h2d"] / 1e9,
                        d2h_GB=b["d2h"] / 1e9, GBps_h2d=b["h2d"] / t[0] / 1e6, GBps_d2h=b["d2h"] / t[0] / 1e6)
@@ -717,7 +737,7 @@ def megatron_exposed_rows(quick: bool, runs: int, microbatches: int = 4) -> list
     lr = 1e-4
     base = dict(optimizer="adam", lr=lr, weight_decay=0.01, use_distributed_optimizer=True, bf16=True,
                 params_dtype=torch.bfloat16, clip_grad=1.0)
-    kinds = {"mcore_native": None, "mcore_staged_stream": 0.0, "mcore_staged_split": "auto"}
+    kinds = {"mcore_native": None, "mcore_staged_split": "auto"}
     if CUDA:
         kinds["mcore_hdo_1.0"] = "hdo"
     built, rows = {}, []
@@ -808,6 +828,10 @@ def peers_main(args) -> None:
     prow, extra = peers_rows(n, count, runs, bw, args.quick)
     rows += prow
     extra["bandwidth_GBps"] = bw
+    write_peers(prow, extra, n, count, runs)  # written before the Megatron section, in case it fails
+    write_results("optim_staged_peers", rows, extra)
+    plot_peers(rows)
+    print("target:", extra.get("target"), flush=True)
     if not args.no_megatron:
         try:
             rows += megatron_exposed_rows(args.quick, runs=3 if args.quick else args.runs)
@@ -820,7 +844,8 @@ def peers_main(args) -> None:
     print("host AdamW:", {k: round(v, 1) if isinstance(v, float) else v for k, v in extra["host_adamw"].items()})
     print("split floor:", extra.get("split_floor"), "auto split:", extra.get("auto_split"))
     print("target:", extra.get("target"))
-    print_table(rows, ["case", "provider", "ms", "ms_p50", "peak_GiB", "host_GiB", "host_fraction", "GBps_h2d",
+    print_table(rows, ["case", "provider", "ms", "ms_p50", "peak_GiB", "transient_reserved_GiB", "host_GiB",
+                       "host_fraction", "GBps_h2d",
                        "GBps_d2h", "pct_floor", "fwd_bwd_ms", "exposed_opt_ms", "peak_hbm_GiB", "GBps_dir",
                        "error"])
 

@@ -12,10 +12,17 @@ Two lanes update the staged elements, at the same time:
   slabs: gradient D2H (4 B/param), update, weights H2D (4 B/param). It runs on a worker thread
   while the slot lane streams; ``auto_balance`` sizes the two lanes from their measured rates.
 
-``offload_gradients`` copies each staged parameter's gradient into a pinned host slab from a
-post-accumulate-grad hook during the backward pass and frees the device gradient there (as
-torchao's ``CPUOffloadOptimizer(offload_gradients=True)``); the slot lane then brings its units'
-gradients back in with the moments (H2D-only slot keys), and gives its slots back after each step.
+``offload_gradients`` runs the update *during the backward pass*, from post-accumulate-grad hooks,
+and frees every device gradient there (the memory of torchao's
+``CPUOffloadOptimizer(offload_gradients=True)``, without sending the slot lane's gradients to the
+host and back): a host-lane gradient goes D2H and the host lane (started at the first hook)
+updates it as soon as it lands; a slot-lane gradient is consumed on the device by its units as
+soon as every parameter of a unit has its gradient, then freed. The hook blocks while the
+gradients still in flight, the slots and the next gradient would exceed ``offload_budget_bytes``
+(default: the largest gradient, which autograd holds anyway), which paces the backward pass to
+the slot lane when it is faster. ``step()`` finishes the lanes. Like torchao's mode, this excludes
+gradient accumulation and clipping (gradients are gone when ``step()`` runs), and hyper-parameters
+are read when the backward pass starts.
 
 Moments may be stored in bf16 (``exp_avg_dtype`` / ``exp_avg_sq_dtype``); the update still runs in
 fp32 on upcast copies and rounds the moments back to bf16 (round-to-nearest-even).
@@ -23,8 +30,10 @@ fp32 on upcast copies and rounds the moments back to bf16 (round-to-nearest-even
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -94,9 +103,11 @@ class StagedAdamW(StagedOptimizerBase):
             ``torch.optim.AdamW(fused=True)``.
         auto_balance: re-estimate the split from the measured lane rates after each of the first
             ``balance_steps`` steps (starting from ``host_fraction``, or 0.5 when that is 0).
-        offload_gradients: move gradients to the host during the backward pass and free them on
-            the device (standalone use; not with gradient accumulation: a second gradient for a
-            parameter before ``step()`` raises).
+        offload_gradients: update during the backward pass from gradient hooks and free the
+            device gradients there (standalone use, leaf parameters; no gradient accumulation: a
+            second gradient for a parameter before ``step()`` raises; no clipping).
+        offload_budget_bytes: bound on slot-lane gradients in flight + slots + the next gradient
+            with ``offload_gradients`` (None: the largest staged gradient).
         host_batch_numel: elements per host-lane kernel call (it uses PyTorch's intra-op threads,
             ``torch.set_num_threads``).
         exp_avg_dtype, exp_avg_sq_dtype: moment storage, ``fp32`` | ``bf16`` (or the torch dtypes).
@@ -113,7 +124,7 @@ class StagedAdamW(StagedOptimizerBase):
                  staged_fraction: float = 1.0, impl: str = "auto",
                  device: torch.device | str | None = None, host_fraction: float = 0.0,
                  auto_balance: bool = False, balance_steps: int = 6, offload_gradients: bool = False,
-                 host_batch_numel: int = 16 << 20,
+                 host_batch_numel: int = 16 << 20, offload_budget_bytes: int | None = None,
                  exp_avg_dtype: str | torch.dtype = "fp32", exp_avg_sq_dtype: str | torch.dtype = "fp32") -> None:
         m_name = _dtype_name("exp_avg_dtype", exp_avg_dtype)
         v_name = _dtype_name("exp_avg_sq_dtype", exp_avg_sq_dtype)
@@ -129,11 +140,22 @@ class StagedAdamW(StagedOptimizerBase):
         self.balance_steps = int(balance_steps)
         self.offload_gradients = bool(offload_gradients)
         self.host_batch_numel = int(host_batch_numel)
+        self.offload_budget_bytes = offload_budget_bytes
         self.moment_dtypes = {"exp_avg": _DTYPES[m_name], "exp_avg_sq": _DTYPES[v_name]}
         self._step_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._grads: StateSlabs | None = None  # host gradient slab (host lane, offloaded gradients)
         self._hooks: list[Any] = []
-        self._has_grad: list[bool] = []
+        self._arrived: list[bool] = []  # offload: gradient of parameter i arrived in this backward pass
+        self._begun = False  # offload: this step's update started in the backward pass
+        self._bwd = threading.Condition()  # host lane waits here for gradients (hooks notify)
+        self._bwd_done = False
+        self._held: dict[int, torch.Tensor] = {}  # slot-lane device gradients not yet consumed
+        self._held_left: dict[int, int] = {}
+        self._pending: collections.deque = collections.deque()  # (compute event, bytes) of freed grads
+        self._pending_bytes = 0
+        self._next_after: dict[int, int] = {}  # arrival order of the previous step: i -> next i
+        self._order: list[int] = []
+        self._future = None
         self._param_is_master = False
         self._masters_stale = False  # slot lane updated fp32 params: host masters lag behind
         self._host_units: list[Unit] = []
@@ -166,8 +188,7 @@ class StagedAdamW(StagedOptimizerBase):
         self._param_is_master = bool(self._staged_idx) and all(
             self._plist[i][1].dtype == torch.float32 for i in self._staged_idx)
         keys = _MOMENTS if self._param_is_master else self.state_keys
-        return {"keys": keys, "in_keys": ("grad",) if self.offload_gradients else (),
-                "dtypes": {**self._state_dtypes(), "grad": torch.float32},
+        return {"keys": keys, "dtypes": self._state_dtypes(),
                 "keep_resident": self.slot_config.keep_resident and not self.offload_gradients}
 
     def _units(self, entries, *, whole: bool = False) -> list[Unit]:
@@ -214,6 +235,26 @@ class StagedAdamW(StagedOptimizerBase):
         self._staged_units = self._all_units[:k]  # the slot lane (base class: prefetch, residency)
         self._host_units = self._all_units[k:]
         self._host_batches = merge_units(self._host_units, self.host_batch_numel)
+        # offload bookkeeping: which slot units each parameter feeds, and its host-lane range
+        self._unit_params = [tuple(sorted({pc.param_index for pc in u.pieces})) for u in self._staged_units]
+        self._param_units: dict[int, list[int]] = {}
+        for k_, ps in enumerate(self._unit_params):
+            for i in ps:
+                self._param_units.setdefault(i, []).append(k_)
+        self._param_host: dict[int, tuple[int, int, int]] = {}  # i -> (p_start, numel, slab offset)
+        for u in self._host_units:
+            for pc in u.pieces:
+                a, n, o = self._param_host.get(pc.param_index, (pc.p_start, 0, u.start + pc.unit_offset))
+                self._param_host[pc.param_index] = (a, n + pc.numel, o)
+        self._reset_backward()
+
+    def _reset_backward(self) -> None:
+        self._missing = [len(ps) for ps in self._unit_params]
+        self._unit_done = [False] * len(self._unit_params)
+        self._arrived = [False] * len(getattr(self, "_plist", []))
+        self._held.clear()
+        self._held_left.clear()
+        self._begun = self._bwd_done = False
 
     def _ensure_layout(self) -> None:
         before = self._layout_key
@@ -226,7 +267,8 @@ class StagedAdamW(StagedOptimizerBase):
             h.remove()
         self._hooks = []
         plist = self._plist
-        self._has_grad = [False] * len(plist)
+        self._params_list = [p for _, p in plist]
+        self._reset_backward()
         self._staged_ids = {id(plist[i][1]) for i in self._staged_idx}
         need = self.offload_gradients or self.host_fraction > 0 or self.auto_balance
         cfg = self.slot_config
@@ -239,7 +281,8 @@ class StagedAdamW(StagedOptimizerBase):
         if cuda and self._cuda is None:
             self._cuda = {"grad": torch.cuda.Stream(self._dev), "upload": torch.cuda.Stream(self._dev),
                           "ready": torch.cuda.Event(enable_timing=True),
-                          "host_end": torch.cuda.Event(enable_timing=True), "uploaded": False}
+                          "host_end": torch.cuda.Event(enable_timing=True), "uploaded": False,
+                          "threads_set": False}
         if cuda:
             self._cuda["param_events"] = [torch.cuda.Event() for _ in plist]
         if self.offload_gradients:
@@ -251,45 +294,164 @@ class StagedAdamW(StagedOptimizerBase):
                         f"{tuple(p.shape)} is not one")
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._offload_hook))
             self._pindex = {id(p): i for i, (_, p) in enumerate(plist)}
+            gb = [plist[i][1].numel() * plist[i][1].element_size() for i in self._staged_idx]
+            self._budget = self.offload_budget_bytes if self.offload_budget_bytes is not None else max(gb, default=0)
 
     # ---------------------------------------------------------------- gradients
     def _offload_hook(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: gradient -> host slab (async on CUDA), device gradient freed."""
+        """Post-accumulate-grad hook (``offload_gradients``): start this step's update with the first
+        gradient; send a host-lane gradient down, hand a slot-lane gradient to its units (streamed
+        once all their parameters arrived); free the device gradient; keep the memory in budget."""
         g = p.grad
         if g is None:
             return
         i = self._pindex[id(p)]
-        if self._has_grad[i]:
+        if self._arrived[i]:
             raise StagedConfigError(
                 f"offload_gradients=True does not support gradient accumulation: parameter {i} of shape "
                 f"{tuple(p.shape)} got a second gradient before step()")
-        o = self._offsets[i]
-        dst = self._grads["grad"][o:o + p.numel()]
-        if self._cuda is not None:
-            s = self._cuda["grad"]
-            s.wait_stream(torch.cuda.current_stream(self._dev))  # the backward wrote it there
-            with torch.cuda.stream(s):
-                dst.copy_(g.detach().reshape(-1), non_blocking=True)
-                self._cuda["param_events"][i].record(s)
-            g.record_stream(s)
-        else:
-            dst.copy_(g.detach().reshape(-1))
+        if not self._begun:
+            self._start_in_backward()
+        self._arrived[i] = True
+        self._order.append(i)
         p.grad = None
-        self._has_grad[i] = True
+        g = g.detach()
+        cu = self._cuda
+        host = self._param_host.get(i)
+        if host is not None:
+            a, n, o = host
+            dst = self._grads["grad"][o:o + n]
+            if cu is not None:
+                s = cu["grad"]
+                s.wait_stream(torch.cuda.current_stream(self._dev))  # the backward wrote it there
+                with torch.cuda.stream(s):
+                    dst.copy_(g.reshape(-1)[a:a + n], non_blocking=True)
+                    cu["param_events"][i].record(s)
+                g.record_stream(s)
+                if i not in self._param_units:  # freed once its D2H is done (else: after its units)
+                    nb = g.numel() * g.element_size()
+                    self._pending.append((cu["param_events"][i], nb))
+                    self._pending_bytes += nb
+            else:
+                dst.copy_(g.reshape(-1)[a:a + n])
+        units = self._param_units.get(i)
+        if units:
+            self._held[i], self._held_left[i] = g, len(units)
+            ready = []
+            for k in units:
+                self._missing[k] -= 1
+                if self._missing[k] == 0:
+                    ready.append(k)
+            if ready:
+                self._stream_units(ready)
+        if host is not None and cu is not None:
+            with self._bwd:
+                self._bwd.notify_all()
+        if cu is not None:
+            self._throttle(i)
+
+    def _start_in_backward(self) -> None:
+        """First gradient of a step (``offload_gradients``): balance, advance the step counters,
+        start the host lane, mark the time origin."""
+        self._wait_fences()
+        self._maybe_rebalance()
+        self._begin_step()
+        self._begun, self._bwd_done, self._ring_begun = True, False, False
+        self._order = []
+        cu = self._cuda
+        if cu is not None:
+            cu["ready"].record(torch.cuda.current_stream(self._dev))
+            batches = self._host_batches[::-1]
+            if batches:
+                self._future = self._submit(batches, None)
+        self._t0 = time.perf_counter()
+        self._t_ring = 0.0
+
+    def _stream_units(self, ks: list[int]) -> None:
+        """Slot lane of the backward pass: stream units ``ks`` now (their gradients are on the
+        device), then free each gradient whose units are all enqueued."""
+        ring = self._ring
+        units = [self._staged_units[k] for k in ks]
+        params = self._params_list
+        t0 = time.perf_counter()
+        ring.run(units, self.slabs, lambda u, v, ph: self._compute(u, v, params, ph), join_caller=False,
+                 after_write_backs=not self._ring_begun)
+        self._t_ring += time.perf_counter() - t0
+        self._ring_begun = True
+        self._masters_stale |= self._param_is_master
+        ev = None
+        for k in ks:
+            self._unit_done[k] = True
+            for j in self._unit_params[k]:
+                if j not in self._held:
+                    continue
+                self._held_left[j] -= 1
+                if self._held_left[j] == 0:
+                    g = self._held.pop(j)
+                    if ring.cuda:
+                        if ev is None:
+                            ev = torch.cuda.Event()
+                            ev.record(ring.compute_stream)
+                        g.record_stream(ring.compute_stream)  # freed for reuse after the compute
+                        nb = g.numel() * g.element_size()
+                        self._pending.append((ev, nb))
+                        self._pending_bytes += nb
+
+    def _throttle(self, i: int) -> None:
+        """Block until the gradients still in flight (freed, but read by a D2H copy or a slot
+        compute, so their memory is not reusable yet) + the ones held for a unit + the slots + the
+        next gradient fit the budget."""
+        nxt = self._next_after.get(i)
+        if nxt is None or self._arrived[nxt]:
+            left = [self._plist[j][1] for j in self._staged_idx if not self._arrived[j]]
+            nxt_b = max((q.numel() * q.element_size() for q in left), default=0)
+        else:
+            q = self._plist[nxt][1]
+            nxt_b = q.numel() * q.element_size()
+        held = sum(g.numel() * g.element_size() for g in self._held.values())
+        ring = self._ring
+        slots = ring.num_slots * ring.slot_numel * sum(
+            torch.empty((), dtype=ring.dtypes[k]).element_size() for k in ring.keys) if self._staged_units else 0
+        while self._pending and self._pending_bytes + held + slots + nxt_b > self._budget:
+            ev, nb = self._pending.popleft()
+            ev.synchronize()
+            self._pending_bytes -= nb
+
+    def _finish_in_backward(self, params: list[torch.Tensor]) -> None:
+        """``step()`` with ``offload_gradients``: stream the slot units whose parameters did not all
+        get a gradient, finish the host lane, join the streams, give the slots back."""
+        cu, ring = self._cuda, self._ring
+        with self._bwd:
+            self._bwd_done = True
+            self._bwd.notify_all()
+        left = [k for k, done in enumerate(self._unit_done)
+                if not done and any(self._arrived[j] for j in self._unit_params[k])]
+        if left:
+            self._stream_units(left)
+        t_host = 0.0
+        if self._future is not None:
+            f, self._future = self._future, None
+            f.result()
+        elif self._host_batches:
+            t1 = time.perf_counter()
+            self._host_lane(self._host_batches[::-1], params, None)
+            t_host = time.perf_counter() - t1
+        if cu is not None:
+            caller = torch.cuda.current_stream(self._dev)
+            caller.wait_stream(ring.compute_stream)
+            caller.wait_stream(cu["upload"])
+            ring.release()  # slots back to the allocator before the next backward pass
+            self._pending.clear()
+            self._pending_bytes = 0
+        self._next_after = dict(zip(self._order, self._order[1:]))
+        self._record_timing("cuda" if cu is not None else t_host, self._t_ring)
+        self._reset_backward()
 
     def _live(self, params: list[torch.Tensor], i: int) -> bool:
-        return self._has_grad[i] if self.offload_gradients else grad_of(params[i]) is not None
+        return self._arrived[i] if self.offload_gradients else grad_of(params[i]) is not None
 
-    def _wait_grads(self, unit: Unit, stream) -> None:
-        """Slot lane, offloaded gradients: the H2D of a unit's gradients waits for their D2H."""
-        if stream is None:
-            return
-        seen = set()
-        for pc in unit.pieces:
-            i = pc.param_index
-            if i not in seen and self._has_grad[i]:
-                seen.add(i)
-                stream.wait_event(self._cuda["param_events"][i])
+    def _device_grad(self, params: list[torch.Tensor], i: int) -> torch.Tensor | None:
+        return self._held.get(i) if self.offload_gradients else grad_of(params[i])
 
     def _grads_down(self, batches: list[Unit], params: list[torch.Tensor]) -> list[Any]:
         """Host lane, gradients on the device: D2H of every batch's gradient pieces into the host
@@ -316,8 +478,16 @@ class StagedAdamW(StagedOptimizerBase):
                     events.append(None)
         return events
 
+    def _submit(self, batches: list[Unit], events: list[Any] | None):
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="optim_staged_host")
+            weakref.finalize(self, self._executor.shutdown, wait=False)
+        return self._executor.submit(self._host_lane, batches, self._params_list, events)
+
     # -------------------------------------------------------------------- step
     def _begin_step(self) -> None:
+        if self._begun:
+            return  # offload_gradients: advanced when the backward pass started
         super()._begin_step()
         devs = [self.compute_device]
         if self._host_batches and self.compute_device.type != "cpu":
@@ -330,20 +500,16 @@ class StagedAdamW(StagedOptimizerBase):
                     t = self._step_tensors[(gi, dev)] = torch.zeros((), dtype=torch.float32, device=dev)
                 t.fill_(float(g["step"]))
 
-    def _ring_walk(self, step: int) -> tuple[list[Unit], bool]:
-        """Slot-lane order: with offloaded gradients last unit first (the order gradients arrive in
-        a backward pass), else the base class's alternation (slot cache)."""
-        if self.offload_gradients:
-            return self._staged_units[::-1], False
-        return self._staged_units, self._reverse_at(step)
-
     def prefetch(self) -> None:
         self._ensure_layout()
-        if self._staged_units:
-            units, reverse = self._ring_walk(self._step_count() + 1)
-            self._ring.prefetch(units, self.slabs, reverse=reverse)
+        if self._staged_units and not self.offload_gradients:
+            self._ring.prefetch(self._staged_units, self.slabs, reverse=self._reverse_at(self._step_count() + 1))
 
     def _run_staged(self, params: list[torch.Tensor]) -> None:
+        if self.offload_gradients:
+            if self._begun:
+                self._finish_in_backward(params)
+            return  # no gradient arrived: nothing to update (the counters still advance)
         self._maybe_rebalance()
         ring, cu = self._ring, self._cuda
         cuda = ring.cuda
@@ -356,22 +522,14 @@ class StagedAdamW(StagedOptimizerBase):
         future = None
         if batches and cuda:
             cu["upload"].wait_event(cu["ready"])  # parameters are rewritten only after their uses
-            events = None if self.offload_gradients else self._grads_down(batches, params)
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="optim_staged_host")
-                weakref.finalize(self, self._executor.shutdown, wait=False)
+            events = self._grads_down(batches, params)
             sys.setswitchinterval(min(switch, 2e-4))  # the host thread re-takes the GIL between kernels
-            future = self._executor.submit(self._host_lane, batches, params, events)
+            future = self._submit(batches, events)
         t_host = 0.0
         try:
             if self._staged_units:
-                units, reverse = self._ring_walk(self._step_count())
-                compute = lambda u, v, ph: self._compute(u, v, params, ph)  # noqa: E731
-                if self.offload_gradients:
-                    ring.run(units, self.slabs, compute, reverse=reverse, in_slabs={"grad": self._grads["grad"]},
-                             wait_in=self._wait_grads)
-                else:
-                    ring.run(units, self.slabs, compute, reverse=reverse)
+                ring.run(self._staged_units, self.slabs, lambda u, v, ph: self._compute(u, v, params, ph),
+                         reverse=self._reverse_at(self._step_count()))
                 self._masters_stale |= self._param_is_master
             t_ring = time.perf_counter() - t0
             if future is not None:
@@ -380,35 +538,43 @@ class StagedAdamW(StagedOptimizerBase):
                 caller.wait_stream(cu["upload"])
             elif batches:
                 t1 = time.perf_counter()
-                events = None if self.offload_gradients else self._grads_down(batches, params)
-                self._host_lane(batches, params, events)
+                self._host_lane(batches, params, self._grads_down(batches, params))
                 t_host = time.perf_counter() - t1
         finally:
             if future is not None:  # the slot lane raised: let the host lane finish before leaving
                 future.exception()
             sys.setswitchinterval(switch)
-        if self.offload_gradients:
-            if cuda:
-                ring.release()  # slots back to the allocator before the next backward pass
-            self._has_grad = [False] * len(self._has_grad)
+        self._record_timing("cuda" if cuda else t_host, t_ring)
+
+    def _record_timing(self, t_host, t_ring) -> None:
         host_n = sum(u.numel for u in self._host_units)
         ring_n = sum(u.numel for u in self._staged_units)
-        if cuda:
-            self._timing = (host_n, ring_n, "cuda", None)
-        else:
-            self._timing = (host_n, ring_n, t_host, t_ring)
+        self._timing = (host_n, ring_n, t_host, None if t_host == "cuda" else t_ring)
 
     def _host_lane(self, batches: list[Unit], params: list[torch.Tensor], events: list[Any] | None) -> None:
-        """Update ``batches`` on the CPU, in place on the host slabs, then send the weights up."""
+        """Update ``batches`` on the CPU, in place on the host slabs, then send the weights up.
+        ``events``: per-batch gradient-D2H events; None with ``offload_gradients`` (per-parameter
+        events of the hooks; a batch waits until its parameters' gradients arrived or the backward
+        pass ended)."""
         cu = self._cuda
         if cu is not None:
             if self._dev.index is not None:
                 torch.cuda.set_device(self._dev.index)
+            if not cu["threads_set"]:
+                # One core less than PyTorch's intra-op threads (this worker thread only, as OpenMP
+                # thread counts are per thread): the thread streaming the slot lane keeps a core,
+                # and no OpenMP team member is preempted mid-kernel.
+                torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+                cu["threads_set"] = True
             if cu["uploaded"]:
                 cu["host_end"].synchronize()  # the last step's uploads have read the masters
         slabs, grads, cpu = self.slabs, self._grads["grad"], torch.device("cpu")
         narrow = any(d != torch.float32 for d in self.moment_dtypes.values())
         for bi, b in enumerate(batches):
+            if self.offload_gradients and cu is not None:
+                bparams = {pc.param_index for pc in b.pieces}
+                with self._bwd:
+                    self._bwd.wait_for(lambda bp=bparams: self._bwd_done or all(self._arrived[j] for j in bp))
             live = [pc for pc in b.pieces if self._live(params, pc.param_index)]
             if not live:
                 continue
@@ -461,6 +627,9 @@ class StagedAdamW(StagedOptimizerBase):
                 params[pc.param_index].detach().view(-1)[pc.p_start:pc.p_start + pc.numel].copy_(master[s:s + pc.numel])
             return
         with torch.cuda.stream(cu["upload"]):
+            if self.offload_gradients:  # the backward pass is done with these parameters
+                for i in {pc.param_index for pc in live}:
+                    cu["upload"].wait_event(cu["param_events"][i])
             if self._param_is_master:
                 for pc in live:
                     s = b.start + pc.unit_offset
@@ -481,7 +650,6 @@ class StagedAdamW(StagedOptimizerBase):
         g = self.param_groups[unit.group]
         ring_lane = phases is not None
         param_master = ring_lane and self._param_is_master
-        from_slot = ring_lane and self.offload_gradients
         narrow = views["exp_avg"].dtype != torch.float32 or views["exp_avg_sq"].dtype != torch.float32
         n = unit.numel
         scratch = self._scratch(3 * n) if narrow else None
@@ -489,20 +657,15 @@ class StagedAdamW(StagedOptimizerBase):
         for pc in unit.pieces:
             p = params[pc.param_index]
             sl = slice(pc.unit_offset, pc.unit_offset + pc.numel)
-            if from_slot:
-                if not self._has_grad[pc.param_index]:
-                    continue
-                piece = views["grad"][sl]
-            else:
-                grad = grad_of(p)
-                if grad is None:
-                    continue
-                piece = grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel] if grad.is_contiguous() else None
-                if piece is None or piece.dtype != torch.float32:  # e.g. bf16 grads: fp32 copy on the device
-                    if scratch is None:
-                        scratch = self._scratch(n)
-                    scratch[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
-                    piece = scratch[sl]
+            grad = self._device_grad(params, pc.param_index) if ring_lane else grad_of(p)
+            if grad is None:
+                continue
+            piece = grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel] if grad.is_contiguous() else None
+            if piece is None or piece.dtype != torch.float32:  # e.g. bf16 grads: fp32 copy on the device
+                if scratch is None:
+                    scratch = self._scratch(n)
+                scratch[sl].copy_(grad.reshape(-1)[pc.p_start:pc.p_start + pc.numel], non_blocking=True)
+                piece = scratch[sl]
             if param_master:
                 masters.append(p.detach().view(-1)[pc.p_start:pc.p_start + pc.numel])
             else:
@@ -574,8 +737,8 @@ class StagedAdamW(StagedOptimizerBase):
                   offload_gradients: bool | None = None) -> None:
         """Change the lane split, auto-balancing or gradient offload between steps (no gradient
         may be pending). Writes back and frees the slots; keeps the host slabs."""
-        if any(self._has_grad):
-            raise StagedConfigError("set_split() with offloaded gradients pending: call step() first")
+        if self._begun:
+            raise StagedConfigError("set_split() between a backward pass and its step(): call step() first")
         hf = self.host_fraction if host_fraction is None else float(host_fraction)
         ab = self.auto_balance if auto_balance is None else bool(auto_balance)
         AdamWConfig(host_fraction=hf, auto_balance=ab, balance_steps=self.balance_steps)  # validates
@@ -651,14 +814,14 @@ class StagedAdamW(StagedOptimizerBase):
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes each step moves host->device (``h2d``) and device->host (``d2h``) in the current
-        split, slot cache ignored: slot lane = its state keys each way plus offloaded gradients
-        in; host lane = gradients down, fp32 weights up; offloaded gradients all go down."""
+        split, slot cache ignored: slot lane = its state keys each way; host lane = gradients down,
+        fp32 weights up (the same with ``offload_gradients``: slot-lane gradients stay on the device)."""
         self._ensure_layout()
         size = {k: torch.empty((), dtype=d).element_size() for k, d in self._state_dtypes().items()}
         keys = _MOMENTS if self._param_is_master else self.state_keys
         ring_n = sum(u.numel for u in self._staged_units)
         host_n = sum(u.numel for u in self._host_units)
         per = sum(size[k] for k in keys)
-        h2d = ring_n * (per + (4 if self.offload_gradients else 0)) + 4 * host_n
-        d2h = ring_n * per + 4 * (ring_n + host_n if self.offload_gradients else host_n)
+        h2d = ring_n * per + 4 * host_n
+        d2h = ring_n * per + 4 * host_n
         return {"h2d": h2d, "d2h": d2h, "host_numel": host_n, "ring_numel": ring_n}

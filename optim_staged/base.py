@@ -132,16 +132,14 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         return {k: torch.float32 for k in self.state_keys}
 
     def _ring_spec(self) -> dict[str, Any]:
-        """How the slot ring is built: keys copied both ways, H2D-only keys, dtypes, caching."""
-        return {"keys": self.state_keys, "in_keys": (), "dtypes": self._state_dtypes(),
-                "keep_resident": self.slot_config.keep_resident}
+        """How the slot ring is built: keys it streams, their dtypes, caching."""
+        return {"keys": self.state_keys, "dtypes": self._state_dtypes(), "keep_resident": self.slot_config.keep_resident}
 
     def _build_ring(self) -> None:
         cfg, plist = self.slot_config, self._plist
         spec = self._ring_spec()
         self._ring = SlotRing(spec["keys"], slot_numel=cfg.slot_numel, num_slots=cfg.num_slots, device=self._dev,
-                              late_keys=self.late_keys, keep_resident=spec["keep_resident"],
-                              in_keys=spec["in_keys"], dtypes=spec["dtypes"])
+                              late_keys=self.late_keys, keep_resident=spec["keep_resident"], dtypes=spec["dtypes"])
         self._staged_units = self._units([(i, plist[i][0], plist[i][1], self._offsets[i]) for i in self._staged_idx])
         self._resident_units = self._units(
             [(i, plist[i][0], plist[i][1], self._offsets[i]) for i in self._resident_idx], whole=True)

@@ -200,7 +200,6 @@ class _Slot:
     buffers: dict[str, torch.Tensor]
     h2d_early: object = None
     h2d_late: object = None
-    h2d_in: object = None
     compute_early: object = None
     compute: object = None
     d2h: object = None
@@ -234,17 +233,14 @@ class SlotRing:
     ``late_keys`` are needed only at the end of a unit's compute (Muon's master weight): their H2D
     is queued after the early keys' and awaited by the compute through :class:`Phases`.
 
-    ``in_keys`` travel host -> device only (e.g. a gradient offloaded to the host): they are copied
-    in by :meth:`run` for every unit, cached or not, read by the compute and never written back.
     ``dtypes`` maps keys to their slot dtype (fp32 when omitted).
     """
 
     def __init__(self, keys: Sequence[str], *, slot_numel: int, num_slots: int, device: torch.device | str,
-                 late_keys: Sequence[str] = (), keep_resident: bool = True, in_keys: Sequence[str] = (),
+                 late_keys: Sequence[str] = (), keep_resident: bool = True,
                  dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.keys = tuple(keys)
-        self.in_keys = tuple(in_keys)
-        self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in self.keys + self.in_keys}
+        self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in self.keys}
         self.late_keys = tuple(k for k in self.keys if k in late_keys)
         self.early_keys = tuple(k for k in self.keys if k not in late_keys)
         self.slot_numel = int(slot_numel)
@@ -293,14 +289,14 @@ class SlotRing:
         with self._stream(self.h2d_stream if self.cuda else None):
             for _ in range(self.num_slots):
                 bufs = {k: torch.empty(self.slot_numel, dtype=self.dtypes[k], device=self.device)
-                        for k in self.keys + self.in_keys}
+                        for k in self.keys}
                 slot = _Slot(bufs)
                 if self.cuda:
                     for b in bufs.values():
                         b.record_stream(self.compute_stream)
                         b.record_stream(self.d2h_stream)
-                    slot.h2d_early, slot.h2d_late, slot.h2d_in, slot.compute_early, slot.compute, slot.d2h = (
-                        torch.cuda.Event() for _ in range(6))
+                    slot.h2d_early, slot.h2d_late, slot.compute_early, slot.compute, slot.d2h = (
+                        torch.cuda.Event() for _ in range(5))
                 self.slots.append(slot)
 
     def scratch(self, numel: int) -> torch.Tensor:
@@ -414,9 +410,11 @@ class SlotRing:
         self._touch(si)
         return si
 
-    def _begin(self, slabs: StateSlabs) -> None:
+    def _begin(self, slabs: StateSlabs, *, after_write_backs: bool = True) -> None:
         self.ensure_allocated()
         self._bind(slabs)
+        if not after_write_backs:
+            return
         self._written_back.clear()
         if self.cuda:  # host ranges written back by earlier steps are read only after that D2H
             self.h2d_stream.wait_stream(self.d2h_stream)
@@ -436,37 +434,26 @@ class SlotRing:
             if unit.start not in self._held:
                 self._load(unit, slabs, protect=want)
 
-    def _load_in(self, si: int, unit: Unit, in_slabs: Mapping[str, torch.Tensor],
-                 wait_in: Callable[[Unit, object], None] | None) -> None:
-        """H2D of the ``in_keys`` of ``unit`` into slot ``si``, after the slot's previous compute
-        (which read those buffers) and after ``wait_in(unit, stream)`` (e.g. gradient D2H events)."""
-        slot = self.slots[si]
-        with self._stream(self.h2d_stream if self.cuda else None):
-            if self.cuda:
-                self.h2d_stream.wait_event(slot.compute)
-            if wait_in is not None:
-                wait_in(unit, self.h2d_stream if self.cuda else None)
-            for k in self.in_keys:
-                slot.buffers[k][: unit.numel].copy_(in_slabs[k][unit.start:unit.end], non_blocking=True)
-            if self.cuda:
-                slot.h2d_in.record(self.h2d_stream)
-
     def run(self, units: Sequence[Unit], slabs: StateSlabs,
             compute: Callable[[Unit, dict[str, torch.Tensor], Phases], None], *, reverse: bool = False,
-            in_slabs: Mapping[str, torch.Tensor] | None = None,
-            wait_in: Callable[[Unit, object], None] | None = None) -> None:
+            join_caller: bool = True, after_write_backs: bool = True) -> None:
         """Stream every unit: H2D (unless cached) -> ``compute(unit, views, phases)`` on the compute
         stream -> D2H (the last ``num_slots`` units stay in their slots with ``keep_resident``).
 
         ``views[k]`` are the slot buffers narrowed to the unit. Returns after enqueueing; the
         caller stream waits on compute only. ``reverse`` walks the units last to first (with
         ``keep_resident``); callers alternate it per step, identically on every rank (TP
-        collectives inside the compute follow this order). ``in_slabs[k]`` are the host sources
-        of the ``in_keys``; ``wait_in`` orders their copies (see :meth:`_load_in`).
+        collectives inside the compute follow this order).
+
+        A step may also be streamed in several calls (units as they become ready, e.g. from
+        gradient hooks): later calls pass ``after_write_backs=False`` (their host ranges were not
+        written back in this step, so their H2D need not wait for the D2H stream) and
+        ``join_caller=False`` (the caller's stream must not wait on the compute yet: it is still
+        running the backward pass); the caller joins ``compute_stream`` itself at the end.
         """
         if not units:
             return
-        self._begin(slabs)
+        self._begin(slabs, after_write_backs=after_write_backs)
         order = self._order(units, reverse)
         keep = {u.start for u in order[-self.num_slots:]} if self.keep_resident else set()
         caller = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -481,16 +468,12 @@ class SlotRing:
                 self._touch(si)
             except ValueError:
                 si = self._load(unit, slabs, protect=set(upcoming[i:i + self.num_slots]))
-            if self.in_keys:
-                self._load_in(si, unit, in_slabs, wait_in)
             slot = self.slots[si]
             views = {k: b[: unit.numel] for k, b in slot.buffers.items()}
             phases = Phases(self, slot)
             with self._stream(self.compute_stream if self.cuda else None):
                 if self.cuda:
                     self.compute_stream.wait_event(slot.h2d_early)
-                    if self.in_keys:
-                        self.compute_stream.wait_event(slot.h2d_in)
                     self.compute_stream.wait_event(slot.d2h)  # an earlier write-back still reading it
                 compute(unit, views, phases)
                 if self.cuda:
@@ -503,4 +486,5 @@ class SlotRing:
         if self.cuda:
             self.end_events[0].record(self.compute_stream)
             self.end_events[1].record(self.d2h_stream)
-            caller.wait_stream(self.compute_stream)  # (4) caller waits on compute only
+            if join_caller:
+                caller.wait_stream(self.compute_stream)  # (4) caller waits on compute only

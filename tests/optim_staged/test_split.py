@@ -32,17 +32,17 @@ def _torch_vs_staged(staged_kwargs, torch_kwargs, *, steps=8, offload=False, dty
     o_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, **torch_kwargs)
     o_out = StagedAdamW(out, lr=1e-2, weight_decay=0.1, slots=SLOTS, offload_gradients=offload, **staged_kwargs)
     for s in range(steps):
+        if s == 5:  # LR / WD changes between steps take effect on both lanes (set before the backward
+            for o in (o_ref, o_out):  # pass: with offload_gradients the update runs during it)
+                for grp in o.param_groups:
+                    grp["lr"] *= 0.5
+                    grp["weight_decay"] = 0.02
         grads = _grads(g, SHAPES)
         for a, gr in zip(ref, grads):
             a.grad = gr.clone()
         sum((b * gr.to(dtype)).sum() for b, gr in zip(out, grads)).backward()
         if offload:
             assert all(b.grad is None for b in out)  # freed on the device by the hooks
-        if s == 5:  # LR / WD changes between steps take effect on both lanes
-            for o in (o_ref, o_out):
-                for grp in o.param_groups:
-                    grp["lr"] *= 0.5
-                    grp["weight_decay"] = 0.02
         o_ref.step()
         o_out.step()
         o_out.zero_grad()
@@ -162,7 +162,7 @@ def test_bytes_per_step_and_merge():
     off = StagedAdamW([p.detach().clone().requires_grad_() for p in ps], slots=SLOTS, offload_gradients=True,
                       host_fraction=0.0)
     b = off.bytes_per_step()
-    assert b["h2d"] == 12 * n and b["d2h"] == 12 * n
+    assert b["h2d"] == 8 * n and b["d2h"] == 8 * n  # slot-lane gradients are consumed on the device
     bf = StagedAdamW([p.detach().to(torch.bfloat16).requires_grad_() for p in ps], slots=SLOTS,
                      exp_avg_dtype="bf16", exp_avg_sq_dtype=torch.bfloat16)
     assert bf.bytes_per_step()["h2d"] == 8 * n  # fp32 master + 2 bf16 moments
@@ -330,3 +330,33 @@ def test_set_split_between_steps_stays_exact():
     assert o_out.split == 1.0 and not o_out.offload_gradients
     o_out.drain(release=False)
     _assert_matches_torch(ref, out, o_ref, o_out, rtol=1e-6)
+
+
+def test_offload_updates_during_backward_and_step_finishes():
+    """offload_gradients: slot units are updated in the backward pass as soon as all their
+    parameters have gradients (a unit spanning two parameters waits for both); host-lane
+    parameters are updated by step(); the counters advance once, when the backward pass starts."""
+    ps = [torch.randn(s).requires_grad_() for s in ((1000,), (1048,), (3072,))]
+    opt = StagedAdamW(ps, lr=1e-2, slots=SLOTS, offload_gradients=True, host_fraction=0.6, impl="foreach")
+    units = opt._staged_units
+    assert [sorted({pc.param_index for pc in u.pieces}) for u in units] == [[0, 1], [1]]
+    assert list(opt._param_host) == [2] and 2 not in opt._param_units  # the last parameter: host lane
+    before = [p.detach().clone() for p in ps]
+    (ps[0] * 3).sum().backward()  # unit 0 also needs param 1: nothing streams yet
+    assert not any(opt._unit_done) and opt.param_groups[0]["step"] == 1  # counters advance at the start
+    assert torch.equal(ps[0].detach(), before[0])
+    with pytest.raises(StagedConfigError, match="between a backward pass and its step"):
+        opt.set_split(0.3)
+    (ps[1] * 2).sum().backward()
+    assert all(opt._unit_done) and not torch.equal(ps[0].detach(), before[0])  # both units ran
+    (ps[2] * 2).sum().backward()
+    assert torch.equal(ps[2].detach(), before[2])  # the host lane runs in step() on CPU
+    opt.step()
+    assert opt.param_groups[0]["step"] == 1 and not torch.equal(ps[2].detach(), before[2])
+    ref = [b.clone().requires_grad_() for b in before]
+    o_ref = torch.optim.AdamW(ref, lr=1e-2, foreach=True)
+    for r, c in zip(ref, (3.0, 2.0, 2.0)):
+        r.grad = torch.full_like(r, c)
+    o_ref.step()
+    for a, b in zip(ref, ps):
+        assert torch.equal(a.detach(), b.detach())
