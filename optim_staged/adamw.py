@@ -363,6 +363,9 @@ class StagedAdamW(StagedOptimizerBase):
             cu["ready"].record(torch.cuda.current_stream(self._dev))
             batches = self._host_batches[::-1]
             if batches:
+                # the host thread re-takes the GIL between kernels while the hooks run Python
+                self._switch = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._switch, 2e-4))
                 self._future = self._submit(batches, None)
         self._t0 = time.perf_counter()
         self._t_ring = 0.0
@@ -431,7 +434,10 @@ class StagedAdamW(StagedOptimizerBase):
         t_host = 0.0
         if self._future is not None:
             f, self._future = self._future, None
-            f.result()
+            try:
+                f.result()
+            finally:
+                sys.setswitchinterval(self._switch)
         elif self._host_batches:
             t1 = time.perf_counter()
             self._host_lane(self._host_batches[::-1], params, None)
