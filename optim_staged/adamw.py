@@ -101,8 +101,8 @@ class StagedAdamW(StagedOptimizerBase):
         host_fraction: share of the staged elements updated on the host CPU (trailing units).
             0 (default): every update runs in the GPU slots, bitwise equal to
             ``torch.optim.AdamW(fused=True)``.
-        auto_balance: re-estimate the split from the measured lane rates after each of the first
-            ``balance_steps`` steps (starting from ``host_fraction``, or 0.5 when that is 0).
+        auto_balance: search the split on the measured step time over the first
+            ``balance_steps`` steps, starting from ``host_fraction``, then keep the best.
         offload_gradients: update during the backward pass from gradient hooks and free the
             device gradients there (standalone use, leaf parameters; no gradient accumulation: a
             second gradient for a parameter before ``step()`` raises; no clipping).
@@ -123,7 +123,7 @@ class StagedAdamW(StagedOptimizerBase):
                  eps: float = 1e-8, weight_decay: float = 0.01, *, slots: SlotConfig | None = None,
                  staged_fraction: float = 1.0, impl: str = "auto",
                  device: torch.device | str | None = None, host_fraction: float = 0.0,
-                 auto_balance: bool = False, balance_steps: int = 6, offload_gradients: bool = False,
+                 auto_balance: bool = False, balance_steps: int = 8, offload_gradients: bool = False,
                  host_batch_numel: int = 16 << 20, offload_budget_bytes: int | None = None,
                  exp_avg_dtype: str | torch.dtype = "fp32", exp_avg_sq_dtype: str | torch.dtype = "fp32") -> None:
         m_name = _dtype_name("exp_avg_dtype", exp_avg_dtype)
@@ -162,7 +162,7 @@ class StagedAdamW(StagedOptimizerBase):
         self._host_batches: list[Unit] = []
         self._all_units: list[Unit] = []
         self._host_share: float | None = None  # current host share of staged elements
-        self._balanced = 0
+        self._balanced, self._tried, self._delta = 0, {}, 0.1  # auto_balance search state
         self._timing: tuple[int, int, Any, Any] | None = None
         self._upload_buf: torch.Tensor | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -197,7 +197,8 @@ class StagedAdamW(StagedOptimizerBase):
         if whole:
             return [Unit(g, o, o + p.numel(), (Piece(i, 0, p.numel(), 0),)) for i, g, p, o in entries if p.numel()]
         units = build_units([p.numel() for _, _, p, _ in entries], [o for *_, o in entries],
-                            [g for _, g, _, _ in entries], slot_numel=self.slot_config.slot_numel)
+                            [g for _, g, _, _ in entries], slot_numel=self.slot_config.slot_numel,
+                            whole_params=self.offload_gradients)
         # build_units indexes entries positionally; map back to parameter indices.
         idx = [i for i, *_ in entries]
         return [Unit(u.group, u.start, u.end,
@@ -209,10 +210,7 @@ class StagedAdamW(StagedOptimizerBase):
         self._all_units = list(self._staged_units)
         self._masters_stale = False
         if self._host_share is None or not self.auto_balance:
-            share = self.host_fraction
-            if self.auto_balance and share == 0.0:
-                share = 0.5
-            self._host_share = share
+            self._host_share = self.host_fraction
         self._set_split(self._split_index(self._host_share))
 
     def _split_index(self, host_share: float) -> int:
@@ -225,8 +223,6 @@ class StagedAdamW(StagedOptimizerBase):
         target = (1.0 - host_share) * total
         k = min(range(len(units) + 1), key=lambda j: abs((units[j].start if j < len(units) else units[-1].end)
                                                          - units[0].start - target))
-        if self.auto_balance and len(units) >= 2:
-            k = min(max(k, 1), len(units) - 1)  # both lanes measurable
         if host_share > 0.0 and k == len(units):
             k = len(units) - 1
         return k
@@ -312,7 +308,6 @@ class StagedAdamW(StagedOptimizerBase):
                 f"{tuple(p.shape)} got a second gradient before step()")
         if not self._begun:
             self._start_in_backward()
-        self._arrived[i] = True
         self._order.append(i)
         p.grad = None
         g = g.detach()
@@ -344,9 +339,11 @@ class StagedAdamW(StagedOptimizerBase):
                     ready.append(k)
             if ready:
                 self._stream_units(ready)
-        if host is not None and cu is not None:
-            with self._bwd:
-                self._bwd.notify_all()
+        # Arrived only now that its D2H is queued and its event recorded: the host lane reads the
+        # host slab after that event, never after an older one.
+        with self._bwd:
+            self._arrived[i] = True
+            self._bwd.notify_all()
         if cu is not None:
             self._throttle(i)
 
@@ -604,6 +601,8 @@ class StagedAdamW(StagedOptimizerBase):
                 vs = [slabs["exp_avg_sq"][s] for s in sl]
             g = self.param_groups[b.group]
             beta1, beta2 = g["betas"]
+            if cu is not None:  # as PyTorch's CUDA kernel, which takes 1 - beta in fp32 (the CPU one in fp64)
+                beta1, beta2 = (float(torch.tensor(x, dtype=torch.float32)) for x in (beta1, beta2))
             adamw_update_(masters, gs, ms, vs, step=self._step_tensors[(b.group, cpu)], lr=float(g["lr"]),
                           beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"], impl=self.impl,
                           step_value=g["step"])
@@ -704,32 +703,46 @@ class StagedAdamW(StagedOptimizerBase):
 
     # ----------------------------------------------------------------- balance
     def _maybe_rebalance(self) -> None:
-        """``auto_balance``: move the lane border so both lanes take the same time, from the rates
-        of the previous step (host elements / host time, slot elements / slot time)."""
+        """``auto_balance``: a pattern search over the host share on the measured step time (the
+        later of the two lanes' ends, from the step's start). It does not assume the lanes are
+        independent: on a machine where the host update and the DMA engines share DRAM bandwidth,
+        moving work to the host can slow the slot lane down (measured on the H200 box), which a
+        rate-equalizing rule cannot see. Tries share +/- delta around the best so far, halves
+        delta when neither is better, and keeps the best after ``balance_steps`` measurements."""
         if not self.auto_balance or self._balanced >= self.balance_steps or self._timing is None:
             return
         host_n, ring_n, t_host, t_ring = self._timing
-        if host_n == 0 or ring_n == 0:
-            self._timing = None
-            return
         if t_host == "cuda":
             cu, ring = self._cuda, self._ring
-            ends = [e for e in ring.end_events] + [cu["host_end"]]
+            ends = ([*ring.end_events] if ring_n else []) + ([cu["host_end"]] if host_n else [])
             if not all(e.query() for e in ends):
                 return  # previous step still running: measure later
-            t_ring = max(cu["ready"].elapsed_time(e) for e in ring.end_events)
-            t_host = cu["ready"].elapsed_time(cu["host_end"])
+            t = max([cu["ready"].elapsed_time(e) for e in ends] or [0.0])
+        else:
+            t = t_host + t_ring  # CPU: the lanes run one after the other
         self._timing = None
-        if host_n == 0 or ring_n == 0 or t_host <= 0 or t_ring <= 0:
-            return
-        total = host_n + ring_n
-        r_h, r_g = host_n / t_host, ring_n / t_ring
-        share = r_h / (r_h + r_g)
-        if self._balanced > 0:
-            share = 0.5 * (share + host_n / total)  # damped after the first estimate
+        total = max(1, host_n + ring_n)
+        share = round(host_n / total, 6)
+        tried = self._tried
+        tried[share] = min(t, tried.get(share, float("inf")))
         self._balanced += 1
-        self._host_share = share
-        k = self._split_index(share)
+        best = min(tried, key=tried.get)
+        if self._balanced >= self.balance_steps:
+            nxt = best
+        else:
+            nxt = None
+            while nxt is None and self._delta >= 0.01:
+                for c in (best + self._delta, best - self._delta):
+                    c = min(max(c, 0.0), 0.95)
+                    if all(abs(c - x) > 0.5 * self._delta for x in tried):
+                        nxt = c
+                        break
+                else:
+                    self._delta /= 2
+            if nxt is None:
+                nxt, self._balanced = best, self.balance_steps
+        self._host_share = nxt
+        k = self._split_index(nxt)
         if k != len(self._staged_units):
             self.drain(release=False)  # slot cache and stale masters settled before units change lanes
             self._ring.forget()
@@ -737,7 +750,7 @@ class StagedAdamW(StagedOptimizerBase):
 
     def rebalance(self) -> None:
         """Restart ``auto_balance`` (e.g. after the machine's load changed)."""
-        self._balanced = 0
+        self._balanced, self._tried, self._delta = 0, {}, 0.1
 
     def set_split(self, host_fraction: float | None = None, *, auto_balance: bool | None = None,
                   offload_gradients: bool | None = None) -> None:
@@ -754,7 +767,8 @@ class StagedAdamW(StagedOptimizerBase):
         self.host_fraction, self.auto_balance = hf, ab
         if offload_gradients is not None:
             self.offload_gradients = bool(offload_gradients)
-        self._host_share, self._balanced, self._timing = None, 0, None
+        self._host_share, self._timing = None, None
+        self.rebalance()
         self._build_ring()
         grads = self._grads
         self._after_layout(keep_grads=grads)

@@ -99,9 +99,10 @@ class AdamWConfig:
     each way; 8 with fp32 parameters). Both halves run at the same time. 0 keeps every update on
     the GPU, bitwise equal to ``torch.optim.AdamW(fused=True)``."""
     auto_balance: bool = False
-    """Re-estimate ``host_fraction`` from the measured host and slot-pipeline rates after each of the
-    first ``balance_steps`` steps, then keep it (a fixed split keeps runs reproducible)."""
-    balance_steps: int = 6
+    """Search the host share on the measured step time over the first ``balance_steps`` steps
+    (starting from ``host_fraction``, steps of 0.1 halved when neither neighbour is faster), then
+    keep the fastest (a fixed split keeps runs reproducible)."""
+    balance_steps: int = 8
     """Steps over which ``auto_balance`` adjusts the split."""
     exp_avg_dtype: str = "fp32"
     """Storage dtype of the first moment: ``fp32`` or ``bf16`` (halves its bytes; the update itself

@@ -163,9 +163,14 @@ class Unit:
 
 
 def build_units(param_numels: Sequence[int], param_offsets: Sequence[int], param_groups: Sequence[int],
-                *, slot_numel: int) -> list[Unit]:
+                *, slot_numel: int, whole_params: bool = False) -> list[Unit]:
     """Chunk each group's contiguous slab range into units of at most ``slot_numel`` elements
-    (parameters may be split across units). Parameters are listed in slab order."""
+    (parameters may be split across units). Parameters are listed in slab order.
+
+    ``whole_params``: a unit holds either one part of a single parameter or several whole
+    parameters (a parameter that does not fit the rest of a unit starts a new one; one larger
+    than a unit gets units of its own), so a unit never waits for two parameters of which one is
+    only partly in it (gradients consumed as they arrive)."""
     units: list[Unit] = []
     n = len(param_numels)
     i = 0
@@ -176,9 +181,10 @@ def build_units(param_numels: Sequence[int], param_offsets: Sequence[int], param
             j += 1
         g_start = param_offsets[i]
         g_end = param_offsets[j - 1] + param_numels[j - 1]
+        ends = _aligned_ends(param_numels[i:j], param_offsets[i:j], slot_numel) if whole_params else None
         pos, k = g_start, i
         while pos < g_end:
-            u_end = min(pos + slot_numel, g_end)
+            u_end = min(pos + slot_numel, g_end) if ends is None else ends[pos]
             pieces = []
             while k < j and param_offsets[k] + param_numels[k] <= pos:
                 k += 1
@@ -193,6 +199,27 @@ def build_units(param_numels: Sequence[int], param_offsets: Sequence[int], param
             pos = u_end
         i = j
     return units
+
+
+def _aligned_ends(numels: Sequence[int], offsets: Sequence[int], slot_numel: int) -> dict[int, int]:
+    """Unit start -> unit end for ``build_units(whole_params=True)`` over one group."""
+    ends: dict[int, int] = {}
+    start, fill = offsets[0], 0
+    for n, o in zip(numels, offsets):
+        if n > slot_numel:  # close the open unit; whole units of this parameter, remainder alone
+            if fill:
+                ends[start] = o
+            for a in range(o, o + n, slot_numel):
+                ends[a] = min(a + slot_numel, o + n)
+            start, fill = o + n, 0
+        elif fill + n > slot_numel:
+            ends[start] = o
+            start, fill = o, n
+        else:
+            fill += n
+    if fill:
+        ends[start] = start + fill
+    return ends
 
 
 @dataclass

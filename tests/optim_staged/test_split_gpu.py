@@ -71,7 +71,7 @@ def test_split_vs_torch_fused_gpu(host_fraction, offload):
 
 def test_auto_balance_on_gpu():
     ref, out, o_ref, o_out = _run(0.5, True, auto=True, steps=10)
-    assert 0 < o_out.split < 1 and o_out._balanced >= 1
+    assert len(o_out._tried) >= 2 and o_out._balanced >= 2
     for i, (a, b) in enumerate(zip(ref, out)):
         _close(f"param{i}", a, b)
 
