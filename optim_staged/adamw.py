@@ -10,7 +10,7 @@ Two lanes update the staged elements, at the same time:
 * **Host lane** (``host_fraction`` > 0). The trailing units (whose gradients a backward pass
   produces first) are updated on the CPU by PyTorch's fused CPU AdamW, in place on the host
   slabs: gradient D2H (4 B/param), update, weights H2D (4 B/param). It runs on a worker thread
-  while the slot lane streams; ``auto_balance`` sizes the two lanes from their measured rates.
+  while the slot lane streams; ``auto_balance`` searches the split on the measured step time.
 
 ``offload_gradients`` runs the update *during the backward pass*, from post-accumulate-grad hooks,
 and frees every device gradient there (the memory of torchao's
@@ -20,7 +20,7 @@ updates it as soon as it lands; a slot-lane gradient is consumed on the device b
 soon as every parameter of a unit has its gradient, then freed. The hook blocks while the
 gradients still in flight, the slots and the next gradient would exceed ``offload_budget_bytes``
 (default: the largest gradient, which autograd holds anyway), which paces the backward pass to
-the slot lane when it is faster. ``step()`` finishes the lanes. Like torchao's mode, this excludes
+the slot lane when the backward pass is the faster of the two. ``step()`` finishes the lanes. Like torchao's mode, this excludes
 gradient accumulation and clipping (gradients are gone when ``step()`` runs), and hyper-parameters
 are read when the backward pass starts.
 
@@ -364,7 +364,6 @@ class StagedAdamW(StagedOptimizerBase):
                 self._switch = sys.getswitchinterval()
                 sys.setswitchinterval(min(self._switch, 2e-4))
                 self._future = self._submit(batches, None)
-        self._t0 = time.perf_counter()
         self._t_ring = 0.0
 
     def _stream_units(self, ks: list[int]) -> None:
