@@ -36,6 +36,7 @@ __all__ = [
     "MatmulPrecision",
     "Algorithm",
     "Residency",
+    "MomentDtype",
 ]
 
 
@@ -96,6 +97,17 @@ def _validate(obj: object) -> None:
     validate_fields(obj, error=StagedConfigError, type_error=StagedConfigTypeError)
 
 
+class MomentDtype(enum.StrEnum):
+    """Storage dtype of an AdamW moment."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+MOMENT_DTYPES = tuple(MomentDtype)
+"""Storage dtypes AdamW moments may use (names as in ``AdamWConfig``)."""
+
+
 def _check(cond: bool, name: str, value: object, need: str) -> None:
     if not cond:
         raise StagedConfigError(f"{name}={value!r} is invalid: {need}")
@@ -144,6 +156,23 @@ class AdamWConfig:
     impl: AdamWImpl = AdamWImpl.auto
     """Update kernel: PyTorch's fused AdamW, its foreach ops, or ``auto`` (fused where the device
     supports it for the dtype, else foreach)."""
+    host_fraction: float = 0.0
+    """Share of the staged elements (the trailing ones, whose gradients the backward pass produces
+    first) updated by the host CPU (PyTorch's fused CPU AdamW on the host slabs: 4 B/param of
+    gradient down and 4 B/param of weights up) instead of streaming through the GPU slots (12 B/param
+    each way; 8 with fp32 parameters). Both halves run at the same time. 0 keeps every update on
+    the GPU, bitwise equal to ``torch.optim.AdamW(fused=True)``."""
+    auto_balance: bool = False
+    """Search the host share on the measured step time over the first ``balance_steps`` steps
+    (starting from ``host_fraction``, steps of 0.1 halved when neither neighbour is faster), then
+    keep the fastest (a fixed split keeps runs reproducible)."""
+    balance_steps: int = 8
+    """Steps over which ``auto_balance`` adjusts the split."""
+    exp_avg_dtype: MomentDtype = MomentDtype.fp32
+    """Storage dtype of the first moment: ``fp32`` or ``bf16`` (halves its bytes; the update itself
+    runs in fp32; see docs/optim_staged.md for the error bound)."""
+    exp_avg_sq_dtype: MomentDtype = MomentDtype.fp32
+    """Storage dtype of the second moment: ``fp32`` or ``bf16``."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -152,6 +181,8 @@ class AdamWConfig:
         _check(0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0, "betas", self.betas, "both must be in [0, 1)")
         _check(self.eps > 0.0, "eps", self.eps, "must be > 0")
         _check(self.weight_decay >= 0.0, "weight_decay", self.weight_decay, "must be >= 0")
+        _check(0.0 <= self.host_fraction <= 1.0, "host_fraction", self.host_fraction, "must be in [0, 1]")
+        _check(self.balance_steps >= 1, "balance_steps", self.balance_steps, "must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
