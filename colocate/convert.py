@@ -30,7 +30,6 @@ both storages over in place (no packing copy, and with a fixed arena no new IPC 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -51,7 +50,7 @@ from mcore_distill.hf.layouts import (
     split_qkv,
     split_qkv_gated,
 )
-from mcore_distill.hf.mapping import table_for
+from mcore_distill.hf.mapping import globalize_name, table_for
 
 __all__ = [
     "ConversionError",
@@ -219,25 +218,6 @@ def merge_tp_shards(shards: list[torch.Tensor], *, kind: str) -> torch.Tensor:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     raise ConversionError(f"merge_tp_shards: unknown kind {kind!r}")
-
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT_LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
-_EXPERT_GROUPED = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)$")
-
-
-def globalize_name(name: str, *, layer_id: int | None = None, expert_offset: int = 0) -> str:
-    """Rewrite a local Megatron name to global ids: ``decoder.layers.{j}`` → ``{layer_id}``
-    and expert ``e`` → ``e + expert_offset`` (``local_experts.{e}`` and TE ``weight{e}``)."""
-    for prefix in ("module.",):
-        while name.startswith(prefix):
-            name = name[len(prefix):]
-    if layer_id is not None:
-        name = _LAYER.sub(f"decoder.layers.{layer_id}.", name, count=1)
-    if expert_offset:
-        name = _EXPERT_LOCAL.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
-        name = _EXPERT_GROUPED.sub(lambda m: f".experts.{m.group(1)}.weight{int(m.group(2)) + expert_offset}", name)
-    return name
 
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec, arena: ConversionArena | None = None

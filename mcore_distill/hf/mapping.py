@@ -43,7 +43,7 @@ from mcore_distill.hf.layouts import (
     Layout,
 )
 
-__all__ = ["Rule", "Match", "Table", "QWEN3", "QWEN3_HYBRID", "table_for", "shape_of"]
+__all__ = ["Rule", "Match", "Table", "QWEN3", "QWEN3_HYBRID", "table_for", "shape_of", "globalize_name"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,24 @@ def shape_of(expr: str, d: Dims) -> tuple[int, ...]:
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+_EXPERT_LOCAL = re.compile(r"\.local_experts\.(\d+)\.")
+_EXPERT_GROUPED = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def globalize_name(name: str, *, layer_id: int | None = None, expert_offset: int = 0) -> str:
+    """Rewrite a local Megatron name to global ids: ``decoder.layers.{j}`` → ``{layer_id}``
+    and expert ``e`` → ``e + expert_offset`` (``local_experts.{e}`` and TE ``weight{e}``);
+    wrapper prefixes (``module.``) are dropped."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    if layer_id is not None:
+        name = _LAYER.sub(f"decoder.layers.{layer_id}.", name, count=1)
+    if expert_offset:
+        name = _EXPERT_LOCAL.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
+        name = _EXPERT_GROUPED.sub(lambda m: f".experts.{m.group(1)}.weight{int(m.group(2)) + expert_offset}", name)
+    return name
 
 
 def _moe(d: Dims) -> bool:
