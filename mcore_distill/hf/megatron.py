@@ -152,6 +152,8 @@ class _Item:
     expert: bool
     rank: int
     size: int
+    lead: bool
+    """This rank is the first of its TP (experts: ETP) group: it writes the tensor on save."""
 
 
 def _plan(chunks: list[torch.nn.Module], table: Table, d: Dims, groups: _Groups) -> list[_Item]:
@@ -178,7 +180,8 @@ def _plan(chunks: list[torch.nn.Module], table: Table, d: Dims, groups: _Groups)
                 bad.append(f"{gname}: Megatron shards it on dim {getattr(p, 'partition_dim', None)}, the mapping "
                            f"table expects {match.layout.tp!r} ({match.layout!r})")
                 continue
-            items.append(_Item(gname, p, match, expert, _rank(group) if sharded else 0, _size(group) if sharded else 1))
+            items.append(_Item(gname, p, match, expert, _rank(group) if sharded else 0, _size(group) if sharded else 1,
+                               _rank(group) == 0))
     if bad:
         raise ConversionError(f"{len(bad)} Megatron parameter(s) without a valid mapping: " + "; ".join(bad[:10]))
     return items
@@ -434,9 +437,8 @@ def save_hf_checkpoint(model_chunks: torch.nn.Module | Sequence[torch.nn.Module]
         if not replica0:
             continue
         group = groups.etp if it.expert else groups.tp
-        first = it.rank == 0
-        shards = _gather(it.param, group, it.size, first)
-        if not first or write_error is not None:
+        shards = _gather(it.param, group, it.size, it.lead)
+        if not it.lead or write_error is not None:
             continue
         try:
             full = it.match.layout.merge(shards, d)
