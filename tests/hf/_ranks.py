@@ -40,7 +40,7 @@ def load_save_load(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     into ``case["out"]``; load that folder into a fresh model: every parameter bitwise equal."""
     from megatron.core import parallel_state as ps
 
-    from mcore_distill.hf import megatron_model_from_hf, save_hf_checkpoint
+    from mcore_distill.hf import load_hf_checkpoint, megatron_model_from_hf, save_hf_checkpoint
     from mcore_distill.testing import seed_all
 
     from .models import VOCAB, use_torch_gdn
@@ -59,12 +59,44 @@ def load_save_load(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 c.eval()
             with torch.no_grad():
                 logits = megatron_logits(chunks, case["tokens"], VOCAB)
+            bytes_read = load_hf_checkpoint(chunks, case["path"]).bytes_read  # again, for the count
             report = save_hf_checkpoint(chunks, case["out"], max_shard_bytes=case.get("max_shard_bytes", 5 << 30))
             again = megatron_model_from_hf(case["out"])
             first = dict(chunks[0].named_parameters())
             bitwise = all(torch.equal(first[n], p) for n, p in again[0].named_parameters())
-            results.append({"id": case["id"], "logits": logits, "bitwise": bitwise, "files": report.files,
+            results.append({"id": case["id"], "logits": logits, "bitwise": bitwise, "files": report.files, "bytes_read": bytes_read,
                             "params": len(first), "vocab_rows": chunks[0].vocab_size})
         finally:
             ps.destroy_model_parallel()
     return results
+
+
+def peer_failure(rank: int, world_size: int, good: str, bad: str) -> dict:
+    """Data parallel (TP = PP = 1): rank 1 loads a checkpoint with a tensor missing, rank 0 a
+    good one. Both must raise before writing anything: rank 1 its own error, rank 0
+    :class:`PeerRankError`."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_distill.hf import load_hf_checkpoint, megatron_model_from_hf
+
+    ps.initialize_model_parallel()
+    try:
+        chunks = megatron_model_from_hf(good)
+        with torch.no_grad():
+            for p in chunks[0].parameters():
+                p.add_(1.0)  # differ from both checkpoints: a load would show
+            before = {n: p.detach().clone() for n, p in chunks[0].named_parameters()}
+        try:
+            load_hf_checkpoint(chunks, good if rank == 0 else bad)
+            error = None
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            error = f"{type(err).__name__}: {err}"
+        untouched = all(torch.equal(p, before[n]) for n, p in chunks[0].named_parameters())
+        return {"error": error, "untouched": untouched}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def all_cases(rank: int, world_size: int, cases: list[dict], good: str, bad: str) -> tuple[list[dict], dict]:
+    """Both bodies in one spawned run (spawning ranks is the expensive part)."""
+    return load_save_load(rank, world_size, cases), peer_failure(rank, world_size, good, bad)

@@ -11,7 +11,7 @@ import torch
 
 from mcore_distill.testing import run_ranks
 
-from ._ranks import load_save_load
+from ._ranks import all_cases
 from .models import hf_logits, hf_model, load_transformers
 
 CASES = [
@@ -40,7 +40,21 @@ def test_tp_pp_ep_logits_roundtrip_and_transformers_load(tmp_path):
             models[kind].save_pretrained(tmp_path / kind)
             refs[kind] = hf_logits(models[kind], tokens)
         case.update(path=str(tmp_path / kind), out=str(tmp_path / f"saved-{case['id']}"), tokens=tokens)
-    by_rank = run_ranks(load_save_load, 2, CASES, timeout=580)
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    models["dense"].save_pretrained(bad)
+    (f,) = bad.glob("*.safetensors")
+    tensors = load_file(f)
+    del tensors["model.layers.3.mlp.down_proj.weight"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    runs = run_ranks(all_cases, 2, CASES, str(tmp_path / "dense"), str(bad), timeout=580)
+    by_rank, peer = [r[0] for r in runs], [r[1] for r in runs]
+    # nothing loaded half-way across ranks: the rank with the good checkpoint refuses too
+    assert peer[1]["error"].startswith("CheckpointMismatchError") and "model.layers.3.mlp.down_proj" in peer[1]["error"]
+    assert peer[0]["error"].startswith("PeerRankError") and "rank 1 failed" in peer[0]["error"], peer
+    assert peer[0]["untouched"] and peer[1]["untouched"]
+    total = sum(t.numel() * t.element_size() for t in models["dense"].state_dict().values())
     for i, case in enumerate(CASES):
         got = [r[i] for r in by_rank]
         assert all(g["bitwise"] for g in got), case["id"]  # load → save → load: every parameter, every rank
@@ -57,3 +71,5 @@ def test_tp_pp_ep_logits_roundtrip_and_transformers_load(tmp_path):
         assert err <= 1e-5, f"{case['id']} saved folder in transformers: {err:.3e}"
         if case["id"] == "dense-tp2-small-shards":
             assert got[0]["files"] > 4 and got[0]["vocab_rows"] == 256  # 50 padded to 128·TP
+            # each TP rank reads only its slices (plus the replicated norms; rank 0 holds all 50 vocab rows)
+            assert all(g["bytes_read"] < 0.6 * total for g in got) and sum(g["bytes_read"] for g in got) >= total
