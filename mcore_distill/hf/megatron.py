@@ -317,7 +317,7 @@ def _default_spec(cfg: Any, vp_stage: int | None):
 
 def megatron_model_from_hf(path: str | os.PathLike, *, layer_spec: Any = None, make_vocab_size_divisible_by: int = 128,
                            padded_vocab_size: int | None = None, ignore_fields: tuple[str, ...] = (),
-                           **overrides: Any) -> list[torch.nn.Module]:
+                           load: bool = True, **overrides: Any) -> list[torch.nn.Module]:
     """Build this rank's ``GPTModel`` chunk(s) for the HF model in ``path`` and load its weights
     (collective, like :func:`load_hf_checkpoint`). The parallel layout is Megatron's
     ``parallel_state`` (TP, PP, EP, ETP; one chunk per virtual pipeline stage).
@@ -328,13 +328,14 @@ def megatron_model_from_hf(path: str | os.PathLike, *, layer_spec: Any = None, m
     that also runs on CPU). ``overrides``: ``TransformerConfig`` fields
     (:func:`~mcore_distill.hf.config.transformer_config_from_hf`); parameters are not randomly
     initialised first (``perform_initialization=False``) since every one is loaded.
+    ``load=False`` builds only, randomly initialised (``path`` then needs just ``config.json``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     cfg = transformer_config_from_hf(path, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                                      padded_vocab_size=padded_vocab_size, ignore_fields=ignore_fields,
-                                     **{"perform_initialization": False, **overrides})
+                                     **{"perform_initialization": not load, **overrides})
     vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else None
     chunks = []
     for vp in range(vpp or 1):
@@ -347,7 +348,8 @@ def megatron_model_from_hf(path: str | os.PathLike, *, layer_spec: Any = None, m
                                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                                **cfg.gpt_kwargs))
-    load_hf_checkpoint(chunks, path, ignore_fields=ignore_fields)
+    if load:
+        load_hf_checkpoint(chunks, path, ignore_fields=ignore_fields)
     return chunks
 
 
