@@ -102,6 +102,9 @@ def _init(cpu: bool) -> str:
         os.environ.setdefault("WORLD_SIZE", "1")
     torch.distributed.init_process_group("gloo" if cpu else "nccl")
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    from mcore_distill.testing import seed_all
+
+    seed_all(0)  # Megatron's RNG tracker: random init on CUDA (the save worker) draws from it
     return "cpu" if cpu else "cuda"
 
 
