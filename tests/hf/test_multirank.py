@@ -1,6 +1,6 @@
-"""HF checkpoints at TP=2, PP=2, EP=2 (and TP=2·EP=2 with ETP=1, PP=2 with two virtual stages) on 2
-gloo ranks: the logits of
-``megatron_model_from_hf`` equal the ``transformers`` forward (fp32, ≤ 1e-5), a collective
+"""HF checkpoints at TP=2, PP=2, EP=2 (and TP=2·EP=2 with ETP=1, PP=2 with two virtual stages) on
+2 gloo ranks: the logits of ``megatron_model_from_hf`` equal the ``transformers`` forward (fp32,
+≤ 1e-5), a collective
 ``save_hf_checkpoint`` (each rank reading only its slices, each stage / EP rank writing its own
 files) loads back bit for bit, and ``transformers`` loads the saved folder strictly with the
 same logits."""
