@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mcore_distill.hf import HFCheckpointError, hf_arch, read_hf_config
-
 from mopd.config import MOPDConfig
 from mopd.errors import ConfigError, FingerprintMismatchError
 
