@@ -57,6 +57,9 @@ class Rule:
     """Hybrids: the layer type the parameter belongs to (None: every layer)."""
     when: Callable[[Dims], bool] | None = None
     """The rule applies to models for which this holds (None: always)."""
+    listed: Callable[[Dims], bool] | None = None
+    """A parameter only some models have (q/k/v biases): converted whenever it is met, listed
+    among a model's tensors (:meth:`Table.entries`) only when this holds."""
 
     def applies(self, d: Dims) -> bool:
         return self.when is None or self.when(d)
@@ -184,7 +187,7 @@ class Table:
     def _layer_rules(self, d: Dims, layer: int) -> Iterator[Rule]:
         kind = d.layer_types[layer] if d.layer_types is not None else None
         for r in self.layer:
-            if r.applies(d) and (r.layer is None or kind is None or r.layer == kind):
+            if r.applies(d) and (r.listed is None or r.listed(d)) and (r.layer is None or kind is None or r.layer == kind):
                 yield r
 
     def entries(self, d: Dims) -> Iterator[tuple[str, Match]]:
@@ -238,7 +241,7 @@ QWEN3 = Table("Qwen3", (Rule(("decoder.final_layernorm.weight",), (("model.norm.
                                                   ("self_attn.k_proj.weight", "G*D,H"),
                                                   ("self_attn.v_proj.weight", "G*D,H")), QKV),
     Rule(("self_attention.linear_qkv.bias",), (("self_attn.q_proj.bias", "Q*D"), ("self_attn.k_proj.bias", "G*D"),
-                                                ("self_attn.v_proj.bias", "G*D")), QKV, when=lambda d: d.qkv_bias),
+                                                ("self_attn.v_proj.bias", "G*D")), QKV, listed=lambda d: d.qkv_bias),
     Rule(("self_attention.linear_proj.weight",), (("self_attn.o_proj.weight", "H,Q*D"),), ROW),
     Rule(("self_attention.q_layernorm.weight",), (("self_attn.q_norm.weight", "D"),), NORM),
     Rule(("self_attention.k_layernorm.weight",), (("self_attn.k_norm.weight", "D"),), NORM),
