@@ -39,7 +39,11 @@ from colocate.buckets import align, nbytes
 from colocate.config import ConfigError, HFModelSpec
 from mcore_distill.hf.errors import ConversionError
 from mcore_distill.hf.layouts import (
+    COL,
+    GLU,
+    REPLICATED,
     ROUTER_DTYPES,
+    ROW,
     Dims,
     gdn_in_proj_split,
     gdn_in_proj_to_hf,
@@ -208,16 +212,13 @@ def merge_tp_shards(shards: list[torch.Tensor], *, kind: str) -> torch.Tensor:
     [gate_r; up_r] in halves and returns [gate_0..gate_n; up_0..up_n], ``"replicated"``
     returns shard 0.
     """
-    if kind == "replicated" or len(shards) == 1 and kind != "glu":
-        return shards[0]
-    if kind == "col":
-        return torch.cat(shards, dim=0)
-    if kind == "row":
-        return torch.cat(shards, dim=1)
-    if kind == "glu":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    raise ConversionError(f"merge_tp_shards: unknown kind {kind!r}")
+    layout = _KINDS.get(kind)
+    if layout is None:
+        raise ConversionError(f"merge_tp_shards: unknown kind {kind!r}")
+    return layout.merge(shards, None)
+
+
+_KINDS = {"col": COL, "row": ROW, "glu": GLU, "replicated": REPLICATED}
 
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, *, spec: HFModelSpec, arena: ConversionArena | None = None
