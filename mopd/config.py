@@ -235,14 +235,18 @@ class RoutingSpec:
 @dataclass(kw_only=True, slots=True)
 class TeacherSpec:
     """One teacher. ``megatron``: a frozen Megatron GPT in the trainer's layout, loaded from
-    ``checkpoint``; ``http``: an SGLang-compatible ``/generate`` server at ``url``."""
+    ``checkpoint`` (or, when that is None, from the HF folder ``hf_path``); ``http``: an
+    SGLang-compatible ``/generate`` server at ``url``."""
 
     backend: TeacherBackend = TeacherBackend.megatron
     """``megatron`` or ``http``."""
     checkpoint: str | None = None
-    """Megatron ``dist_checkpointing`` folder of this teacher's weights (megatron backend)."""
+    """This teacher's weights (megatron backend): a teacher-shard folder, a Megatron
+    ``dist_checkpointing`` folder, or an HF folder (``config.json`` + safetensors, read with
+    :func:`mcore_distill.hf.load_hf_checkpoint` into the trainer's layout). None: ``hf_path``."""
     hf_path: str | None = None
-    """HF model folder (``config.json``, tokenizer files) used for compatibility fingerprints."""
+    """HF model folder (``config.json``, tokenizer files) used for compatibility fingerprints;
+    a megatron teacher without ``checkpoint`` loads its weights from here."""
     url: str | None = None
     """Server base URL, e.g. ``http://10.0.0.7:30000`` (http backend)."""
     timeout_s: float = 60.0
@@ -262,6 +266,11 @@ class TeacherSpec:
     """http backend: the served model's ``vocab_size`` (default: read from ``hf_path``'s
     ``config.json``). SGLang reports input token id ``vocab_size − 1`` as 0; knowing the size
     lets the client accept exactly that substitution while checking every other id."""
+
+    @property
+    def weights_path(self) -> str | None:
+        """Where a megatron teacher's weights are read from: ``checkpoint``, else ``hf_path``."""
+        return self.checkpoint or self.hf_path
 
     def __post_init__(self) -> None:
         _validate(self, name="teacher")

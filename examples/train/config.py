@@ -82,11 +82,21 @@ class ArchConfig:
     """Parameter dtype: ``bfloat16`` (GPU; Float16Module wrapper), ``float32`` or ``float64``."""
     recompute: bool = False
     """Full activation recomputation of every layer."""
+    hf_path: str | None = None
+    """Start the student from this HF folder (``config.json`` + safetensors, e.g. written by
+    ``mcore_distill.hf.save_hf_checkpoint``) with ``mcore_distill.hf.megatron_model_from_hf``; the
+    shape fields above are then read from its ``config.json`` (``params_dtype`` and ``recompute``
+    still apply)."""
+    teacher_hf_path: str | None = None
+    """The teacher's HF folder (same architecture as ``hf_path``); null: the teacher loads
+    ``hf_path`` too (both start equal), or is randomly initialised when ``hf_path`` is null."""
 
     def __post_init__(self) -> None:
         _fields(self)
 
     def validate(self, name: str = "model") -> None:
+        _check(self.teacher_hf_path is None or self.hf_path is not None, f"{name}.teacher_hf_path",
+               self.teacher_hf_path, f"needs {name}.hf_path (the student's folder) as well")
         for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                   "ffn_hidden_size", "max_sequence_length", "moe_router_topk"):
             _check(getattr(self, f) >= 1, f"{name}.{f}", getattr(self, f), "must be >= 1")
