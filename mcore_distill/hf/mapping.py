@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from mcore_distill.hf.errors import ConversionError
 from mcore_distill.hf.layouts import (
@@ -82,7 +82,7 @@ class Match:
         return self.rule.layout
 
 
-@lru_cache(maxsize=None)
+@cache
 def _parse(expr: str) -> tuple[tuple[tuple[str, ...], ...], ...]:
     return tuple(tuple(tuple(f.strip() for f in term.split("*")) for term in dim.split("+"))
                  for dim in expr.split(","))

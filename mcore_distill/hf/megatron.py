@@ -56,7 +56,13 @@ from mcore_distill.hf.errors import (
 )
 from mcore_distill.hf.layouts import Dims
 from mcore_distill.hf.mapping import Match, Table, globalize_name, table_for
-from mcore_distill.hf.safetensors_io import INDEX_NAME, CheckpointIndex, ShardWriter, SliceReader, open_checkpoint
+from mcore_distill.hf.safetensors_io import (
+    INDEX_NAME,
+    CheckpointIndex,
+    ShardWriter,
+    SliceReader,
+    open_checkpoint,
+)
 
 __all__ = ["megatron_model_from_hf", "load_hf_checkpoint", "save_hf_checkpoint", "LoadReport", "SaveReport",
            "TOKENIZER_FILES"]
