@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 __all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", "kernel_profile", "kernel_kind",
-           "write_results", "print_table", "plot_speedup_vs_c"]
+           "gpu_idle", "write_results", "print_table", "plot_speedup_vs_c"]
 
 
 def out_dir() -> Path:
@@ -135,7 +135,8 @@ def kernel_kind(name: str) -> str:
 def kernel_profile(fn: Callable[[], Any], trace_path: Path | None = None) -> dict[str, Any]:
     """One profiled call of ``fn`` (CUDA): ``kernel_ms`` (sum of kernel durations: the GPU's busy
     time, which a host-bound step exceeds on the wall clock), ``by_kind`` (ms per
-    :func:`kernel_kind`) and ``wall_ms`` of the profiled call (profiler overhead included).
+    :func:`kernel_kind`), ``wall_ms`` of the profiled call (profiler overhead included) and
+    ``idle`` (:func:`gpu_idle`: where the GPU waited for the host).
     ``trace_path``: also write the chrome trace there (gzip). Without CUDA: ``{}``."""
     if not torch.cuda.is_available():
         return {}
@@ -162,7 +163,7 @@ def kernel_profile(fn: Callable[[], Any], trace_path: Path | None = None) -> dic
             k = kernel_kind(e["name"])
             kinds[k] = kinds.get(k, 0.0) + e["dur"] / 1e3
     return {"kernel_ms": sum(kinds.values()), "wall_ms": wall,
-            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "idle": gpu_idle(trace)}
 
 
 def write_results(name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:
@@ -215,3 +216,76 @@ def plot_speedup_vs_c(series: list[tuple[str, str, list[tuple[float, float, str]
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
+               "cudaMalloc", "cudaFree", "cudaHostAlloc", "cudaStreamWaitEvent")
+
+
+def gpu_idle(trace: dict[str, Any], *, top: int = 12) -> dict[str, Any]:
+    """Where a profiled CUDA call left the GPU idle (from a torch.profiler chrome trace).
+
+    Walks the GPU operations (kernels, memcpy, memset) in time order. Each gap between one op's
+    end and the next op's start is either *starved* (the next op was launched by the host after
+    the GPU had already gone idle: the host was the bottleneck there) or *queued* (launched
+    earlier: the GPU's own launch latency). Starved time is attributed to the CPU operator that
+    launched the next op and to the innermost ``record_function`` range around that launch.
+    Also returns ``busy_ms`` (union of GPU op intervals), ``gpu_ops`` and the CUDA runtime
+    calls that can block the host (synchronizations, allocations) with count and ms.
+    """
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    gpu = sorted((e for e in ev if e.get("cat") in _GPU_CATS), key=lambda e: e["ts"])
+    if not gpu:
+        return {}
+    launch = {e["args"].get("correlation"): e for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
+              and "correlation" in e.get("args", {})}
+    cpu_ops = [e for e in ev if e.get("cat") == "cpu_op"]
+    by_ext = {e["args"].get("External id"): e for e in cpu_ops if "External id" in e.get("args", {})}
+    ranges = sorted((e for e in ev if e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+
+    def scope(tid, ts):
+        best = None
+        for r in ranges:
+            if r["ts"] > ts:
+                break
+            if r.get("tid") == tid and r["ts"] + r["dur"] >= ts and (best is None or r["ts"] >= best["ts"]):
+                best = r
+        return best["name"] if best else "-"
+
+    busy = 0.0
+    end = gpu[0]["ts"]
+    starved: dict[str, float] = {}
+    starved_scope: dict[str, float] = {}
+    queued = [0, 0.0]
+    starved_n = 0
+    for e in gpu:
+        gap = e["ts"] - end
+        if gap > 0:
+            ln = launch.get(e["args"].get("correlation"))
+            if ln is not None and ln["ts"] > end:
+                starved_n += 1
+                op = by_ext.get(ln["args"].get("External id"))
+                name = op["name"] if op else ln["name"]
+                starved[name] = starved.get(name, 0.0) + gap / 1e3
+                sc = scope(ln.get("tid"), ln["ts"])
+                starved_scope[sc] = starved_scope.get(sc, 0.0) + gap / 1e3
+            else:
+                queued[0] += 1
+                queued[1] += gap / 1e3
+        busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    calls: dict[str, list[float]] = {}
+    for e in ev:
+        if e.get("cat") == "cuda_runtime" and any(e["name"].startswith(s.strip()) for s in _SYNC_CALLS):
+            c = calls.setdefault(e["name"], [0, 0.0])
+            c[0] += 1
+            c[1] += e["dur"] / 1e3
+
+    def topk(d):
+        return dict(sorted(((k, round(v, 3)) for k, v in d.items()), key=lambda kv: -kv[1])[:top])
+
+    return {"span_ms": (end - gpu[0]["ts"]) / 1e3, "busy_ms": busy / 1e3, "gpu_ops": len(gpu),
+            "starved_ms": sum(starved.values()), "starved_gaps": starved_n, "queued_ms": queued[1],
+            "queued_gaps": queued[0], "starved_by_op": topk(starved), "starved_by_scope": topk(starved_scope),
+            "blocking_calls": {k: {"n": int(v[0]), "ms": round(v[1], 3)} for k, v in calls.items()}}

@@ -15,6 +15,17 @@ Sections (each row: case, provider, ms p50, ratio vs the case baseline):
   native Megatron Adam vs staged; step time, peak HBM, optimizer-state HBM; allocator snapshots
   ``optim_staged_snapshot_{gpu,staged}.pickle`` and ``optim_staged_memory.json``.
 
+* ``--peers`` (issue #23): 1e9 fp32 params in 64 tensors (1.07M-66.7M), AdamW with fp32 moments:
+  torch fused AdamW on the GPU, torchao 0.18 ``CPUOffloadOptimizer`` without and with
+  ``offload_gradients``, and StagedAdamW designs (all in slots; auto-balanced host/slot split; each
+  with gradients on the device or offloaded in hooks; fixed splits), built once and timed
+  interleaved (min of ``--runs``): backward + step + synchronize, peak GPU memory, host bytes, GB/s
+  per direction, fraction of each design's floor; host AdamW rates (torch's fused CPU AdamW per
+  tensor as torchao runs it, our host lane, and the lane under PCIe traffic); a Megatron GPT step
+  (~0.5B, 4 micro-batches) with native Adam vs staged vs HybridDeviceOptimizer 1.0 (torchao-style):
+  exposed optimizer time. Writes ``optim_peers.json`` (the issue's record), ``optim_staged_peers.json``
+  and ``optim_peers.png``. torchao is the ``bench`` extra (CUDA only; imported lazily).
+
 Run: ``python bench/optim_staged.py`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds);
 ``--only adamw|muon|megatron`` runs one section; ``--targets`` runs only the cases behind the
 issue's targets (H200: well under a minute).
@@ -316,6 +327,582 @@ def megatron_rows(quick: bool, snapshot: bool = True) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------------
+# Peers: the issue-#23 case (1e9 fp32 params in 64 tensors, AdamW, fp32 moments), torchao's
+# CPUOffloadOptimizer (both modes) vs StagedAdamW's designs, all built once and timed interleaved.
+
+
+PEER_PROVIDERS = {
+    "torch_fused_gpu": "torch.optim.AdamW(fused=True), state on the GPU",
+    "torchao_offload": "torchao 0.18 CPUOffloadOptimizer(torch.optim.AdamW) (fused CPU AdamW per tensor)",
+    "torchao_offload_grads": "the same with offload_gradients=True",
+    "staged_stream": "StagedAdamW(host_fraction=0): every update in the GPU slots, gradients on the device",
+    "staged_stream_offload": "StagedAdamW(host_fraction=0, offload_gradients=True): slot updates in the backward pass",
+    "staged_split": "StagedAdamW, host share found by auto_balance, gradients on the device",
+    "staged_split_offload": "StagedAdamW, host share found by auto_balance, offload_gradients=True",
+    "staged_split_offload_<f>": "StagedAdamW(host_fraction=<f>, offload_gradients=True)",
+}
+
+
+def geometric_sizes(total: int, count: int, first: int) -> list[int]:
+    """``count`` tensor sizes growing geometrically from ``first`` and summing to ``total``
+    (1e9 / 64 / 1.07M gives 1.07M ... 66.7M, the peer note's set)."""
+    lo, hi = 1.0, 2.0
+    for _ in range(100):  # ratio r with first * (r^count - 1) / (r - 1) = total
+        r = 0.5 * (lo + hi)
+        if first * (r**count - 1) / (r - 1) > total:
+            hi = r
+        else:
+            lo = r
+    sizes = [int(first * lo**i) for i in range(count)]
+    sizes[-1] += total - sum(sizes)
+    return sizes
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _alloc() -> int:
+    return torch.cuda.memory_allocated() if CUDA else 0
+
+
+class _Harness:
+    """``loss = sum_i <p_i, g_i>``: every backward pass produces the same gradients ``g_i`` through
+    autograd, so post-accumulate-grad hooks (torchao, ``offload_gradients``) fire as in training."""
+
+    def __init__(self, sizes: list[int]):
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        self.sizes = sizes
+        self.grads = [torch.randn(s, device=DEV, generator=gen) * 1e-3 for s in sizes]
+        self.grad_bytes = sum(g.numel() * 4 for g in self.grads)
+
+    def params(self) -> list[torch.Tensor]:
+        gen = torch.Generator(device=DEV).manual_seed(1)
+        return [(torch.randn(s, device=DEV, generator=gen) * 0.02).requires_grad_() for s in self.sizes]
+
+    def backward(self, ps: list[torch.Tensor]) -> None:
+        torch.stack([torch.dot(p, g) for p, g in zip(ps, self.grads)]).sum().backward()
+
+    def iteration(self, ps, opt) -> None:
+        self.backward(ps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _gpu_state_bytes(opt) -> int:
+    if isinstance(opt, StagedAdamW):
+        return opt.gpu_state_bytes
+    n = 0
+    inner = getattr(opt, "d_opt", None) if not isinstance(opt, torch.optim.AdamW) else opt
+    for st in (inner.state.values() if inner is not None else []):
+        n += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.is_cuda)
+    return n
+
+
+def host_adamw_rates(n: int, batch: int, tao=None, staged: StagedAdamW | None = None, iters: int = 3) -> dict:
+    """Host AdamW speed on this machine, in ms per ``n`` params: PyTorch's fused CPU AdamW as
+    torchao runs it (one ``torch.optim.AdamW(fused=True).step()`` per tensor), our host lane's
+    kernel calls (``torch._fused_adamw_`` over ``batch``-element slab ranges), and the latter while
+    pinned copies run both ways on the GPU (DRAM shared with DMA, as in a split step)."""
+    import time
+
+    from optim_staged.update import adamw_update_
+
+    out = {"threads": torch.get_num_threads(), "host_batch_numel": batch}
+
+    def best(fn):
+        fn()
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return min(ts)
+
+    if tao is not None:
+        opts = list(tao.optim_dict.values())
+        out["torch_fused_cpu_per_tensor_ms"] = best(lambda: [o.step() for o in opts])
+    if staged is not None:
+        sl, gr = staged.slabs, staged._grads["grad"]
+        total = sl.numel
+        step = torch.tensor(10.0)
+
+        def lane():
+            for a in range(0, total, batch):
+                b = min(total, a + batch)
+                adamw_update_([sl["master_param"][a:b]], [gr[a:b]], [sl["exp_avg"][a:b]], [sl["exp_avg_sq"][a:b]],
+                              step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+        out["host_lane_ms"] = best(lane)
+        if CUDA:  # the same with PCIe traffic both ways (host DRAM shared with the DMA engines)
+            nb = 1 << 30
+            h1 = torch.empty(nb, dtype=torch.uint8, pin_memory=True)
+            h2 = torch.empty(nb, dtype=torch.uint8, pin_memory=True)
+            d1 = torch.empty(nb, dtype=torch.uint8, device="cuda")
+            d2 = torch.empty(nb, dtype=torch.uint8, device="cuda")
+            s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+            reps = max(4, int(out["host_lane_ms"] * 50e6 / nb * (iters + 2)))  # ~50 GB/s per direction
+            for _ in range(reps):
+                with torch.cuda.stream(s1):
+                    d1.copy_(h1, non_blocking=True)
+                with torch.cuda.stream(s2):
+                    h2.copy_(d2, non_blocking=True)
+            out["host_lane_with_dma_ms"] = best(lane)
+            out["dma_still_running"] = not (s1.query() and s2.query())
+            torch.cuda.synchronize()
+            del h1, h2, d1, d2
+    scale = 1e9 / n
+    for k in [k for k in out if k.endswith("_ms")]:
+        out[k.replace("_ms", "_ms_per_1e9")] = out[k] * scale
+    return out
+
+
+def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> tuple[list[dict], dict]:
+    """torch fused AdamW (GPU state), torchao ``CPUOffloadOptimizer`` (both modes) and StagedAdamW
+    designs on the same parameter set, interleaved ``runs`` times; min wall ms of backward + step +
+    synchronize, peak GPU memory, host bytes, GB/s per direction and fraction of each design's floor."""
+    import time
+
+    sizes = geometric_sizes(n, count, max(1, int(n * 1.07e6 / 1e9)))
+    h = _Harness(sizes)
+    kw = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    gib = 2**30
+    providers: dict[str, dict] = {}  # name -> {params, opt, setup, host_bytes, ...}
+    errors: list[dict] = []
+
+    def add(name, build, host_bytes_fn=None):
+        try:
+            _sync()
+            gc.collect()
+            rss0 = _rss()
+            ps = h.params()
+            opt = build(ps)
+            for _ in range(2):
+                h.iteration(ps, opt)
+            _sync()
+            providers[name] = {"params": ps, "opt": opt, "rss_delta": _rss() - rss0}
+        except Exception as e:  # noqa: BLE001
+            errors.append(_error_row("peers", name, e))
+
+    # fwd+bwd of the harness alone (no optimizer)
+    ps0 = h.params()
+
+    def fb_only():
+        h.backward(ps0)
+        for p in ps0:
+            p.grad = None
+
+    add("torch_fused_gpu", lambda ps: torch.optim.AdamW(ps, fused=CUDA, **kw))
+    if CUDA:
+        try:
+            from torchao.optim import CPUOffloadOptimizer  # bench extra / GPU-lane wheel; imported lazily
+        except ImportError as e:
+            errors.append(_error_row("peers", "torchao", e))
+            CPUOffloadOptimizer = None
+        if CPUOffloadOptimizer is not None:
+            add("torchao_offload", lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW, **kw))
+            add("torchao_offload_grads", lambda ps: CPUOffloadOptimizer(ps, torch.optim.AdamW,
+                                                                         offload_gradients=True, **kw))
+    slots = SlotConfig(slot_numel=1 << 16) if quick else SlotConfig()
+    add("staged", lambda ps: StagedAdamW(ps, **kw, host_fraction=0.5, slots=slots))
+    staged = providers.get("staged", {}).get("opt")
+    staged_rss = providers.get("staged", {}).get("rss_delta", 0)
+    # Staged configurations, one optimizer (one set of host slabs) switched by set_split().
+    configs: dict[str, dict] = {"staged_stream": dict(host_fraction=0.0, offload_gradients=False),
+                                "staged_stream_offload": dict(host_fraction=0.0, offload_gradients=True)}
+    found = {}
+    if staged is not None:
+        for offload in (False, True):  # auto_balance finds the split; timed runs then use it fixed
+            staged.set_split(0.0, auto_balance=True, offload_gradients=offload)
+            ps = providers["staged"]["params"]
+            for _ in range(staged.balance_steps + 2):
+                h.iteration(ps, staged)
+            _sync()
+            found[offload] = staged.split
+        configs["staged_split"] = dict(host_fraction=found[False], offload_gradients=False)
+        configs["staged_split_offload"] = dict(host_fraction=found[True], offload_gradients=True)
+        if not quick:
+            for f in (0.1, 0.25, 0.4):
+                configs[f"staged_split_offload_{f}"] = dict(host_fraction=f, offload_gradients=True)
+    order = [k for k in providers if k != "staged"] + (list(configs) if staged is not None else [])
+    times: dict[str, list[float]] = {k: [] for k in order}
+    peaks: dict[str, int] = {k: 0 for k in order}
+    persist: dict[str, int] = {}
+    fb_times = []
+    for _ in range(runs):
+        _sync()
+        t0 = time.perf_counter()
+        fb_only()
+        _sync()
+        fb_times.append((time.perf_counter() - t0) * 1e3)
+        for name in order:
+            if name in configs:
+                staged.set_split(configs[name]["host_fraction"], auto_balance=False,
+                                 offload_gradients=configs[name]["offload_gradients"])
+                ps, opt = providers["staged"]["params"], staged
+            else:
+                ps, opt = providers[name]["params"], providers[name]["opt"]
+            h.iteration(ps, opt)  # warm (slots, events) after the switch
+            _sync()
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            before = _alloc()
+            t0 = time.perf_counter()
+            h.iteration(ps, opt)
+            _sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            if CUDA:
+                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - before)
+            persist[name] = sum(p.numel() * p.element_size() for p in ps) + _gpu_state_bytes(opt)
+    # Reserved (not only allocated) transient memory: gradients freed while a copy or kernel still
+    # reads them stay reserved until it is done. One extra iteration each, from an emptied cache.
+    reserved: dict[str, int] = {}
+    if CUDA:
+        for name in order:
+            if name in configs:
+                staged.set_split(configs[name]["host_fraction"], auto_balance=False,
+                                 offload_gradients=configs[name]["offload_gradients"])
+                ps, opt = providers["staged"]["params"], staged
+            else:
+                ps, opt = providers[name]["params"], providers[name]["opt"]
+            h.iteration(ps, opt)
+            _sync()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_reserved()
+            h.iteration(ps, opt)
+            _sync()
+            reserved[name] = torch.cuda.max_memory_reserved() - before
+    rates = host_adamw_rates(n, staged.host_batch_numel if staged else 16 << 20,
+                             tao=providers.get("torchao_offload", {}).get("opt"), staged=staged)
+    # floors
+    dup = (bw or {}).get("duplex_per_dir")
+    r_torch = rates.get("torch_fused_cpu_per_tensor_ms")
+    r_lane = rates.get("host_lane_ms")
+    rows = []
+    for name in order:
+        t = sorted(times[name])
+        row = {"case": f"peers/N={n / 1e6:.0f}M", "provider": name, "ms": t[0], "ms_p50": t[len(t) // 2],
+               "runs": len(t), "params": n, "peak_GiB": (h.grad_bytes + persist[name] + peaks[name]) / gib,
+               "transient_GiB": peaks[name] / gib}
+        if name in reserved:
+            row["transient_reserved_GiB"] = reserved[name] / gib
+        if name in configs:
+            staged.set_split(configs[name]["host_fraction"], offload_gradients=configs[name]["offload_gradients"],
+                             auto_balance=False)
+            b = staged.bytes_per_step()
+            host_bytes = staged.slabs.nbytes + (staged._grads.nbytes if b["host_numel"] else 0)
+            row.update(host_fraction=b["host_numel"] / n, offload_gradients=staged.offload_gradients,
+                       host_GiB=host_bytes / gib, pinned_GiB=host_bytes / gib, h2d_GB=b["h2d"] / 1e9,
+                       d2h_GB=b["d2h"] / 1e9, GBps_h2d=b["h2d"] / t[0] / 1e6, GBps_d2h=b["d2h"] / t[0] / 1e6)
+            if dup:
+                floor = max(b["h2d"], b["d2h"]) / (dup * 1e6)
+                if r_lane:
+                    floor = max(floor, r_lane * b["host_numel"] / n)
+                row.update(floor_ms=floor, pct_floor=floor / t[0])
+        elif name.startswith("torchao"):
+            opt = providers[name]["opt"]
+            pinned = sum(ph.numel() * 4 * 2 for ph in opt.param_d2h_map.values())
+            row.update(host_GiB=providers[name]["rss_delta"] / gib, pinned_GiB=pinned / gib,
+                       offload_gradients=name.endswith("grads"), host_fraction=1.0, h2d_GB=4 * n / 1e9,
+                       d2h_GB=4 * n / 1e9, GBps_h2d=4 * n / t[0] / 1e6, GBps_d2h=4 * n / t[0] / 1e6)
+            if r_torch and bw:
+                floor = max(r_torch, 4 * n / (bw["d2h"] * 1e6), 4 * n / (bw["h2d"] * 1e6))
+                row.update(floor_ms=floor, pct_floor=floor / t[0])
+        else:
+            row.update(host_GiB=0.0, pinned_GiB=0.0)
+        rows.append(row)
+    best_tao, tao_grads, best = mark_staged_best(rows)
+    extra = {"sizes": [min(sizes), max(sizes)], "count": count, "fwd_bwd_ms": min(fb_times),
+             "staged_rss_delta_GiB": staged_rss / gib,
+             "host_adamw": rates, "auto_split": {"grads_on_device": found.get(False), "offload": found.get(True)},
+             "errors": errors}
+    if dup and r_lane:  # floor of any split with offloaded gradients: max((4 + 8 s) N / B, (1 - s) R N)
+        ss = [i / 1000 for i in range(1001)]
+        fl = [max((4 + 8 * x) * n / (dup * 1e6), (1 - x) * r_lane) for x in ss]
+        i = min(range(len(ss)), key=fl.__getitem__)
+        extra["split_floor"] = {"ms": fl[i], "slot_share": ss[i], "duplex_GBps": dup, "host_lane_ms": r_lane}
+    if best is not None and best_tao is not None:
+        extra["target"] = {
+            "speedup_vs_best_torchao": best_tao["ms"] / best["ms"], "target_speedup": 1.5,
+            "best_torchao": best_tao["provider"], "staged_best": best["provider"], "peak_GiB": best["peak_GiB"],
+            "torchao_offload_grads_peak_GiB": tao_grads["peak_GiB"] if tao_grads else None,
+            "peak_ok": tao_grads is not None and best["peak_GiB"] <= tao_grads["peak_GiB"],
+            "met": best_tao["ms"] / best["ms"] >= 1.5 and tao_grads is not None
+            and best["peak_GiB"] <= tao_grads["peak_GiB"]}
+    for v in providers.values():
+        v.clear()
+    providers.clear()
+    staged = h = ps0 = None  # free the parameter set before the next section
+    _free()
+    return rows + errors, extra
+
+
+def mark_staged_best(rows: list[dict]) -> tuple[dict | None, dict | None, dict | None]:
+    """``staged_best``: the fastest StagedAdamW configuration with offloaded gradients (the memory
+    class of torchao's ``offload_gradients=True``); returns (best torchao row, torchao
+    offload_grads row, staged_best row)."""
+    peers = [r for r in rows if r.get("case", "").startswith("peers/") and "ms" in r]
+    best_tao = min((r for r in peers if r["provider"].startswith("torchao")), key=lambda r: r["ms"], default=None)
+    tao_grads = next((r for r in peers if r["provider"] == "torchao_offload_grads"), None)
+    staged = [r for r in peers if r["provider"].startswith("staged") and r.get("offload_gradients")]
+    best = min(staged, key=lambda r: r["ms"], default=None)
+    for r in peers:
+        r.pop("staged_best", None)
+    if best is not None:
+        best["staged_best"] = True
+    return best_tao, tao_grads, best
+
+
+def rewrite_peers(path: str) -> None:
+    """Re-write optim_peers.json and optim_peers.png from a saved optim_staged_peers.json (same
+    rows and header; the staged_best rule of :func:`mark_staged_best`)."""
+    import json
+
+    d = json.loads(Path(path).read_text())
+    rows, extra = d["rows"], d["extra"]
+    prow = [r for r in rows if r.get("case", "").startswith("peers/")]
+    best_tao, tao_grads, best = mark_staged_best(prow)
+    if best is not None and best_tao is not None:
+        extra["target"] = {
+            "speedup_vs_best_torchao": best_tao["ms"] / best["ms"], "target_speedup": 1.5,
+            "best_torchao": best_tao["provider"], "staged_best": best["provider"], "peak_GiB": best["peak_GiB"],
+            "torchao_offload_grads_peak_GiB": tao_grads["peak_GiB"] if tao_grads else None,
+            "peak_ok": tao_grads is not None and best["peak_GiB"] <= tao_grads["peak_GiB"],
+            "met": best_tao["ms"] / best["ms"] >= 1.5 and tao_grads is not None
+            and best["peak_GiB"] <= tao_grads["peak_GiB"]}
+    n = prow[0]["params"]
+    write_peers(prow, extra, n, extra.get("count", 64), prow[0].get("runs", 5), header=d["header"])
+    plot_peers(rows)
+    print("target:", extra.get("target"))
+
+
+def write_peers(rows: list[dict], extra: dict, n: int, count: int, runs: int, header: dict | None = None) -> Path:
+    """``optim_peers.json`` as issue #23's Record asks: header, params, rows of {provider, ms,
+    peak_GiB, host_GiB} (torchao_offload, torchao_offload_grads, staged_best, ... from one run)."""
+    import json
+
+    from bench._common import machine_header
+
+    out = []
+    for r in rows:
+        if "ms" not in r:
+            continue
+        out.append({k: r.get(k) for k in ("provider", "ms", "peak_GiB", "host_GiB")})
+        if r.get("staged_best"):
+            out.append({"provider": "staged_best", **{k: r.get(k) for k in ("ms", "peak_GiB", "host_GiB")}})
+    best = next((r for r in rows if r.get("staged_best")), {})
+    payload = {"header": header or machine_header(),
+               "params": {"numel": n, "tensors": count, "sizes": extra.get("sizes"), "dtype": "float32",
+                          "optimizer": "AdamW lr=1e-4 betas=(0.9,0.999) eps=1e-8 wd=0.01", "moments": "float32",
+                          "timing": f"min wall ms over {runs} interleaved runs of backward (loss = sum <p_i, g_i>) "
+                                    "+ step + synchronize",
+                          "peak": "fixed gradient inputs + params + GPU optimizer state + transient peak of the run",
+                          "staged_best": {"provider": best.get("provider"), "host_fraction": best.get("host_fraction"),
+                                          "offload_gradients": best.get("offload_gradients"),
+                                          "rule": "fastest StagedAdamW configuration with offload_gradients=True"},
+                          "providers": PEER_PROVIDERS},
+               "rows": out}
+    path = out_dir() / "optim_peers.json"
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
+
+def plot_peers(rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rs = [r for r in rows if "ms" in r and r.get("case", "").startswith("peers/")]
+    if not rs:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["provider"] + (" *" if r.get("staged_best") else "") for r in rs]
+    colors = ["tab:orange" if r["provider"].startswith("torchao") else
+              "tab:green" if r.get("staged_best") else "tab:gray" if r["provider"] == "torch_fused_gpu"
+              else "tab:blue" for r in rs]
+    a1.barh(range(len(rs)), [r["ms"] for r in rs], color=colors)
+    a1.set_yticks(range(len(rs)), names, fontsize=7)
+    a1.invert_yaxis()
+    a1.set_xlabel("ms per step (backward + step, min of runs)")
+    for i, r in enumerate(rs):
+        if r.get("floor_ms"):
+            a1.plot([r["floor_ms"]] * 2, [i - 0.4, i + 0.4], color="k", lw=1)
+    a2.barh(range(len(rs)), [r["peak_GiB"] for r in rs], color=colors)
+    for i, r in enumerate(rs):
+        if r.get("transient_reserved_GiB") is not None and r.get("offload_gradients"):
+            res = r["peak_GiB"] - r["transient_GiB"] + r["transient_reserved_GiB"]
+            a2.plot([res] * 2, [i - 0.4, i + 0.4], color="k", lw=1)
+    a2.set_yticks(range(len(rs)), [""] * len(rs))
+    a2.invert_yaxis()
+    a2.set_xlabel("peak GPU GiB allocated (ticks, offloaded gradients: transient peak reserved)")
+    fig.suptitle(f"AdamW, {rs[0]['params'] / 1e9:.2g}e9 fp32 params: torchao CPUOffloadOptimizer vs StagedAdamW "
+                 "(black ticks left: each design's floor; * staged_best)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out_dir() / "optim_peers.png", dpi=120)
+
+
+def megatron_exposed_rows(quick: bool, runs: int, microbatches: int = 4) -> list[dict]:
+    """A Megatron GPT train step (bf16, distributed optimizer, 1 GPU, ``microbatches`` micro-batches):
+    native Megatron Adam (GPU state) vs StagedAdamW (all in slots; auto-balanced host/slot split) vs
+    Megatron's HybridDeviceOptimizer at fraction 1.0 (torchao-style: gradients down, CPU AdamW,
+    weights up). Exposed optimizer time = full step - forward/backward alone, min over
+    interleaved runs."""
+    import time
+
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
+
+    from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, free_port, init_megatron
+    from optim_staged.config import AdamWConfig, StagedOptimizerConfig
+    from optim_staged.megatron import get_staged_optimizer, staged_leaves
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not CUDA:  # smoke runs: Megatron on CPU/gloo
+        from mcore_distill import cpu_compat
+
+        cpu_compat.enable()
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if CUDA else "gloo", rank=0, world_size=1)
+        init_megatron(tp=1, pp=1, seed=1)
+    cfg = (TinyGPTConfig(vocab_size=512, hidden_size=128, num_layers=2, ffn_hidden_size=256, num_attention_heads=4,
+                         num_query_groups=2, params_dtype=torch.bfloat16, max_sequence_length=128) if quick else
+           TinyGPTConfig(vocab_size=32768, hidden_size=2048, num_layers=8, ffn_hidden_size=5632,
+                         num_attention_heads=16, num_query_groups=4, params_dtype=torch.bfloat16,
+                         max_sequence_length=1024))
+    B, S = (2, 64) if quick else (2, 1024)
+    gib = 2**30
+    lr = 1e-4
+    base = dict(optimizer="adam", lr=lr, weight_decay=0.01, use_distributed_optimizer=True, bf16=True,
+                params_dtype=torch.bfloat16, clip_grad=1.0)
+    kinds = {"mcore_native": None, "mcore_staged_split": "auto"}
+    if CUDA:
+        kinds["mcore_hdo_1.0"] = "hdo"
+    built, rows = {}, []
+    for name, kind in kinds.items():
+        try:
+            model = build_tiny_gpt(cfg)
+            if CUDA:
+                model = model.cuda()
+            model = Float16Module(model.config, model)
+            model = DDP(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                    use_distributed_optimizer=True), model)
+            model.config.finalize_model_grads_func = finalize_model_grads
+            if kind == "hdo":
+                opt = get_megatron_optimizer(OptimizerConfig(**base, optimizer_cpu_offload=True,
+                                                             optimizer_offload_fraction=1.0,
+                                                             use_precision_aware_optimizer=True,
+                                                             overlap_cpu_optimizer_d2h_h2d=True), [model])
+            else:
+                a = AdamWConfig(lr=lr, weight_decay=0.01, host_fraction=0.0, auto_balance=kind == "auto")
+                opt = get_staged_optimizer(StagedOptimizerConfig(residency="gpu" if kind is None else "staged",
+                                                                 adamw=a), [model])
+            gen = torch.Generator().manual_seed(0)
+            data = [torch.randint(0, cfg.vocab_size, (B, S), generator=gen).to(DEV) for _ in range(microbatches)]
+            pos = torch.arange(S, device=DEV).expand(B, S)
+
+            def fwd(it, m, pos=pos):
+                t = next(it)
+                return m(t, pos, None, labels=t), lambda o: (o.float().mean(), {})
+
+            def fb(model=model, opt=opt, data=data, fwd=fwd):
+                model.zero_grad_buffer()
+                opt.zero_grad()
+                get_forward_backward_func()(forward_step_func=fwd, data_iterator=iter(data), model=[model],
+                                            num_microbatches=len(data), seq_length=S, micro_batch_size=B,
+                                            forward_only=False)
+
+            def full(fb=fb, opt=opt):
+                fb()
+                opt.step()
+
+            for _ in range(10 if kind == "auto" else 2):  # auto: the balance steps
+                full()
+            _sync()
+            leaves = staged_leaves(opt)
+            built[name] = {"fb": fb, "full": full, "model": model, "opt": opt, "leaves": leaves, "fb_t": [],
+                           "full_t": [], "peak": 0,
+                           "params": sum(p.numel() for p in model.parameters())}
+        except Exception as e:  # noqa: BLE001
+            rows.append(_error_row("megatron_exposed", name, e))
+    for _ in range(runs):
+        for b in built.values():
+            for key, fn in (("fb_t", b["fb"]), ("full_t", b["full"])):
+                _sync()
+                if CUDA and key == "full_t":
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                t0 = time.perf_counter()
+                fn()
+                _sync()
+                b[key].append((time.perf_counter() - t0) * 1e3)
+                if CUDA and key == "full_t":  # this model's transient (all models stay resident)
+                    b["peak"] = max(b["peak"], torch.cuda.max_memory_allocated() - before)
+    for name, b in built.items():
+        fb_ms, full_ms = min(b["fb_t"]), min(b["full_t"])
+        row = {"case": f"megatron_exposed/{b['params'] / 1e6:.0f}M_x{microbatches}mb", "provider": name,
+               "ms": full_ms, "fwd_bwd_ms": fb_ms, "exposed_opt_ms": full_ms - fb_ms, "step_transient_GiB": b["peak"] / gib,
+               "params": b["params"], "runs": runs}
+        if b["leaves"]:
+            inner = b["leaves"][0].optimizer
+            row.update(host_fraction=inner.split, opt_gpu_state_GiB=inner.gpu_state_bytes / gib)
+        rows.append(row)
+    base_row = next((r for r in rows if r.get("provider") == "mcore_native" and "ms" in r), None)
+    for r in rows:
+        if base_row and "ms" in r:
+            r["ratio"] = r["ms"] / base_row["ms"]
+    built.clear()
+    _free()
+    return rows
+
+
+def peers_main(args) -> None:
+    """``--peers``: bandwidth, the 1e9-parameter peer comparison, host AdamW rates and the Megatron
+    exposed-optimizer-time step; writes optim_peers.json (issue #23's record),
+    optim_staged_peers.json (all rows) and optim_peers.png."""
+    n, count, runs = (4_000_000, 16, 3) if args.quick else (1_000_000_000, 64, args.runs)
+    bw = bandwidth((64 << 20) if args.quick else (1 << 30)) if CUDA else None
+    rows = [{"case": "bw", "provider": k, "GBps_dir": v} for k, v in (bw or {}).items()]
+    prow, extra = peers_rows(n, count, runs, bw, args.quick)
+    rows += prow
+    extra["bandwidth_GBps"] = bw
+    write_peers(prow, extra, n, count, runs)  # written before the Megatron section, in case it fails
+    write_results("optim_staged_peers", rows, extra)
+    plot_peers(rows)
+    print("target:", extra.get("target"), flush=True)
+    if not args.no_megatron:
+        try:
+            rows += megatron_exposed_rows(args.quick, runs=3 if args.quick else args.runs)
+        except Exception as e:  # noqa: BLE001
+            rows.append(_error_row("megatron_exposed", "error", e))
+    path = write_results("optim_staged_peers", rows, extra)
+    write_peers(prow, extra, n, count, runs)
+    plot_peers(rows)
+    print(f"wrote {path}")
+    print("host AdamW:", {k: round(v, 1) if isinstance(v, float) else v for k, v in extra["host_adamw"].items()})
+    print("split floor:", extra.get("split_floor"), "auto split:", extra.get("auto_split"))
+    print("target:", extra.get("target"))
+    print_table(rows, ["case", "provider", "ms", "ms_p50", "peak_GiB", "transient_reserved_GiB", "host_GiB",
+                       "host_fraction", "GBps_h2d",
+                       "GBps_d2h", "pct_floor", "fwd_bwd_ms", "exposed_opt_ms", "step_transient_GiB", "GBps_dir",
+                       "error"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
@@ -325,7 +912,19 @@ def main() -> None:
     ap.add_argument("--targets", action="store_true",
                     help="short run of the issue's target cases only (AdamW 134M sweep + HDO 1.0, Muon on the "
                          "issue's shapes at stack sizes; no Megatron step); H200: well under a minute")
+    ap.add_argument("--peers", action="store_true",
+                    help="issue #23: 1e9 fp32 params vs torchao CPUOffloadOptimizer (both modes), host AdamW rates, "
+                         "Megatron exposed optimizer time; writes optim_peers.json / .png")
+    ap.add_argument("--runs", type=int, default=5, help="interleaved timed runs (--peers)")
+    ap.add_argument("--rewrite-peers", metavar="JSON", default=None,
+                    help="re-write optim_peers.json/.png from a saved optim_staged_peers.json (no timing)")
     args = ap.parse_args()
+    if args.rewrite_peers:
+        rewrite_peers(args.rewrite_peers)
+        return
+    if args.peers:
+        peers_main(args)
+        return
     if args.targets:
         args.no_megatron = True
     rows: list[dict] = []

@@ -7,15 +7,46 @@ listed in each docstring and checked in ``__post_init__``. Every bad value raise
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-__all__ = ["ConfigError", "HFModelSpec", "PublishConfig", "EngineConfig", "WorkerSpec"]
+from mcore_distill import errors as _base
+from mcore_distill.validate import validate_fields
+
+__all__ = ["ConfigError", "ConfigTypeError", "HFModelSpec", "PublishConfig", "EngineConfig", "WorkerSpec",
+           "Transport", "Verify"]
 
 MiB = 1 << 20
 
 
-class ConfigError(ValueError):
+class ConfigError(_base.ConfigError):
     """A config field holds a value that cannot work; the message names field and value."""
+
+
+class ConfigTypeError(ConfigError, _base.ConfigTypeError):
+    """A config field holds a value of the wrong type; the message names field and value."""
+
+
+class Transport(enum.StrEnum):
+    """How the publisher moves buckets (see :attr:`PublishConfig.transport`)."""
+
+    auto = "auto"
+    inprocess = "inprocess"
+    shm = "shm"
+    cuda_ipc = "cuda_ipc"
+    disk = "disk"
+
+
+class Verify(enum.StrEnum):
+    """What the publisher checks after a publish (see :attr:`PublishConfig.verify`)."""
+
+    checksum = "checksum"
+    sampled = "sampled"
+    none = "none"
+
+
+def _validate(obj: object) -> None:
+    validate_fields(obj, error=ConfigError, type_error=ConfigTypeError)
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -69,6 +100,7 @@ class HFModelSpec:
     """Longest sequence the receiver is configured for."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if self.arch not in ("qwen3", "qwen3_moe"):
             raise ConfigError(f"HFModelSpec.arch must be 'qwen3' or 'qwen3_moe', got {self.arch!r}")
         _positive(self, "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
@@ -94,14 +126,14 @@ class HFModelSpec:
 class PublishConfig:
     """How the publisher moves converted weights to a receiver."""
 
-    transport: str = "auto"
+    transport: Transport = Transport.auto
     """``auto``, ``inprocess``, ``shm``, ``cuda_ipc`` or ``disk``; ``auto`` takes the first one the receiver's capabilities accept, in the order
     inprocess, cuda_ipc, shm, disk."""
     bucket_bytes: int = 512 * MiB
     """Target bytes per flattened bucket (512 MiB–1 GiB on GPU; smaller values are for tests)."""
     max_in_flight: int = 2
     """Buckets handed to the receiver and not yet acknowledged (1 or 2)."""
-    verify: str = "checksum"
+    verify: Verify = Verify.checksum
     """``checksum``, ``sampled`` or ``none``. After publish: full checksum of every tensor read back, a sampled comparison, or nothing."""
     sample_count: int = 64
     """Elements compared per tensor in ``sampled`` mode."""
@@ -111,13 +143,10 @@ class PublishConfig:
     """Folder for the disk transport; a fresh temp folder when None."""
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "inprocess", "shm", "cuda_ipc", "disk"):
-            raise ConfigError(f"PublishConfig.transport: unknown transport {self.transport!r}")
+        _validate(self)
         _positive(self, "bucket_bytes", "sample_count")
         if self.max_in_flight not in (1, 2):
             raise ConfigError(f"PublishConfig.max_in_flight must be 1 or 2, got {self.max_in_flight!r}")
-        if self.verify not in ("checksum", "sampled", "none"):
-            raise ConfigError(f"PublishConfig.verify must be 'checksum', 'sampled' or 'none', got {self.verify!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"PublishConfig.timeout_s must be > 0, got {self.timeout_s!r}")
 
@@ -138,6 +167,7 @@ class EngineConfig:
     """Keep the k most likely tokens before sampling (0 = off)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise ConfigError(f"EngineConfig.dtype: unsupported dtype {self.dtype!r}")
         _positive(self, "max_new_tokens")
@@ -168,6 +198,7 @@ class WorkerSpec:
     """Seconds between SIGTERM and SIGKILL when stopping."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if not self.role or not self.role.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"WorkerSpec.role must be a non-empty identifier, got {self.role!r}")
         if not self.command or not all(isinstance(a, str) for a in self.command):
@@ -179,6 +210,7 @@ class WorkerSpec:
         bad = {k: v for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)}
         if bad:
             raise ConfigError(f"WorkerSpec.env must map str to str, bad entries: {bad!r}")
-        if not self.health_timeout_s > 0 or not self.kill_grace_s >= 0:
-            raise ConfigError(f"WorkerSpec timeouts must be positive, got health_timeout_s={self.health_timeout_s!r}, "
-                              f"kill_grace_s={self.kill_grace_s!r}")
+        if not self.health_timeout_s > 0:
+            raise ConfigError(f"WorkerSpec.health_timeout_s must be > 0, got {self.health_timeout_s!r}")
+        if not self.kill_grace_s >= 0:
+            raise ConfigError(f"WorkerSpec.kill_grace_s must be >= 0, got {self.kill_grace_s!r}")

@@ -2,8 +2,10 @@
 
     python examples/train_gpu.py model=qwen3_dense_0p6b            # GPU
     python examples/train_gpu.py                                   # CPU default: model=tiny_dense
+    python examples/train_gpu.py model.hf_path=/ckpt/student model.teacher_hf_path=/ckpt/teacher
 
 Builds a student and a frozen teacher (random init) from ``examples/configs/model/<name>.yaml``,
+or loads them from HF folders (``model.hf_path``: ``mcore_distill.hf.megatron_model_from_hf``),
 runs ``run.steps`` steps of tree-packed (harts) GRPO batches through the MOPD loss and StagedAdamW,
 and prints per-step tokens/s, sharing ratio and peak device memory (see ``docs/demo.md``).
 """

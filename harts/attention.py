@@ -108,20 +108,27 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, last: torch.Tensor,
                    scale: float | None = None, backend: Backend = "flex", block_mask=None,
-                   varlen_plan: VarlenPlan | None = None) -> torch.Tensor:
+                   varlen_plan: VarlenPlan | None = None, context_rows: int = 0) -> torch.Tensor:
     """Softmax attention restricted to ancestors-or-self in the pre-order tree.
 
     ``o_q = Σ_{k: k <= q <= last[k]} softmax_k(scale · q·k) v_k``. ``q [T, Hq, D]``,
     ``k, v [T, Hkv, D]``, ``last [T]``; returns ``[T, Hq, D]``. ``block_mask`` (flex) should come
     from :func:`build_block_mask` once per microbatch; it is built here if omitted. ``varlen_plan``
-    (varlen) must come from :func:`build_varlen_plan`.
+    (varlen) must come from :func:`build_varlen_plan`. ``context_rows = c``: ``k, v`` hold ``c`` rows of
+    a shared prefix first (``[c + T, Hkv, D]``), an ancestor chain of every root; varlen only, with a
+    plan built with the same ``context_rows``.
     """
     _check_last(last)
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"expected q [T,Hq,D] and k, v [T,Hkv,D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
-    if q.shape[0] != last.numel() or k.shape[0] != last.numel():
-        raise ValueError(f"q/k length {q.shape[0]}/{k.shape[0]} != len(last) {last.numel()}")
+    if q.shape[0] != last.numel() or k.shape[0] != last.numel() + context_rows:
+        raise ValueError(f"q/k length {q.shape[0]}/{k.shape[0]} != len(last) {last.numel()} (+ context_rows "
+                         f"{context_rows} for k)")
+    if context_rows and (backend != "varlen" or varlen_plan is None or
+                         varlen_plan.copy_ptr is None or varlen_plan.copy_ptr.numel() != k.shape[0] + 1):
+        raise ValueError(f"context_rows={context_rows} needs backend='varlen' and a plan built with "
+                         f"build_varlen_plan(..., context_rows={context_rows})")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of key/value heads {k.shape[1]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

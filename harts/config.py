@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harts.errors import HartsConfigError, HartsConfigTypeError
+from mcore_distill.validate import validate_fields
+
 __all__ = ["HartsConfigError", "CostModelConfig", "PlannerConfig", "HeadConfig"]
 
 
-class HartsConfigError(ValueError):
-    """An invalid harts configuration value (the message names the field and the value)."""
+def _validate(obj: object) -> None:
+    validate_fields(obj, error=HartsConfigError, type_error=HartsConfigTypeError)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,6 +31,7 @@ class CostModelConfig:
     """Cost per attended (query, key) pair; 0 models token-linear-dominant shapes."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         for name in ("c0", "c_token", "c_attn"):
             v = getattr(self, name)
             if v < 0:
@@ -52,10 +56,16 @@ class PlannerConfig:
     crossover (docs/harts.md records the evidence)."""
     dp_size: int = 1
     """Data-parallel ranks; every rank receives the same number of microbatches."""
+    prefix_reuse: bool = False
+    """A tree larger than ``token_cap`` runs as one *shared-prefix group* (:mod:`harts.prefix`) instead
+    of being cut into trees that each repeat its prefix: the prefix's activations stay alive while the
+    parts below it run (prefix rows + part rows ≤ ``token_cap``). Such microbatches (``mode="shared"``)
+    run through :func:`harts.megatron.tree_shared_step`, not ``tree_forward``."""
     cost: CostModelConfig = field(default_factory=CostModelConfig)
     """Cost model used to balance ranks."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if self.token_cap < 1:
             raise HartsConfigError(f"PlannerConfig.token_cap must be >= 1, got {self.token_cap}")
         if self.align < 1 or self.token_cap % self.align:
@@ -83,6 +93,7 @@ class HeadConfig:
     """Make the returned entropy differentiable (entropy bonus)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if self.backend not in ("flex", "varlen", "dense"):
             raise HartsConfigError(f"HeadConfig.backend must be 'flex', 'varlen' or 'dense', got {self.backend!r}")
         if self.chunk_size < 1:

@@ -25,22 +25,20 @@ sequences and forests without any sharing are ordinary cases.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from harts.errors import EmptySequenceError, TokenOutOfRangeError  # noqa: F401 (re-exported)
+from harts.upload import upload
 
 __all__ = ["Forest", "build_forest", "build_chain_forest", "as_token_lists", "EmptySequenceError",
            "TokenOutOfRangeError", "lexicographic_order"]
 
 
-class EmptySequenceError(ValueError):
-    """A sequence has no tokens."""
-
-
-class TokenOutOfRangeError(ValueError):
-    """A token id is negative or not below the vocabulary size."""
 
 
 def as_token_lists(seqs: Sequence, *, vocab_size: int | None = None) -> list[np.ndarray]:
@@ -95,6 +93,9 @@ class Forest:
     """[N+1] CSR offsets of each sequence into ``index``."""
     num_pad: int = 0
     """Padding roots appended at the end (attend only to themselves, never referenced)."""
+    host: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    """Host (numpy) copies of the tensors above, by field name, when the forest was built on the
+    host (:func:`build_forest`): planners read these instead of copying from the device."""
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -134,20 +135,27 @@ class Forest:
 
     def _pred_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """CSR position ``j + seq(j)`` of the row of prediction ``j`` and ``seq(j)``, without a
-        device-to-host synchronization (all sizes are known on the host)."""
-        m = self.total_tokens - self.num_seqs
-        j = torch.arange(m, device=self.index.device)
-        sid = torch.searchsorted(self.pred_offsets()[1:], j, right=True)
-        return j + sid, sid
+        device-to-host synchronization (all sizes are known on the host); computed once per forest
+        (the loss of every step reads them: no kernels for them after the first call)."""
+        cached = self.__dict__.get("_pred")
+        if cached is None:
+            m = self.total_tokens - self.num_seqs
+            j = torch.arange(m, device=self.index.device)
+            sid = torch.searchsorted(self.pred_offsets()[1:], j, right=True)
+            pos = j + sid
+            cached = (pos, sid, self.index.index_select(0, pos + 1), self.index.index_select(0, pos))
+            object.__setattr__(self, "_pred", cached)  # frozen dataclass: a private cache, not a field
+        return cached
 
     def label_index(self) -> torch.Tensor:
         """[Σ(L_i-1)] compact node of positions ``1..L_i-1``: the edge whose log-prob is
         ``log p(x_t | x_<t)``, read from the parent's logits row."""
-        return self.index.index_select(0, self._pred_positions()[0] + 1)
+        return self._pred_positions()[2]
 
     def row_index(self) -> torch.Tensor:
         """[Σ(L_i-1)] compact node of positions ``0..L_i-2``: the row predicting position t+1."""
-        return self.index.index_select(0, self._pred_positions()[0])
+        return self._pred_positions()[3]
+
 
     def pred_seq_ids(self) -> torch.Tensor:
         """[Σ(L_i-1)] sequence id of every prediction position."""
@@ -170,10 +178,22 @@ class Forest:
         extra = (-t) % multiple
         if extra == 0:
             return self
+        s = int(self.seg_parent.numel())
+        if self.host is not None:  # on the host, then one upload: no device work, no synchronization
+            h = self.host
+            ar, z = np.arange(t, t + extra), np.zeros(extra, dtype=np.int64)
+            new = dict(tokens=np.concatenate([h["tokens"], z]), parent=np.concatenate([h["parent"], z - 1]),
+                       depth=np.concatenate([h["depth"], z]), last=np.concatenate([h["last"], ar]),
+                       multiplicity=np.concatenate([h["multiplicity"], z]),
+                       seg_offsets=np.concatenate([h["seg_offsets"], ar + 1]),
+                       seg_parent=np.concatenate([h["seg_parent"], z - 1]),
+                       node_seg=np.concatenate([h["node_seg"], np.arange(s, s + extra)]))
+            dev = dict(zip(new, upload(list(new.values()), self.tokens.device)))
+            return Forest(**dev, index=self.index, seq_offsets=self.seq_offsets, num_pad=self.num_pad + extra,
+                          host={**h, **new})
         dev = self.tokens.device
         ar = torch.arange(t, t + extra, device=dev)
         z = torch.zeros(extra, dtype=torch.int64, device=dev)
-        s = int(self.seg_parent.numel())
         return Forest(
             tokens=torch.cat([self.tokens, z]), parent=torch.cat([self.parent, z - 1]),
             depth=torch.cat([self.depth, z]), last=torch.cat([self.last, ar]),
@@ -183,10 +203,20 @@ class Forest:
             index=self.index, seq_offsets=self.seq_offsets, num_pad=self.num_pad + extra,
         )
 
+    def shift_depth(self, offset: int) -> Forest:
+        """The same forest with every depth (RoPE position) increased by ``offset``: the rows below
+        a prefix of ``offset`` tokens held elsewhere (:mod:`harts.prefix`)."""
+        host = None if self.host is None else {**self.host, "depth": self.host["depth"] + offset}
+        return dataclasses.replace(self, depth=self.depth + offset, host=host)
+
     def to(self, device) -> Forest:
-        """Copy every tensor to ``device``."""
-        kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
-        return Forest(**kw)
+        """Copy every tensor to ``device`` (one non-blocking transfer when host copies exist)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # not the private caches
+        if self.host is not None:
+            names = [k for k, v in fields.items() if isinstance(v, torch.Tensor)]
+            moved = dict(zip(names, upload([self.host[k] for k in names], device)))
+            return dataclasses.replace(self, **moved)
+        return Forest(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in fields.items()})
 
 
 def lexicographic_order(arrs: list[np.ndarray]) -> list[int]:
@@ -230,12 +260,10 @@ def _finish(tokens: np.ndarray, parent: np.ndarray, depth: np.ndarray, paths: li
     seq_offsets[1:] = np.cumsum([p.size for p in paths])
     mult = np.bincount(index, minlength=t)
 
-    def tt(x):
-        return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.int64, device=device)
-
-    return Forest(tokens=tt(tokens), parent=tt(parent), depth=tt(depth), last=tt(last), multiplicity=tt(mult),
-                  seg_offsets=tt(seg_offsets), seg_parent=tt(seg_parent), node_seg=tt(node_seg),
-                  index=tt(index), seq_offsets=tt(seq_offsets))
+    host = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in dict(
+        tokens=tokens, parent=parent, depth=depth, last=last, multiplicity=mult, seg_offsets=seg_offsets,
+        seg_parent=seg_parent, node_seg=node_seg, index=index, seq_offsets=seq_offsets).items()}
+    return Forest(**dict(zip(host, upload(list(host.values()), device))), host=host)
 
 
 def build_forest(seqs: Sequence, *, vocab_size: int | None = None, device=None) -> Forest:

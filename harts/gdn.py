@@ -37,19 +37,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.errors import GdnConfigError, GdnShapeError, HartsConfigTypeError
 from harts.forest import Forest
 from harts.gdn_reference import chunk_gated_delta_rule_reference
+from harts.upload import upload
+from mcore_distill.validate import validate_fields
 
 __all__ = ["GdnConfigError", "GdnShapeError", "GdnTreeConfig", "GdnRound", "GdnPlan", "ancestor_table",
            "build_gdn_plan", "resolve_backend", "tree_causal_conv1d", "tree_causal_conv1d_fla", "tree_gated_delta_rule", "chain_rounds"]
 
 
-class GdnConfigError(ValueError):
-    """An invalid Gated DeltaNet tree option (the message names the field and the value)."""
-
-
-class GdnShapeError(ValueError):
-    """Tensors do not match each other or the plan (the message names the shapes)."""
 
 
 _CHUNK_SIZES = (16, 32, 64)
@@ -81,6 +78,7 @@ class GdnTreeConfig:
     (fewer rounds on deep trees), fork states inside a chain are recomputed by state-only pieces."""
 
     def __post_init__(self) -> None:
+        validate_fields(self, error=GdnConfigError, type_error=HartsConfigTypeError)
         if self.chunk_size not in _CHUNK_SIZES:
             raise GdnConfigError(f"GdnTreeConfig.chunk_size must be one of {_CHUNK_SIZES}, got {self.chunk_size}")
         if self.backend not in _BACKENDS:
@@ -104,6 +102,10 @@ class GdnRound:
     """[N+1] piece boundaries in the packed rows."""
     cu_seqlens_cpu: torch.Tensor
     """The same on the host (FLA then needs no device-to-host sync per call)."""
+    chunk_indices: torch.Tensor
+    """[NT, 2] (piece, chunk within the piece) of every ``chunk_size`` chunk: FLA's
+    ``prepare_chunk_indices`` computed at planning time, so the kernels never rebuild it (each
+    rebuild is a host computation and a synchronizing host-to-device copy)."""
     keep: torch.Tensor
     """[n_keep] packed positions whose outputs are kept (not replayed)."""
     init_sources: tuple
@@ -137,6 +139,8 @@ class GdnPlan:
     """[S+1] trie segment offsets: the varlen sequences of the FLA tree convolution."""
     conv_cu_seqlens_cpu: torch.Tensor | None = None
     """The same on the host."""
+    conv_chunk_indices: torch.Tensor | None = None
+    """[NT, 2] chunk indices of the convolution's segments (FLA's 64-row conv chunks)."""
     conv_history: torch.Tensor | None = None
     """[S, W−1] rows of each segment's ancestors at distance ``W−1 … 1`` (``T`` = a zero row past a
     root): the FLA convolution's initial state per segment (:func:`tree_causal_conv1d_fla`)."""
@@ -150,14 +154,15 @@ class GdnPlan:
             return x.to(device) if isinstance(x, torch.Tensor) else x
 
         rounds = tuple(GdnRound(rows=mv(r.rows), cu_seqlens=mv(r.cu_seqlens), cu_seqlens_cpu=r.cu_seqlens_cpu,
-                                keep=mv(r.keep),
+                                chunk_indices=mv(r.chunk_indices), keep=mv(r.keep),
                                 init_sources=tuple((a, mv(b), mv(c)) for a, b, c in r.init_sources))
                        for r in self.rounds)
         return GdnPlan(num_nodes=self.num_nodes, chunk_size=self.chunk_size, align=self.align, anc=mv(self.anc),
                        rounds=rounds, inverse=mv(self.inverse), replay_tokens=self.replay_tokens,
                        num_pieces=self.num_pieces, identity=self.identity, export_tokens=self.export_tokens,
                        schedule=self.schedule, conv_cu_seqlens=mv(self.conv_cu_seqlens),
-                       conv_cu_seqlens_cpu=self.conv_cu_seqlens_cpu, conv_history=mv(self.conv_history))
+                       conv_cu_seqlens_cpu=self.conv_cu_seqlens_cpu, conv_chunk_indices=mv(self.conv_chunk_indices),
+                       conv_history=mv(self.conv_history))
 
 
 def ancestor_table(parent: torch.Tensor, width: int) -> torch.Tensor:
@@ -263,7 +268,8 @@ def tree_causal_conv1d_fla(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         # FLA reads position W−m of the state as the input m steps before the sequence (m = 1 … W−1)
         state = torch.cat([h.new_zeros(s, 1, d), h], 1).transpose(1, 2).contiguous()
     y, _ = causal_conv1d(x[None], weight, bias, initial_state=state, activation=activation,
-                         cu_seqlens=plan.conv_cu_seqlens, cu_seqlens_cpu=plan.conv_cu_seqlens_cpu)
+                         cu_seqlens=plan.conv_cu_seqlens, cu_seqlens_cpu=plan.conv_cu_seqlens_cpu,
+                         chunk_indices=plan.conv_chunk_indices)
     return y[0]
 
 
@@ -411,10 +417,9 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
         raise GdnConfigError(f"chunk_size must be one of {_CHUNK_SIZES}, got {chunk_size}")
     if schedule not in _SCHEDULES:
         raise GdnConfigError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
-    parent = forest.parent.cpu().numpy()
-    depth = forest.depth.cpu().numpy()
-    seg_off = forest.seg_offsets.cpu().numpy()
-    node_seg = forest.node_seg.cpu().numpy()
+    h = forest.host or {k: getattr(forest, k).cpu().numpy() for k in ("parent", "depth", "seg_offsets", "node_seg",
+                                                                       "seg_parent")}
+    parent, depth, seg_off, node_seg = h["parent"], h["depth"], h["seg_offsets"], h["node_seg"]
     t = parent.size
     seg_start, seg_end = seg_off[:-1], seg_off[1:]  # end exclusive
     if schedule == "level":
@@ -422,7 +427,7 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
                                                            chunk_size, align)
     else:
         rows_of, skip, src, replay, export = _chain_pieces(parent, depth, seg_start, seg_end, node_seg,
-                                                           forest.seg_parent.cpu().numpy(), chunk_size, align)
+                                                           h["seg_parent"], chunk_size, align)
     n_p = len(rows_of)
     rnd = np.full(n_p, -1, dtype=np.int64)
 
@@ -442,6 +447,7 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
     src_a = np.asarray(src, dtype=np.int64)
     skip_a = np.asarray(skip, dtype=np.int64)
     rounds, kept_rows, pos_in_round = [], [], np.zeros(n_p, dtype=np.int64)
+    host = []  # every index array, uploaded at the end in one non-blocking copy
     for r in range(int(rnd.max()) + 1 if n_p else 0):
         ids = np.flatnonzero(rnd == r)
         pos_in_round[ids] = np.arange(ids.size)
@@ -453,28 +459,54 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
         has = src_a[ids] >= 0
         for sr in (np.unique(rnd[src_a[ids[has]]]) if has.any() else []):
             dst = np.flatnonzero(has & (rnd[np.where(has, src_a[ids], 0)] == sr))
-            srcs.append((int(sr), torch.as_tensor(pos_in_round[src_a[ids[dst]]]), torch.as_tensor(dst)))
-        rounds.append(GdnRound(rows=torch.as_tensor(np.concatenate([rows_of[i] for i in ids])),
-                               cu_seqlens=torch.as_tensor(cu), cu_seqlens_cpu=torch.as_tensor(cu),
-                               keep=torch.as_tensor(keep), init_sources=tuple(srcs)))
+            srcs.append((int(sr), pos_in_round[src_a[ids[dst]]], dst))
+        host.append((np.concatenate([rows_of[i] for i in ids]), cu, _chunk_indices(cu, chunk_size), keep, srcs))
     order = np.concatenate(kept_rows) if kept_rows else np.zeros(0, dtype=np.int64)
     inverse = np.empty(t, dtype=np.int64)
     inverse[order] = np.arange(t)
-    anc = ancestor_table(forest.parent.cpu(), conv_width)
-    hist = anc[torch.as_tensor(seg_start), 1:].flip(1)  # distance W−1 … 1 before each segment
-    seg_cu = torch.as_tensor(seg_off.astype(np.int64))
-    plan = GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align, anc=anc, rounds=tuple(rounds),
-                   inverse=torch.as_tensor(inverse), replay_tokens=replay, num_pieces=int(n_p),
+    anc = _ancestor_table(parent, conv_width)
+    hist = anc[seg_start, 1:][:, ::-1]  # distance W−1 … 1 before each segment
+    flat = [inverse, anc, seg_off, _chunk_indices(seg_off, 64), np.where(hist >= 0, hist, t)]
+    for rows, cu, ci, keep, srcs in host:
+        flat += [rows, cu, ci, keep] + [x for _, si, di in srcs for x in (si, di)]
+    dev = iter(upload(flat, forest.parent.device))
+    inverse_d, anc_d, seg_cu, conv_ci, hist_d = (next(dev) for _ in range(5))
+    for _rows, cu, _ci, _keep, srcs in host:
+        rounds.append(GdnRound(rows=next(dev), cu_seqlens=next(dev), cu_seqlens_cpu=torch.from_numpy(cu),
+                               chunk_indices=next(dev), keep=next(dev),
+                               init_sources=tuple((sr, next(dev), next(dev)) for sr, _, _ in srcs)))
+    return GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align, anc=anc_d, rounds=tuple(rounds),
+                   inverse=inverse_d, replay_tokens=replay, num_pieces=int(n_p),
                    identity=len(rounds) == 1 and bool(np.array_equal(order, np.arange(t))) and not skip_a.any(),
-                   export_tokens=export, schedule=schedule, conv_cu_seqlens=seg_cu, conv_cu_seqlens_cpu=seg_cu,
-                   conv_history=torch.where(hist >= 0, hist, t))
-    return plan.to(forest.parent.device)
+                   export_tokens=export, schedule=schedule, conv_cu_seqlens=seg_cu,
+                   conv_cu_seqlens_cpu=torch.from_numpy(np.ascontiguousarray(seg_off, dtype=np.int64)),
+                   conv_chunk_indices=conv_ci, conv_history=hist_d)
+
+
+def _chunk_indices(cu: np.ndarray, chunk: int) -> np.ndarray:
+    """``[NT, 2]`` (sequence, chunk within it) of every ``chunk``-row chunk of the varlen
+    sequences ``cu``: what FLA's ``prepare_chunk_indices(cu, chunk)`` returns."""
+    counts = -(-np.diff(cu) // chunk)
+    seq = np.repeat(np.arange(counts.size), counts)
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return np.stack([seq, np.arange(seq.size) - start[seq]], 1)
+
+
+def _ancestor_table(parent: np.ndarray, width: int) -> np.ndarray:
+    """:func:`ancestor_table` on the host (numpy)."""
+    if width < 1:
+        raise GdnConfigError(f"conv width must be >= 1, got {width}")
+    cols = [np.arange(parent.size)]
+    ext = np.append(parent, -1)  # ext[-1] = parent of "-1" = -1
+    for _ in range(width - 1):
+        cols.append(ext[cols[-1]])
+    return np.stack(cols, 1)
 
 
 def chain_rounds(forest: Forest) -> int:
     """Rounds of the chain schedule without alignment cuts (model-free statistic):
     ``r(leaf segment) = 1``, ``r(u) = max(r_1, r_2 + 1)`` over its two largest child values."""
-    seg_parent = forest.seg_parent.cpu().numpy()
+    seg_parent = forest.host["seg_parent"] if forest.host else forest.seg_parent.cpu().numpy()
     n = seg_parent.size
     best = [[] for _ in range(n)]
     r = np.ones(n, dtype=np.int64)
@@ -503,14 +535,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, cu_cpu: torch.Tensor, h0: torch.Tensor, scale: float,
-               chunk_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk_size: int, backend: str, chunk_indices: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One varlen call: packed ``[n, ...]`` inputs, ``h0 [N, HV, K, V]`` → ``o [n, HV, V]``, ``ht [N, ...]``."""
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
         o, ht = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=scale,
                                        initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                       cu_seqlens_cpu=cu_cpu, chunk_size=chunk_size)
+                                       cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size)
         return o[0], ht
     outs, finals = [], []
     bounds = cu_cpu.tolist()
@@ -563,9 +596,11 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
             h0 = h0.index_copy(0, di, states[sr].index_select(0, si))
         if plan.identity:  # one round over all rows in order, nothing replayed (e.g. a chain forest)
             return _run_round(q, k, v, g, beta, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
+                              chunk_indices=rd.chunk_indices,
                               chunk_size=plan.chunk_size, backend=backend)[0]
         gather = [x.index_select(0, rd.rows) for x in (q, k, v, g, beta)]
         o, ht = _run_round(*gather, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
+                           chunk_indices=rd.chunk_indices,
                            chunk_size=plan.chunk_size, backend=backend)
         states.append(ht.to(state_dtype))
         kept.append(o.index_select(0, rd.keep))

@@ -210,15 +210,17 @@ def apply_tree_gdn(model: torch.nn.Module) -> int:
     return n
 
 
-def gdn_layer_spec(*, normalization: str = "RMSNorm", tree: bool = True):
+def gdn_layer_spec(*, normalization: str = "RMSNorm", tree: bool = True, num_experts: int | None = None):
     """A ``TransformerLayer`` spec with a (Tree)GatedDeltaNet mixer from local (non-TE) modules:
-    separate input RMSNorm, column-parallel ``in_proj``, row-parallel ``out_proj``, dense SwiGLU MLP.
-    Megatron's own GDN spec needs Transformer Engine; this one runs on CPU and GPU alike."""
+    separate input RMSNorm, column-parallel ``in_proj``, row-parallel ``out_proj``, SwiGLU MLP
+    (dense, or ``num_experts`` routed experts). Megatron's own GDN spec needs Transformer Engine;
+    this one runs on CPU and GPU alike."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization=normalization)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization=normalization)
     norm = spec.submodules.input_layernorm
     spec.submodules.self_attention = ModuleSpec(
         module=TreeGatedDeltaNet if tree else GatedDeltaNet,
@@ -226,17 +228,20 @@ def gdn_layer_spec(*, normalization: str = "RMSNorm", tree: bool = True):
     return spec
 
 
-def hybrid_block_spec(pattern: str, *, normalization: str = "RMSNorm"):
+def hybrid_block_spec(pattern: str, *, normalization: str = "RMSNorm", num_experts: int | None = None):
     """``TransformerBlockSubmodules`` for a hybrid stack: ``pattern`` has one letter per layer,
     ``G`` = (Tree)GatedDeltaNet layer, ``A`` = softmax-attention layer (local modules), e.g.
-    ``"GGGA"`` for Qwen3-Next's 3:1 interleave. Pass it as ``GPTModel(transformer_layer_spec=...)``;
-    under pipeline parallelism pass only this stage's letters."""
+    ``"GGGA"`` for Qwen3-Next's 3:1 interleave; ``num_experts``: routed-expert MLPs in every layer.
+    Pass it as ``GPTModel(transformer_layer_spec=...)``; under pipeline parallelism pass only
+    this stage's letters."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     bad = sorted(set(pattern) - {"G", "A"})
     if not pattern or bad:
         raise GdnConfigError(f"pattern must be a non-empty string of 'G'/'A', got {pattern!r}")
-    attn = get_gpt_layer_local_spec(qk_layernorm=True, normalization=normalization)
-    layers = [gdn_layer_spec(normalization=normalization) if c == "G" else copy.deepcopy(attn) for c in pattern]
+    attn = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization=normalization)
+    layers = [gdn_layer_spec(normalization=normalization, num_experts=num_experts) if c == "G" else copy.deepcopy(attn)
+              for c in pattern]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=attn.submodules.input_layernorm)

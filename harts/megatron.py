@@ -25,25 +25,28 @@ activation recomputation.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from harts.attention import Backend, build_block_mask, build_varlen_plan, tree_attention
 from harts.config import HeadConfig
+from harts.errors import TreeIncompatibleError  # noqa: F401 (re-exported)
 from harts.forest import Forest, TokenOutOfRangeError
 from harts.lm_head import HeadEdges, TreeHeadOutput, head_edges, tree_lm_head
+from harts.prefix import SharedPrefixBatch
+from harts.upload import upload
 from harts.varlen import VarlenMode
 
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
-           "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward"]
+           "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward", "PrefixContext",
+           "SharedParams", "make_shared_params", "tree_shared_step"]
 
-
-class TreeIncompatibleError(ValueError):
-    """The model configuration cannot run tree-packed batches exactly."""
 
 
 @dataclass
@@ -64,6 +67,11 @@ class TreePackedSeqParams(PackedSeqParams):
     """Out-edges for the tree LM head (:func:`harts.lm_head.head_edges`), built once per microbatch."""
     max_token: int | None = None
     """Largest token id of the microbatch (host int; checked against the vocabulary without a sync)."""
+    prefix_context: PrefixContext | None = None
+    """Shared-prefix groups (:func:`tree_shared_step`): records the prefix microbatch's keys/values,
+    or feeds them to a part's attention as ``context_rows`` leading key rows."""
+    context_rows: int = 0
+    """Key rows in front of this microbatch's own (a part of a shared-prefix group: the prefix length)."""
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -92,6 +100,58 @@ def check_tree_compatible(config) -> None:
         raise TreeIncompatibleError(f"softmax_type={st!r}: tree attention implements only 'vanilla' softmax")
 
 
+class PrefixContext:
+    """Keys and values of a shared prefix, per attention layer, kept across the parts below it.
+
+    While recording (the prefix microbatch's forward) each tree core attention stores the first
+    ``rows`` rows of its keys and values (after RoPE; graph-connected). :meth:`freeze` turns them
+    into leaves (detached views, ``requires_grad``) that every part's attention puts in front of
+    its own keys, so the parts' key/value gradients accumulate in their ``.grad``;
+    :meth:`backward_roots` pairs the recorded tensors with those gradients for the prefix backward.
+    """
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self._kv: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._leaves: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._acc: dict[tuple[torch.nn.Module, int], torch.Tensor] = {}
+
+    def record(self, layer: torch.nn.Module, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._leaves is not None:
+            raise RuntimeError("PrefixContext is frozen: the prefix microbatch ran twice")
+        self._kv[layer] = (k[:self.rows], v[:self.rows])
+
+    def freeze(self) -> None:
+        self._leaves = {m: tuple(x.detach().requires_grad_(x.requires_grad) for x in kv) for m, kv in self._kv.items()}
+
+    def context(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._leaves is None or layer not in self._leaves:
+            raise RuntimeError("no recorded prefix keys/values for this attention layer: run the prefix microbatch "
+                               "first (harts.megatron.tree_shared_step)")
+        return self._leaves[layer]
+
+    def collect(self) -> None:
+        """Move the leaves' gradients (one part's) into fp32 accumulators: the parts' key/value
+        gradients of a bf16 model add up in fp32 and are rounded once, as the copies' sum of
+        the key gather is within one microbatch."""
+        for m, leaves in self._leaves.items():
+            for i, leaf in enumerate(leaves):
+                if leaf.grad is not None:
+                    g = leaf.grad.to(torch.promote_types(leaf.dtype, torch.float32))
+                    acc = self._acc.get((m, i))
+                    self._acc[(m, i)] = g if acc is None else acc.add_(g)
+                    leaf.grad = None
+
+    def backward_roots(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The recorded keys/values and their accumulated gradients (after :meth:`collect`)."""
+        roots, grads = [], []
+        for (m, i), g in self._acc.items():
+            x = self._kv[m][i]
+            roots.append(x)
+            grads.append(g.to(x.dtype))
+        return roots, grads
+
+
 def _tree_forward(self, query, key, value, psp: TreePackedSeqParams):
     """query [T, 1, Hq, D], key/value [T, 1, Hkv, D] → [T, 1, Hq·D]."""
     if query.shape[1] != 1:
@@ -101,8 +161,18 @@ def _tree_forward(self, query, key, value, psp: TreePackedSeqParams):
         scale = 1.0 / math.sqrt(query.shape[-1])
     if isinstance(self, DotProductAttention) and getattr(self.config, "apply_query_key_layer_scaling", False):
         scale = scale * self.layer_number  # the local class divides its scale by the layer number
-    out = tree_attention(query[:, 0], key[:, 0], value[:, 0], last=psp.tree_last, scale=scale,
-                         backend=psp.tree_backend, block_mask=psp.block_mask, varlen_plan=psp.varlen_plan)
+    k, v = key[:, 0], value[:, 0]
+    ctx = psp.prefix_context
+    if psp.context_rows:  # a part of a shared-prefix group: the prefix's keys/values come first
+        if ctx is None:
+            raise ValueError(f"context_rows={psp.context_rows} but no prefix_context: run parts through "
+                             "harts.megatron.tree_shared_step")
+        kp, vp = ctx.context(self)
+        k, v = torch.cat([kp, k]), torch.cat([vp, v])
+    elif ctx is not None:  # the prefix microbatch of a shared-prefix group
+        ctx.record(self, k, v)
+    out = tree_attention(query[:, 0], k, v, last=psp.tree_last, scale=scale, backend=psp.tree_backend,
+                         block_mask=psp.block_mask, varlen_plan=psp.varlen_plan, context_rows=psp.context_rows)
     return out.reshape(out.shape[0], 1, -1)
 
 
@@ -172,7 +242,13 @@ class HartsHandle:
 
 
 def _gpt_models(model: torch.nn.Module):
-    return [m for m in model.modules() if hasattr(m, "decoder") and hasattr(m, "position_embedding_type")]
+    """The GPTModel-like modules inside ``model`` (remembered on ``model``: ``tree_forward`` runs
+    once per microbatch and would otherwise walk every module each time)."""
+    found = model.__dict__.get("_harts_gpt_models")
+    if found is None:
+        found = [m for m in model.modules() if hasattr(m, "decoder") and hasattr(m, "position_embedding_type")]
+        model.__dict__["_harts_gpt_models"] = found
+    return found
 
 
 def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
@@ -201,21 +277,44 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
 
 
 def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128,
-                     varlen_mode: VarlenMode = "auto", save_gathered_kv: bool = False) -> TreePackedSeqParams:
+                     varlen_mode: VarlenMode = "auto", save_gathered_kv: bool = False,
+                     context_rows: int = 0) -> TreePackedSeqParams:
     """Per-microbatch tree metadata, built once (ahead of the step, e.g. in the data loader): the
-    flex BlockMask or varlen plan (``varlen_mode``, ``save_gathered_kv``: see
-    :func:`harts.varlen.build_varlen_plan`),
-    the LM head's edge list and host-side sizes, so the forward/backward parts that harts owns
-    need no device-to-host synchronization."""
+    flex BlockMask or varlen plan (``varlen_mode``, ``save_gathered_kv``, ``context_rows``: see
+    :func:`harts.varlen.build_varlen_plan`; ``context_rows`` > 0 for a part of a shared-prefix
+    group, which needs ``backend="varlen"``), the LM head's edge list and host-side sizes, so the
+    forward/backward parts that harts owns need no device-to-host synchronization."""
     if backend not in ("flex", "varlen", "dense"):
         raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
+    if context_rows and backend != "varlen":
+        raise TreeIncompatibleError(f"context_rows={context_rows} (a shared-prefix part) needs backend='varlen', "
+                                    f"got {backend!r}")
+    h = forest.host
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
-    vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent, mode=varlen_mode,
-                           save_gathered_kv=save_gathered_kv) if backend == "varlen" else None
-    rope_len = int(forest.depth.max()) + 1  # the RoPE table only needs positions 0..max depth
+    vp = build_varlen_plan(*((h["seg_offsets"], h["seg_parent"]) if h else (forest.seg_offsets, forest.seg_parent)),
+                           mode=varlen_mode, save_gathered_kv=save_gathered_kv, context_rows=context_rows,
+                           device=forest.tokens.device) if backend == "varlen" else None
+    if h is not None:  # host copies: no device-to-host synchronization at all
+        top = [int(h["depth"].max()), int(h["tokens"].max())]
+        edges = _head_edges_host(forest.tokens, h["parent"])
+    else:
+        top = torch.stack([forest.depth.max(), forest.tokens.max()]).tolist()  # one device-to-host copy
+        edges = head_edges(forest.tokens, forest.parent)
+    rope_len = top[0] + 1  # the RoPE table only needs positions 0..max depth
     return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
-                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len,
-                               head_edges=head_edges(forest.tokens, forest.parent), max_token=int(forest.tokens.max()))
+                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len, head_edges=edges,
+                               max_token=top[1], context_rows=context_rows)
+
+
+def _head_edges_host(tokens: torch.Tensor, parent: np.ndarray) -> HeadEdges:
+    """:func:`harts.lm_head.head_edges` from the host copy of ``parent`` (the same edges and
+    offsets, uploaded in one non-blocking copy; the tokens are gathered on their device)."""
+    child = np.flatnonzero(parent >= 0)
+    child = child[np.argsort(parent[child], kind="stable")]
+    e_parent = parent[child]
+    off = np.searchsorted(e_parent, np.arange(parent.size + 1))
+    child_d, parent_d = upload([child, e_parent], tokens.device)
+    return HeadEdges(child=child_d, parent=parent_d, token=tokens.index_select(0, child_d), offsets=tuple(off.tolist()))
 
 
 def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, temperature: float,
@@ -266,3 +365,84 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     return model(forest.tokens[None], pos, None, packed_seq_params=params,
                  output_processor=_head_processor(forest, params.head_edges, chunk_size, temperature,
                                                   entropy_requires_grad))
+
+
+@dataclass
+class SharedParams:
+    """Tree metadata of a shared-prefix group (:func:`make_shared_params`): the prefix microbatch's
+    and each part's, built once ahead of the step like :func:`make_tree_params`."""
+
+    prefix: TreePackedSeqParams
+    parts: list[TreePackedSeqParams]
+
+
+def make_shared_params(batch: SharedPrefixBatch, *, backend: Backend = "varlen",
+                       save_gathered_kv: bool = False) -> SharedParams:
+    """:class:`SharedParams` of a :class:`~harts.prefix.SharedPrefixBatch` (varlen backend: the parts'
+    attention reads the prefix's keys as context rows of the key gather). The prefix microbatch
+    runs the cascade plan (``levels``): its lookahead rows are siblings below the whole prefix, and
+    the key gather would copy the prefix's keys once per lookahead row (16 × 4,800 rows for a
+    16-response group with a 4,800-token prompt) where the cascade reads them once."""
+    if backend != "varlen":
+        raise TreeIncompatibleError(f"shared-prefix groups need backend='varlen', got {backend!r}")
+    return SharedParams(prefix=make_tree_params(batch.prefix, backend=backend, varlen_mode="levels"),
+                        parts=[make_tree_params(p.forest, backend=backend, context_rows=batch.prefix_len,
+                                                save_gathered_kv=save_gathered_kv) for p in batch.parts])
+
+
+def _check_shared(model: torch.nn.Module) -> None:
+    for g in _gpt_models(model):
+        cfg = g.config
+        if getattr(cfg, "recompute_granularity", None) is not None:
+            raise TreeIncompatibleError(
+                f"recompute_granularity={cfg.recompute_granularity!r}: shared-prefix groups keep the prefix's "
+                "autograd graph across the parts and need activation recomputation off")
+        if getattr(cfg, "pipeline_model_parallel_size", 1) > 1:
+            raise TreeIncompatibleError(f"pipeline_model_parallel_size={cfg.pipeline_model_parallel_size}: "
+                                        "shared-prefix groups run on a single pipeline stage")
+
+
+def tree_shared_step(model: torch.nn.Module, batch: SharedPrefixBatch, loss_fn, *,
+                     params: SharedParams | None = None, temperature: float = 1.0, chunk_size: int = 1024,
+                     entropy_requires_grad: bool = False) -> list[torch.Tensor]:
+    """Forward and backward of a shared-prefix group (:mod:`harts.prefix`); gradients accumulate into
+    the parameters' ``.grad`` / ``main_grad`` as for any microbatches. Returns the parts' losses (detached).
+
+    ``loss_fn(part, logp, entropy) -> scalar`` gets a :class:`~harts.prefix.SharedPart` and its
+    sequences' per-position vectors (``[Σ(L_i − 1)]`` each, offsets ``part.pred_offsets``, sequence
+    of each entry ``part.pred_seq_ids``), as :func:`harts.loss.sequence_logprobs` /
+    :func:`harts.loss.sequence_entropy` give them for a forest: any per-sequence objective works.
+
+    Order: the prefix microbatch's forward (its graph is kept; its keys/values are recorded per
+    attention layer); per part forward with those keys/values as leading key rows, the prefix's
+    log-probs/entropies entering as leaves, the loss and its backward; then one backward of the
+    prefix from the gradients collected on the leaves. Values and gradients equal per-sequence
+    execution up to float reduction order. Needs the varlen backend, a single pipeline stage and
+    activation recomputation off.
+    """
+    _check_shared(model)
+    params = params or make_shared_params(batch)
+    ctx = PrefixContext(batch.prefix_len)
+    kw = dict(temperature=temperature, chunk_size=chunk_size, entropy_requires_grad=entropy_requires_grad)
+    out = tree_forward(model, batch.prefix, params=dataclasses.replace(params.prefix, prefix_context=ctx), **kw)
+    ctx.freeze()
+    lp_leaf = out.logp.detach().requires_grad_(out.logp.requires_grad)
+    ent_leaf = out.entropy.detach().requires_grad_(out.entropy.requires_grad)
+    losses = []
+    for part, pp in zip(batch.parts, params.parts):
+        o = tree_forward(model, part.forest, params=dataclasses.replace(pp, prefix_context=ctx), **kw)
+        lp = torch.cat([lp_leaf, o.logp]).index_select(0, part.label_src)
+        ent = torch.cat([ent_leaf, o.entropy]).index_select(0, part.row_src)
+        loss = loss_fn(part, lp, ent)
+        if loss.requires_grad:
+            loss.backward()
+            ctx.collect()
+        losses.append(loss.detach())
+    roots, grads = ctx.backward_roots()
+    for x, leaf in ((out.logp, lp_leaf), (out.entropy, ent_leaf)):
+        if leaf.grad is not None:
+            roots.append(x)
+            grads.append(leaf.grad)
+    if roots:
+        torch.autograd.backward(roots, grads)
+    return losses

@@ -18,18 +18,14 @@ import numpy as np
 import torch
 
 from harts.config import CostModelConfig, PlannerConfig
+from harts.errors import CapacityError, PlanError  # noqa: F401 (re-exported)
 from harts.forest import Forest, _lcp, as_token_lists, build_chain_forest, build_forest, lexicographic_order
+from harts.prefix import SharedPrefixBatch, build_shared_prefix
 
 __all__ = ["CapacityError", "PlanError", "SharingStats", "sharing_stats", "Microbatch", "StepPlan", "plan_step",
            "fit_cost_model"]
 
 
-class CapacityError(ValueError):
-    """A single sequence does not fit into ``token_cap``."""
-
-
-class PlanError(ValueError):
-    """No plan satisfies the constraints (e.g. fewer sequences than DP ranks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,19 +71,27 @@ def sharing_stats(seqs_or_forest) -> SharingStats:
 
 @dataclass(slots=True)
 class Microbatch:
-    """One packed row: sequences ``seq_ids`` (indices into the step's list) run as a tree or THD."""
+    """One packed row: sequences ``seq_ids`` (indices into the step's list) run as a tree or THD; or
+    (``mode="shared"``) one tree larger than the cap, run as a shared-prefix group (:mod:`harts.prefix`):
+    a prefix microbatch of ``prefix_len`` shared tokens and ``parts`` below it."""
 
     seq_ids: list[int]
-    mode: Literal["tree", "thd"]
+    mode: Literal["tree", "thd", "shared"]
     real_rows: int
-    """Compact nodes (tree) or tokens (THD) before alignment padding."""
+    """Compact nodes (tree, shared: all microbatches of the group) or tokens (THD) before alignment padding."""
     rows: int
-    """Rows after padding to ``align``."""
+    """Rows after padding to ``align`` (shared: the sum over the group's microbatches)."""
     total_tokens: int
     """Σ L_i of the microbatch."""
     attn_pairs: int
     """Attended (query, key) pairs."""
     cost: float = 0.0
+    prefix_len: int = 0
+    """Shared: tokens of the prefix every sequence of the group starts with, run once."""
+    parts: list[list[int]] = field(default_factory=list)
+    """Shared: the sequences of each part (a microbatch below the prefix), in order."""
+    align: int = 1
+    """Shared: row alignment of the group's microbatches."""
 
     @property
     def compression(self) -> float:
@@ -95,11 +99,21 @@ class Microbatch:
 
     def build(self, seqs, *, vocab_size: int | None = None, device=None) -> Forest:
         """Padded :class:`Forest` of this microbatch (a chain forest in THD mode); sequence ``k``
-        of the forest is ``seqs[seq_ids[k]]``."""
+        of the forest is ``seqs[seq_ids[k]]``. Shared-prefix groups: :meth:`build_shared`."""
+        if self.mode == "shared":
+            raise PlanError("a shared-prefix group has no single forest: use Microbatch.build_shared() and "
+                            "harts.megatron.tree_shared_step()")
         sub = [seqs[i] for i in self.seq_ids]
         builder = build_forest if self.mode == "tree" else build_chain_forest
         f = builder(sub, vocab_size=vocab_size, device=device)
         return f.padded(self.rows)  # num_nodes <= rows, so this pads to exactly rows
+
+    def build_shared(self, seqs, *, vocab_size: int | None = None, device=None) -> SharedPrefixBatch:
+        """The :class:`~harts.prefix.SharedPrefixBatch` of a ``mode="shared"`` microbatch."""
+        if self.mode != "shared":
+            raise PlanError(f"build_shared() needs a shared-prefix group, this microbatch is mode={self.mode!r}")
+        return build_shared_prefix(seqs, self.parts, prefix_len=self.prefix_len, align=self.align,
+                                   vocab_size=vocab_size, device=device)
 
 
 @dataclass(slots=True)
@@ -164,12 +178,14 @@ def _thd_mbs(ids: list[int], lens: np.ndarray, cfg: PlannerConfig) -> list[Micro
     return mbs
 
 
-def _tree_mb(run: list[int], arrs: list[np.ndarray], cfg: PlannerConfig) -> Microbatch:
+def _tree_mb(run: list[int], arrs: list[np.ndarray], cfg: PlannerConfig, base: int = 0) -> Microbatch:
+    """Rows and attention pairs of a sorted run as one tree (``base``: depth of its first row, the
+    prefix held by another microbatch)."""
     rows, pairs, total = 0, 0, 0
     prev = None
     for i in run:
         a = arrs[i]
-        lcp = _lcp(prev, a) if prev is not None else 0
+        lcp = _lcp(prev, a) if prev is not None else base
         rows += a.size - lcp
         pairs += (a.size * (a.size + 1) - lcp * (lcp + 1)) // 2
         total += a.size
@@ -177,6 +193,68 @@ def _tree_mb(run: list[int], arrs: list[np.ndarray], cfg: PlannerConfig) -> Micr
     r = _align(rows, cfg.align)
     return Microbatch(seq_ids=list(run), mode="tree", real_rows=rows, rows=r, total_tokens=total, attn_pairs=pairs,
                       cost=_cost(cfg.cost, r, pairs))
+
+
+def _trees(order: list[int], arrs: list[np.ndarray]) -> list[list[int]]:
+    """The sorted order cut into trees (maximal runs of neighbours sharing their first token)."""
+    out: list[list[int]] = []
+    for i in order:
+        if out and arrs[out[-1][-1]][0] == arrs[i][0]:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _runs(ids: list[int], arrs: list[np.ndarray], base: int, cap: int, align: int) -> list[list[int]]:
+    """Greedy contiguous runs of sorted sequences whose rows below depth ``base`` fit ``cap``."""
+    runs: list[list[int]] = []
+    rows, prev = 0, None
+    for i in ids:
+        a = arrs[i]
+        add = a.size - _lcp(prev, a) if runs else 0
+        if runs and _align(rows + add, align) <= cap:
+            runs[-1].append(i)
+            rows += add
+        else:
+            runs.append([i])
+            rows = a.size - base
+        prev = a
+    return runs
+
+
+def _shared_mb(tree: list[int], arrs: list[np.ndarray], cfg: PlannerConfig) -> Microbatch | None:
+    """A shared-prefix group (:mod:`harts.prefix`) for a sorted tree whose rows exceed the cap, or
+    None (the tree fits, its common prefix is shorter than ``align``, or a part cannot fit)."""
+    mb = _tree_mb(tree, arrs, cfg)
+    if mb.rows <= cfg.token_cap:
+        return None
+    p = min(min(arrs[i].size for i in tree), _lcp(arrs[tree[0]], arrs[tree[-1]]))  # sorted: first vs last
+    longer = [i for i in tree if arrs[i].size > p]
+    kids = len({int(arrs[i][p]) for i in longer})
+    prefix_rows = _align(p + kids, cfg.align)
+    room = cfg.token_cap - prefix_rows
+    if p < cfg.align or not longer or any(_align(arrs[i].size - p, cfg.align) > room for i in longer):
+        return None
+    # the fewest parts, then the smallest largest part: the smallest greedy cap giving as few parts
+    n = len(_runs(longer, arrs, p, room, cfg.align))
+    longest = max(_align(arrs[i].size - p, cfg.align) for i in longer)
+    lo, hi = longest // cfg.align, room // cfg.align
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_runs(longer, arrs, p, mid * cfg.align, cfg.align)) <= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    parts = _runs(longer, arrs, p, lo * cfg.align, cfg.align)
+    parts[0] = [i for i in tree if arrs[i].size == p] + parts[0]  # sequences that end inside the prefix
+    real, rows, pairs = p + kids, prefix_rows, p * (p + 1) // 2 + kids * (p + 1)
+    for part in parts:
+        sub = _tree_mb([i for i in part if arrs[i].size > p], arrs, cfg, base=p)
+        real, rows, pairs = real + sub.real_rows, rows + sub.rows, pairs + sub.attn_pairs
+    return Microbatch(seq_ids=[i for part in parts for i in part], mode="shared", real_rows=real, rows=rows,
+                      total_tokens=mb.total_tokens, attn_pairs=pairs, cost=_cost(cfg.cost, rows, pairs), prefix_len=p,
+                      parts=parts, align=cfg.align)
 
 
 def plan_step(seqs, config: PlannerConfig, *, vocab_size: int | None = None) -> StepPlan:
@@ -197,17 +275,24 @@ def plan_step(seqs, config: PlannerConfig, *, vocab_size: int | None = None) -> 
         raise PlanError(f"{len(arrs)} sequences cannot fill dp_size={cfg.dp_size} ranks")
     order = lexicographic_order(arrs)
     runs, cur, rows, prev = [], [], 0, None
-    for i in order:
-        a = arrs[i]
-        add = a.size - (_lcp(prev, a) if cur else 0)
-        if cur and _align(rows + add, cfg.align) > cfg.token_cap:
-            runs.append(cur)
-            cur, rows, add = [], 0, a.size
-        cur.append(i)
-        rows += add
-        prev = a
-    runs.append(cur)
     mbs: list[Microbatch] = []
+    for tree in _trees(order, arrs):
+        if cfg.prefix_reuse:
+            shared = _shared_mb(tree, arrs, cfg)
+            if shared is not None:
+                mbs.append(shared)
+                continue
+        for i in tree:
+            a = arrs[i]
+            add = a.size - (_lcp(prev, a) if cur else 0)
+            if cur and _align(rows + add, cfg.align) > cfg.token_cap:
+                runs.append(cur)
+                cur, rows, add = [], 0, a.size
+            cur.append(i)
+            rows += add
+            prev = a
+    if cur:
+        runs.append(cur)
     fallback: list[int] = []  # sequences of barely-compressing runs, repacked together as THD
     for run in runs:
         mb = _tree_mb(run, arrs, cfg)
@@ -219,7 +304,7 @@ def plan_step(seqs, config: PlannerConfig, *, vocab_size: int | None = None) -> 
         mbs.extend(_thd_mbs(fallback, lens, cfg))
     # every rank gets the same number of microbatches: split the costliest splittable one
     while len(mbs) % cfg.dp_size:
-        cand = [k for k, mb in enumerate(mbs) if len(mb.seq_ids) > 1]
+        cand = [k for k, mb in enumerate(mbs) if len(mb.seq_ids) > 1 and mb.mode != "shared"]
         if not cand:
             raise PlanError(f"cannot split {len(mbs)} single-sequence microbatches evenly over dp_size={cfg.dp_size}")
         k = max(cand, key=lambda k: mbs[k].cost)

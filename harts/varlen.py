@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from harts.reference import bottom_right_causal, segment_attention_reference
+from harts.upload import upload
 
 __all__ = ["VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
            "build_varlen_plan", "gather_kv", "gather_kv_triton", "sum_kv_copies", "sum_row_copies_reference",
@@ -114,50 +115,78 @@ def _ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     return np.arange(int(lens.sum()), dtype=np.int64) + offs
 
 
-def _cu(lens: np.ndarray, dev) -> torch.Tensor:
-    return torch.as_tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=dev)
+def _cu(lens: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
 
 
-def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
-                      mode: VarlenMode = "auto", save_gathered_kv: bool = False) -> VarlenPlan:
+def _host(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.int64) if isinstance(x, np.ndarray) else x.cpu().numpy().astype(np.int64)
+
+
+def build_varlen_plan(seg_offsets, seg_parent, *, mode: VarlenMode = "auto", save_gathered_kv: bool = False,
+                      context_rows: int = 0, device=None) -> VarlenPlan:
     """:class:`VarlenPlan` of a pre-order forest's segments (``keys(s) = rows(ancestors) ++ rows(s)``),
     built on the host once per microbatch. ``mode``: ``"gather"``, ``"levels"`` or ``"auto"``
-    (= ``"gather"``, see the module docstring); ``save_gathered_kv``: see :class:`VarlenPlan`."""
+    (= ``"gather"``, see the module docstring); ``save_gathered_kv``: see :class:`VarlenPlan`.
+
+    ``seg_offsets``, ``seg_parent``: tensors, or host arrays (numpy, e.g. ``Forest.host``) with
+    ``device`` naming where the plan goes (default: the tensors' device). All index arrays reach
+    the device in one non-blocking transfer (:func:`harts.upload.upload`); from host arrays the
+    plan needs no device-to-host copy either.
+
+    ``context_rows = c > 0``: the keys and values passed to the attention hold ``c`` context rows
+    first (a shared prefix computed in another microbatch, :func:`harts.megatron.tree_shared_step`),
+    then the forest's rows; the context is a chain above every root segment, so each segment's
+    keys are ``context ++ rows(ancestors) ++ rows(s)`` while queries are the forest's rows only.
+    Gather plan only; ``kv_index`` and the copy CSR then index the ``c + T`` key rows."""
     if mode not in ("auto", "gather", "levels"):
         raise ValueError(f"mode must be 'auto', 'gather' or 'levels', got {mode!r}")
-    so = seg_offsets.cpu().numpy().astype(np.int64)
-    sp = seg_parent.cpu().numpy().astype(np.int64)
-    dev = seg_offsets.device
+    if context_rows < 0 or (context_rows and mode == "levels"):
+        raise ValueError(f"context_rows={context_rows} needs >= 0 and the gather plan (mode={mode!r})")
+    dev = device if device is not None else getattr(seg_offsets, "device", "cpu")
+    so, sp = _host(seg_offsets), _host(seg_parent)
     lens = np.diff(so)
-    cu = seg_offsets.to(torch.int32)
     mq = int(lens.max())
-    if (sp < 0).all():  # no sharing: exactly the THD varlen call, without gathers
-        return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq)
+    if context_rows or not (sp < 0).all():
+        if context_rows or mode in ("auto", "gather"):
+            return _gather_plan(so, sp, context_rows, mq, dev, save_gathered_kv)
+        return _levels_plan(so, sp, mq, dev)
+    cu = upload([so], dev)[0].to(torch.int32)  # no sharing: exactly the THD varlen call, without gathers
+    return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq)
+
+
+def _gather_plan(so: np.ndarray, sp: np.ndarray, c: int, mq: int, dev, save_gathered_kv: bool) -> VarlenPlan:
+    """Key-gather plan; with ``c`` context rows (key rows ``0..c-1``, forest row ``r`` is key row
+    ``c + r``) the context is one more root segment above every root, without queries of its own."""
+    n, t = sp.size, int(so[-1])
+    path_len = np.diff(so) + c  # with a context, every segment's keys start with all of it
+    keys = []
+    ctx = np.arange(c, dtype=np.int64)
+    for s in range(n):  # pre-order: a parent precedes its children
+        own = np.arange(so[s] + c, so[s + 1] + c, dtype=np.int64)
+        keys.append(np.concatenate([ctx if sp[s] < 0 else keys[sp[s]], own]))
+        if sp[s] >= 0:
+            path_len[s] += path_len[sp[s]] - c
+    kv = np.concatenate(keys)
+    cu_q, cu_k, kv_index, ptr, pos = upload([so, _cu(path_len), kv, _cu(np.bincount(kv, minlength=t + c)),
+                                             np.argsort(kv, kind="stable")], dev)
+    return VarlenPlan(cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32), kv_index=kv_index, max_q=mq,
+                      max_k=int(path_len.max()), mode="gather", gathered_rows=int(path_len.sum()) - t,
+                      copy_ptr=ptr.to(torch.int32), copy_pos=pos, save_gathered_kv=save_gathered_kv)
+
+
+def _levels_plan(so: np.ndarray, sp: np.ndarray, mq: int, dev) -> VarlenPlan:
     n = sp.size
     depth = np.zeros(n, dtype=np.int64)
-    path_len = lens.copy()
     for s in range(n):  # pre-order: a parent precedes its children
         if sp[s] >= 0:
             depth[s] = depth[sp[s]] + 1
-            path_len[s] += path_len[sp[s]]
-    t = int(so[-1])
-    if mode in ("auto", "gather"):
-        keys = []
-        for s in range(n):
-            own = np.arange(so[s], so[s + 1], dtype=np.int64)
-            keys.append(own if sp[s] < 0 else np.concatenate([keys[sp[s]], own]))
-        kv = np.concatenate(keys)
-        return VarlenPlan(cu_q=cu, cu_k=_cu(path_len, dev), kv_index=torch.as_tensor(kv, device=dev),
-                          max_q=mq, max_k=int(path_len.max()), mode="gather", gathered_rows=int(path_len.sum()) - t,
-                          copy_ptr=_cu(np.bincount(kv, minlength=t), dev),
-                          copy_pos=torch.as_tensor(np.argsort(kv, kind="stable"), device=dev),
-                          save_gathered_kv=save_gathered_kv)
     sub_end = so[1:].copy()
     for s in range(n - 1, -1, -1):
         if sp[s] >= 0:
             sub_end[sp[s]] = max(sub_end[sp[s]], sub_end[s])
     below = sub_end - so[1:]  # rows strictly below each segment; each is a query of s's level
-    levels, merged = [], None
+    arrays, shapes, merged = [so], [], None
     for lvl in range(int(depth.max())):
         segs = np.nonzero((depth == lvl) & (below > 0))[0]
         if segs.size == 0:
@@ -165,11 +194,14 @@ def build_varlen_plan(seg_offsets: torch.Tensor, seg_parent: torch.Tensor, *,
         qs, qe, ks, ke = so[segs + 1], sub_end[segs], so[segs], so[segs + 1]
         qi = _ranges(qs, qe)
         merged = qi if merged is None else merged  # level 0: every non-root row; deeper levels ⊆ it
-        levels.append(VarlenLevel(
-            q_index=torch.as_tensor(qi, device=dev), k_index=torch.as_tensor(_ranges(ks, ke), device=dev),
-            q_local=torch.as_tensor(np.searchsorted(merged, qi), device=dev),
-            cu_q=_cu(qe - qs, dev), cu_k=_cu(ke - ks, dev), max_q=int((qe - qs).max()), max_k=int((ke - ks).max())))
-    return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq, mode="levels", levels=tuple(levels),
+        arrays += [qi, _ranges(ks, ke), np.searchsorted(merged, qi), _cu(qe - qs), _cu(ke - ks)]
+        shapes.append((int((qe - qs).max()), int((ke - ks).max())))
+    up = upload(arrays, dev)
+    cu = up[0].to(torch.int32)
+    levels = tuple(VarlenLevel(q_index=up[1 + 5 * i], k_index=up[2 + 5 * i], q_local=up[3 + 5 * i],
+                               cu_q=up[4 + 5 * i].to(torch.int32), cu_k=up[5 + 5 * i].to(torch.int32),
+                               max_q=mq_, max_k=mk_) for i, (mq_, mk_) in enumerate(shapes))
+    return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq, mode="levels", levels=levels,
                       gathered_rows=int(below.sum()))
 
 
@@ -454,8 +486,9 @@ class _LevelsAttention(torch.autograd.Function):
 
 def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, plan: VarlenPlan,
                           scale: float) -> torch.Tensor:
-    """Tree attention on a :class:`VarlenPlan`. ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` →
-    ``[T, Hq, D]``. CUDA needs bf16/fp16 (FlashAttention-2); CPU runs the same plan in plain torch."""
+    """Tree attention on a :class:`VarlenPlan`. ``q [T, Hq, D]``, ``k, v [c + T, Hkv, D]`` (``c`` context
+    rows first, see ``build_varlen_plan(context_rows=c)``; usually ``c = 0``) → ``[T, Hq, D]``. CUDA
+    needs bf16/fp16 (FlashAttention-2); CPU runs the same plan in plain torch."""
     if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"varlen tree attention on CUDA needs bf16 or fp16 inputs, got {q.dtype}; use backend='flex'")
     if plan.mode == "levels":

@@ -51,6 +51,13 @@ def _finite(value: float, allow_inf: bool) -> None:
         raise _Mismatch(f"a finite number, got {value!r}", is_type=False)
 
 
+def _check_item(tp: Any, i: int, item: Any, item_tp: Any, allow_inf: bool) -> Any:
+    try:
+        return _check(item, item_tp, allow_inf)
+    except _Mismatch as e:
+        raise _Mismatch(f"{_describe(tp)}; item {i}: expected {e}", is_type=e.is_type) from None
+
+
 def _check(value: Any, tp: Any, allow_inf: bool) -> Any:
     """Return ``value`` (an Enum member where a str named one) or raise :class:`_Mismatch`."""
     if tp is Any or tp is object:
@@ -78,21 +85,24 @@ def _check(value: Any, tp: Any, allow_inf: bool) -> Any:
         return value
     if origin in (list, tuple, set, frozenset, Iterable) or tp in (list, tuple):
         container = origin or tp
-        if container is Iterable:
-            container = (list, tuple)
-        if not isinstance(value, container) or isinstance(value, str):
+        # a tuple field also takes a list (OmegaConf hands YAML sequences over as lists)
+        accepted = {tuple: (tuple, list), Iterable: (list, tuple)}.get(container, container)
+        if not isinstance(value, accepted) or isinstance(value, str):
             raise _Mismatch(f"a {_describe(tp)}, got {value!r} ({type(value).__name__})")
-        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
-        if len(args) == 1 or (origin is tuple and len(args) >= 1 and Ellipsis in typing.get_args(tp)):
-            for i, item in enumerate(value):
-                try:
-                    _check(item, args[0], allow_inf)
-                except _Mismatch as e:
-                    raise _Mismatch(f"{_describe(tp)}; item {i}: expected {e}", is_type=e.is_type) from None
-        elif origin is tuple and args and len(args) == len(value):
-            for i, (item, a) in enumerate(zip(value, args)):
-                _check(item, a, allow_inf)
-        return value
+        args = typing.get_args(tp)
+        if container is tuple and args and Ellipsis not in args:
+            if len(args) != len(value):
+                raise _Mismatch(f"a {_describe(tp)} of {len(args)} items, got {value!r}")
+            items = [_check_item(tp, i, v, a, allow_inf) for i, (v, a) in enumerate(zip(value, args))]
+        elif args:
+            items = [_check_item(tp, i, v, args[0], allow_inf) for i, v in enumerate(value)]
+        else:
+            items = list(value)
+        if container is tuple:
+            return tuple(items) if (isinstance(value, list) or items != list(value)) else value
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(items)
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise _Mismatch(f"a mapping, got {value!r} ({type(value).__name__})")
@@ -126,7 +136,8 @@ def _check(value: Any, tp: Any, allow_inf: bool) -> Any:
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _Mismatch(f"a number, got {value!r} ({type(value).__name__})")
+            kind = "a number" if allow_inf else "a finite number"
+            raise _Mismatch(f"{kind}, got {value!r} ({type(value).__name__})")
         _finite(float(value), allow_inf)
         return value
     if tp is str:
@@ -148,15 +159,18 @@ def _check(value: Any, tp: Any, allow_inf: bool) -> Any:
 
 
 def validate_fields(obj: Any, *, error: type[Exception] = ConfigError,
-                    type_error: type[Exception] | None = None,
+                    type_error: type[Exception] | None = None, name: str | None = None,
                     allow_inf: Iterable[str] = (), skip: Iterable[str] = ()) -> None:
     """Check every field of the dataclass ``obj`` against its annotation.
 
     Raises ``type_error`` (default ``error``) for a value of the wrong type and ``error`` for NaN,
     a disallowed infinity or a str that names no member of an ``Enum`` field; the message starts
-    with ``Class.field``. A str given for an ``Enum`` field is replaced by the member.
-    ``allow_inf`` lists float fields where ``±inf`` means "no limit"; ``skip`` lists fields
-    checked elsewhere.
+    with ``Class.field`` (``name.field`` when ``name`` is given, e.g. the config's section in a
+    YAML file). A str given for an ``Enum`` field is replaced by the member; a list given for a
+    ``tuple`` field by a tuple.
+    ``allow_inf`` lists float fields where ``±inf`` means "no limit" (a field can also say so
+    itself with ``field(..., metadata={"allow_inf": True})``); ``skip`` lists fields checked
+    elsewhere.
     """
     cls = type(obj)
     hints = _hints(cls)
@@ -166,10 +180,11 @@ def validate_fields(obj: Any, *, error: type[Exception] = ConfigError,
             continue
         value = getattr(obj, f.name)
         try:
-            checked = _check(value, hints.get(f.name, Any), f.name in allow)
+            checked = _check(value, hints.get(f.name, Any),
+                             f.name in allow or bool(f.metadata.get("allow_inf")))
         except _Mismatch as e:
             exc = (type_error or error) if e.is_type else error
-            raise exc(f"{cls.__name__}.{f.name} must be {e}") from None
+            raise exc(f"{name or cls.__name__}.{f.name} must be {e}") from None
         if checked is not value:
             object.__setattr__(obj, f.name, checked)
 

@@ -14,23 +14,30 @@ The Megatron teacher lives in :mod:`mopd.megatron` (the only module importing Me
 
 from __future__ import annotations
 
+import http.client
+import io
 import json
 import math
 import os
 import socket
-import tempfile
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from mopd.errors import ConfigError, FingerprintMismatchError, TeacherServerError, TeacherTimeoutError
+from mcore_distill.atomic import atomic_torch_save
+from mopd.errors import (
+    ConfigError,
+    FingerprintMismatchError,
+    TeacherServerError,
+    TeacherStateError,
+    TeacherTimeoutError,
+)
 
-__all__ = ["HTTPTeacher", "TeacherBackend", "TokenBatch", "TransformersTeacher", "atomic_torch_save", "read_teacher_shard",
+__all__ = ["HTTPTeacher", "TeacherBackend", "TokenBatch", "TransformersTeacher", "read_teacher_shard",
            "write_teacher_shard"]
 
 
@@ -95,6 +102,55 @@ class TeacherBackend(Protocol):
     def close(self) -> None: ...
 
 
+class _DeadlineSocket:
+    """The socket of one HTTP exchange as :mod:`http.client` uses it (``sendall``, ``makefile``,
+    ``close``). Every send and receive gets the time left until ``deadline`` (monotonic seconds)
+    as its timeout and none starts after it, so the exchange ends by the deadline however the
+    server paces its bytes (socket timeouts alone bound each read, not the reply). ``close`` is
+    left to the owner of the real socket: http.client closes its side before the body is read."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request deadline reached")
+        self.sock.settimeout(left)
+
+    def sendall(self, data: bytes) -> None:
+        self._arm()
+        self.sock.sendall(data)
+
+    def recv_into(self, buf: Any, nbytes: int = 0) -> int:
+        self._arm()
+        return self.sock.recv_into(buf, nbytes)
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        return None
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: _DeadlineSocket) -> None:
+        self._sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        return self._sock.recv_into(buf)
+
+
+# Failures of one attempt that a new attempt may not repeat: refused/reset connections, a reply
+# cut short or garbled in transit (http.client.HTTPException: IncompleteRead, BadStatusLine, ...).
+_TRANSIENT = (OSError, http.client.HTTPException)
+_POSITIVE_ROUNDING = 1e-5
+"""Largest log-prob above 0 read as rounding of log 1 (and stored as 0); larger ones are refused."""
+
+
 class HTTPTeacher:
     """Teacher behind an SGLang-compatible HTTP server.
 
@@ -117,10 +173,21 @@ class HTTPTeacher:
     declares that the server returns log softmax(z / τ) for the ``temperature`` sent (e.g.
     :mod:`mopd.hf_server` in its default ``reference`` mode).
 
-    Failures (connection refused, timeout, HTTP 5xx) are retried ``max_retries`` times with
-    exponential backoff, then raise :class:`TeacherServerError` / :class:`TeacherTimeoutError`
-    (the pool then marks the teacher BROKEN). HTTP 4xx and malformed payloads are not retried.
-    Server memory is managed by the server: ``offload``/``onload`` are no-ops.
+    Failures. ``timeout_s`` is the budget of one request (one ``/health`` check, or one
+    ``/generate`` of at most ``max_batch`` rows): connecting, sending, waiting, reading, every
+    retry and every backoff sleep end within it, however slowly the server sends. A request
+    that reaches it raises :class:`TeacherTimeoutError`. Refused or reset connections, replies
+    cut short or garbled in transit and HTTP 5xx are retried up to ``max_retries`` times (sleep
+    ``retry_backoff_s · 2**i`` before retry ``i + 1``, never past the budget), then raise
+    :class:`TeacherServerError`. HTTP 4xx and unusable replies (not UTF-8 JSON, wrong number of
+    rows or entries, a misaligned token id, a log-prob that is not a number in [−inf, 0]: NaN,
+    +inf, > 0) raise :class:`TeacherServerError` at once. In a :class:`~mopd.teachers.TeacherPool`
+    each of these marks the teacher BROKEN. A log-prob of −inf (probability 0) is a valid reply
+    and is returned as is. Errors carry text, never the failed attempts' exception objects,
+    so nothing of the caller's frames (its tensors) outlives a retry. One connection per
+    attempt (``Connection: close``): the forward pass dominates a request, and no attempt
+    can read a stale reply of an earlier one. Server memory is managed by the server:
+    ``offload``/``onload`` are no-ops.
     """
 
     def __init__(self, teacher_id: str, url: str, *, temperature: float = 1.0, timeout_s: float = 60.0,
@@ -139,10 +206,27 @@ class HTTPTeacher:
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or vocab_size < 2):
             raise ValueError(f"vocab_size must be an int >= 2 or None, got {vocab_size!r}")
+        for name, value in (("timeout_s", timeout_s), ("retry_backoff_s", retry_backoff_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"teacher {teacher_id!r}: {name} must be a finite number >= 0, got {value!r}")
+        if timeout_s <= 0:
+            raise ConfigError(f"teacher {teacher_id!r}: timeout_s must be > 0, got {timeout_s!r}")
+        for name, value, low in (("max_retries", max_retries, 0), ("max_batch", max_batch, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"teacher {teacher_id!r}: {name} must be an int >= {low}, got {value!r}")
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port
+        except (ValueError, TypeError, AttributeError):
+            parts = port = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"teacher {teacher_id!r}: url must be http(s)://host[:port][/prefix], got {url!r}")
+        self._conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port, self._prefix = parts.hostname, port, parts.path.rstrip("/")
         self.vocab_size = vocab_size
         self.teacher_id, self.url = teacher_id, url.rstrip("/")
         self.temperature, self.timeout_s = float(temperature), float(timeout_s)
-        self.max_retries, self.retry_backoff_s, self.max_batch = max_retries, retry_backoff_s, max_batch
+        self.max_retries, self.retry_backoff_s, self.max_batch = max_retries, float(retry_backoff_s), max_batch
         self.max_new_tokens = max_new_tokens
         self.requests = 0
         self.closed = False
@@ -155,46 +239,86 @@ class HTTPTeacher:
         if vocab_size is None and spec.hf_path:
             cfg = Path(spec.hf_path) / "config.json"
             if cfg.is_file():
-                vocab_size = json.loads(cfg.read_text()).get("vocab_size")
+                try:
+                    vocab_size = json.loads(cfg.read_text()).get("vocab_size")
+                except (ValueError, AttributeError) as err:
+                    raise ConfigError(f"teacher {teacher_id!r}: {cfg} is not a JSON object: {err}") from None
         return cls(teacher_id, spec.url, temperature=temperature, timeout_s=spec.timeout_s,
                    max_retries=spec.max_retries, retry_backoff_s=spec.retry_backoff_s, max_batch=spec.max_batch,
                    server_scales_temperature=spec.server_scales_temperature, vocab_size=vocab_size)
 
+    # ---- transport -----------------------------------------------------------------------
+    def _exchange(self, method: str, path: str, body: bytes | None, deadline: float) -> tuple[int, bytes]:
+        """One HTTP exchange on a fresh connection, all of it before ``deadline``."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request deadline reached")
+        conn = self._conn_cls(self._host, self._port, timeout=left)  # bounds connect (and a TLS handshake)
+        raw = None
+        try:
+            conn.connect()
+            raw = conn.sock
+            conn.sock = _DeadlineSocket(raw, deadline)
+            conn.request(method, self._prefix + path, body=body,
+                         headers={"Content-Type": "application/json", "Connection": "close"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+            if raw is not None:
+                raw.close()
+
     def _request(self, path: str, payload: dict | None) -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
-        last: BaseException | None = None
+        """``GET path`` (no payload) or ``POST path`` with JSON; the decoded JSON reply.
+
+        Retries, budget and error types as in the class docstring."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        body = None if payload is None else json.dumps(payload).encode()
+        method = "GET" if body is None else "POST"
+        where = f"teacher {self.teacher_id!r}: {self.url}{path}"
+        failures: list[str] = []  # text only: a kept exception would keep this frame and the caller's alive
         for attempt in range(self.max_retries + 1):
             if attempt:
-                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
-            req = urllib.request.Request(self.url + path, data=data, method="GET" if data is None else "POST",
-                                         headers={"Content-Type": "application/json"})
+                pause = self.retry_backoff_s * 2 ** (attempt - 1)
+                if time.monotonic() + pause >= deadline:
+                    failures.append(f"no retry: backoff {pause:.3g}s would pass the budget")
+                    break
+                time.sleep(pause)
             self.requests += 1
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    body = resp.read()
-                return json.loads(body) if body else None
-            except urllib.error.HTTPError as err:
-                if err.code < 500:
-                    raise TeacherServerError(f"teacher {self.teacher_id!r}: {self.url}{path} answered HTTP "
-                                             f"{err.code}: {err.read()[:300]!r}") from err
-                last = err
-            except (TimeoutError, urllib.error.URLError, ConnectionError) as err:
-                last = err
-            except json.JSONDecodeError as err:
-                raise TeacherServerError(f"teacher {self.teacher_id!r}: {self.url}{path} returned invalid JSON") from err
-        reason = getattr(last, "reason", last)
-        if isinstance(reason, TimeoutError | socket.timeout):
-            raise TeacherTimeoutError(f"teacher {self.teacher_id!r}: {self.url}{path} timed out after "
-                                      f"{self.timeout_s}s, {self.max_retries + 1} attempts") from last
-        raise TeacherServerError(f"teacher {self.teacher_id!r}: {self.url}{path} failed after "
-                                 f"{self.max_retries + 1} attempts: {type(last).__name__}: {last}") from last
+                status, data = self._exchange(method, path, body, deadline)
+            except TimeoutError as err:
+                if deadline - time.monotonic() > 0.05:  # the kernel's ETIMEDOUT, not our deadline
+                    failures.append(f"{type(err).__name__}: {err}")
+                    continue
+                raise TeacherTimeoutError(
+                    f"{where} timed out: budget timeout_s={self.timeout_s}s spent after {attempt + 1} attempt(s)"
+                    + (f"; earlier: {'; '.join(failures)}" if failures else "")) from None
+            except _TRANSIENT as err:
+                failures.append(f"{type(err).__name__}: {err}")
+                continue
+            if status >= 500:
+                failures.append(f"HTTP {status}: {data[:200]!r}")
+                continue
+            if status >= 400 or status < 200:
+                raise TeacherServerError(f"{where} answered HTTP {status}: {data[:300]!r}")
+            try:
+                return json.loads(data.decode("utf-8")) if data else None
+            except (UnicodeDecodeError, ValueError) as err:
+                raise TeacherServerError(f"{where} returned a reply that is not UTF-8 JSON ({err}): "
+                                         f"{data[:120]!r}") from None
+        attempts = sum(not f.startswith("no retry") for f in failures)
+        raise TeacherServerError(f"{where} failed after {attempts} attempt(s) in "
+                                 f"{time.monotonic() - start:.2f}s: {'; '.join(failures)}")
 
     # ---- lifecycle -----------------------------------------------------------------------
     def prefetch(self) -> None:
         return None
 
     def load(self) -> None:
-        """Health check (``GET /health``) with the same retries and timeout."""
+        """Health check (``GET /health``) with the same retries and budget."""
+        self._check_open()
         self._request("/health", None)
 
     def offload(self) -> None:
@@ -206,9 +330,14 @@ class HTTPTeacher:
     def close(self) -> None:
         self.closed = True
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TeacherStateError(f"teacher {self.teacher_id!r} ({self.url}) is closed")
+
     # ---- scoring -------------------------------------------------------------------------
     def score(self, batch: TokenBatch) -> torch.Tensor:
         """``logp [B, L]`` float32 on the batch's device (see module docstring)."""
+        self._check_open()
         b, L = batch.input_ids.shape
         out = torch.zeros(b, L, dtype=torch.float32)
         ids_cpu, lens = batch.input_ids.cpu(), batch.lengths.cpu().tolist()
@@ -234,29 +363,39 @@ class HTTPTeacher:
         return out.to(batch.input_ids.device)
 
     def _fill(self, out: torch.Tensor, r: int, item: Any, ids: torch.Tensor, length: int, start: int) -> None:
+        where = f"teacher {self.teacher_id!r}: row {r}"
         try:
             entries = item["meta_info"]["input_token_logprobs"]
-        except (KeyError, TypeError) as err:
-            raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} has no meta_info.input_token_logprobs") from err
+        except (KeyError, TypeError, IndexError):
+            raise TeacherServerError(f"{where} has no meta_info.input_token_logprobs") from None
+        if not isinstance(entries, list):
+            raise TeacherServerError(f"{where}: input_token_logprobs is {type(entries).__name__}, not a list")
         if len(entries) != length - start:
-            raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} got {len(entries)} input log-probs, "
+            raise TeacherServerError(f"{where} got {len(entries)} input log-probs, "
                                      f"expected {length - start} (length {length}, logprob_start_len {start})")
         last_id = None if self.vocab_size is None else self.vocab_size - 1
         for i, e in enumerate(entries):
             pos = start + i
-            got, want = int(e[1]), int(ids[pos])
+            if not isinstance(e, list | tuple) or len(e) < 2 or not _is_int(e[1]):
+                raise TeacherServerError(f"{where} position {pos}: entry {e!r:.80} is not [logprob, token_id, ...]")
+            got, want = e[1], int(ids[pos])
             if got != want and not (got == 0 and want == last_id):
                 hint = ""
                 if got == 0 and last_id is None:
                     hint = (" (SGLang reports the last vocabulary id, vocab_size-1, as 0: if "
                             f"{want} is vocab_size-1, pass vocab_size={want + 1} / set TeacherSpec.vocab_size)")
-                raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} position {pos}: server token id "
+                raise TeacherServerError(f"{where} position {pos}: server token id "
                                          f"{got} != request id {want} (misaligned log-probs){hint}")
             if i == 0:
                 continue  # SGLang always pads the first entry with None
-            if e[0] is None:
-                raise TeacherServerError(f"teacher {self.teacher_id!r}: row {r} position {pos} has no log-prob")
-            out[r, pos - 1] = float(e[0])
+            v = e[0]
+            if isinstance(v, bool) or not isinstance(v, int | float) or math.isnan(v) or v > _POSITIVE_ROUNDING:
+                raise TeacherServerError(f"{where} position {pos}: log-prob {v!r} is not a number in [-inf, 0]")
+            out[r, pos - 1] = min(float(v), 0.0)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _labels(batch: TokenBatch) -> torch.Tensor:
@@ -309,7 +448,7 @@ class TransformersTeacher:
     @torch.no_grad()
     def score(self, batch: TokenBatch) -> torch.Tensor:
         if self.module is None or not self.on_device:
-            raise RuntimeError(f"teacher {self.teacher_id!r} is not resident")
+            raise TeacherStateError(f"teacher {self.teacher_id!r} is not resident")
         ids = batch.input_ids.to(self.device)
         out = self.module(ids)
         logits = getattr(out, "logits", out)
@@ -324,32 +463,11 @@ class TransformersTeacher:
 
 # ---- teacher shard files (one per model-parallel rank, host-readable without collectives) ----
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temp file in the same folder, fsync, rename, fsync the folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def write_teacher_shard(state: dict[str, torch.Tensor], folder: str | os.PathLike, *, rank_tag: str) -> Path:
     """Write one model-parallel rank's tensors as ``<folder>/shard_<rank_tag>.pt`` (atomic)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
     path = Path(folder) / f"shard_{rank_tag}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_torch_save({"format": "mopd-teacher-shard-v1", "tensors": tensors}, path)
     return path
 

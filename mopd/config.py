@@ -9,13 +9,19 @@ fields (OmegaConf 2.3 has no ``Literal``); the allowed values are listed in each
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 from dataclasses import dataclass
 
-from mopd.errors import ConfigError
+from mcore_distill.validate import validate_fields
+from mopd.errors import ConfigError, ConfigTypeError
 
 __all__ = [
+    "Aggregation",
+    "Divergence",
+    "TopKTail",
+    "TeacherBackend",
     "AGGREGATIONS",
     "DIVERGENCES",
     "RESERVED_TEACHER_IDS",
@@ -30,16 +36,52 @@ __all__ = [
     "check_teacher_id",
 ]
 
-AGGREGATIONS = ("geometric", "arithmetic", "mean")
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-TOPK_TAILS = ("bucket", "renorm")
-BACKENDS = ("megatron", "http")
+
+
+class Aggregation(enum.StrEnum):
+    """How teachers combine per token (see :attr:`MOPDLossConfig.aggregation`)."""
+
+    geometric = "geometric"
+    arithmetic = "arithmetic"
+    mean = "mean"
+
+
+class Divergence(enum.StrEnum):
+    """Full-vocabulary divergence (see :attr:`DivergenceConfig.kind`)."""
+
+    forward_kl = "forward_kl"
+    reverse_kl = "reverse_kl"
+    jsd = "jsd"
+
+
+class TopKTail(enum.StrEnum):
+    """Treatment of the mass outside the top-k ids (see :attr:`DivergenceConfig.top_k_tail`)."""
+
+    bucket = "bucket"
+    renorm = "renorm"
+
+
+class TeacherBackend(enum.StrEnum):
+    """Where a teacher runs (see :attr:`TeacherSpec.backend`)."""
+
+    megatron = "megatron"
+    http = "http"
+
+
+AGGREGATIONS = tuple(Aggregation)
+DIVERGENCES = tuple(Divergence)
+TOPK_TAILS = tuple(TopKTail)
+BACKENDS = tuple(TeacherBackend)
 TREE_BACKENDS = ("flex", "varlen", "dense")
 RESERVED_TEACHER_IDS = frozenset({"actor", "student", "rl"})
 ROUTE_KEY = "mopd_route"
 """Reserved sample key holding the stamped route (a ``str``)."""
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def _validate(obj: object, **kw) -> None:
+    validate_fields(obj, error=ConfigError, type_error=ConfigTypeError, **kw)
 
 
 def _finite(name: str, value: float, *, positive: bool = False, nonneg: bool = False) -> None:
@@ -72,11 +114,11 @@ def check_teacher_id(teacher_id: object, *, where: str = "teacher id") -> str:
 class MOPDLossConfig:
     """Sampled-token distillation objective (see :func:`mopd.objectives.mopd_pg_loss`)."""
 
-    aggregation: str = "geometric"
+    aggregation: Aggregation = Aggregation.geometric
     """How teachers combine per token: ``geometric`` (A = Σ_j w_j ℓ_j − W·sg ℓθ, weights
     unnormalized), ``arithmetic`` (A = log Σ_j ŵ_j π_j − sg ℓθ, ŵ = w / W) or ``mean``
     (A = Σ_j ŵ_j ℓ_j − sg ℓθ, the per-teacher advantages averaged)."""
-    is_cap: float = 5.0
+    is_cap: float = dataclasses.field(default=5.0, metadata={"allow_inf": True})
     """Upper truncation of the detached importance weight ρ = π_θ/π_old (> 0; ``inf`` = none)."""
     is_floor: float = 0.0
     """Lower truncation of ρ; ``[is_floor, is_cap]`` is the band (0 = plain cap)."""
@@ -92,7 +134,7 @@ class MOPDLossConfig:
     """Raise :class:`~mopd.errors.NonFiniteInputError` on NaN/inf at active tokens (one sync)."""
 
     def __post_init__(self) -> None:
-        _choice("loss.aggregation", self.aggregation, AGGREGATIONS)
+        _validate(self, name="loss")
         if not (isinstance(self.is_cap, int | float) and self.is_cap > 0 and not math.isnan(self.is_cap)):
             raise ConfigError(f"loss.is_cap must be > 0 (inf allowed), got {self.is_cap!r}")
         _finite("loss.is_floor", self.is_floor, nonneg=True)
@@ -111,14 +153,14 @@ class MOPDLossConfig:
 class DivergenceConfig:
     """Full-vocabulary / top-k divergences (see :mod:`mopd.divergences`)."""
 
-    kind: str = "reverse_kl"
+    kind: Divergence = Divergence.reverse_kl
     """``forward_kl`` KL(T‖S), ``reverse_kl`` KL(S‖T) or ``jsd`` (generalized JSD(β))."""
     beta: float = 0.5
     """JSD interpolation in [0, 1]: M = (1−β)·S + β·T; β = 0 is forward KL, β = 1 reverse KL."""
     temperature: float = 1.0
     """Student logits are divided by this before the softmax (teacher inputs are log-probs
     already scored at the same temperature)."""
-    top_k_tail: str = "bucket"
+    top_k_tail: TopKTail = TopKTail.bucket
     """Top-k only: ``bucket`` adds one tail category holding the remaining mass (exact KL of
     the coarsened distributions), ``renorm`` renormalizes both over the k ids."""
     chunk_rows: int = 1024
@@ -128,12 +170,11 @@ class DivergenceConfig:
     log-probs may be −inf: probability 0). One host sync per chunk."""
 
     def __post_init__(self) -> None:
-        _choice("divergence.kind", self.kind, DIVERGENCES)
+        _validate(self, name="divergence")
         _finite("divergence.beta", self.beta)
         if not 0.0 <= self.beta <= 1.0:
             raise ConfigError(f"divergence.beta must be in [0, 1], got {self.beta!r}")
         _finite("divergence.temperature", self.temperature, positive=True)
-        _choice("divergence.top_k_tail", self.top_k_tail, TOPK_TAILS)
         if isinstance(self.chunk_rows, bool) or not isinstance(self.chunk_rows, int) or self.chunk_rows < 1:
             raise ConfigError(f"divergence.chunk_rows must be a positive int, got {self.chunk_rows!r}")
 
@@ -154,6 +195,7 @@ class RoutingSpec:
     """When True a missing field or unknown route raises :class:`~mopd.errors.RoutingError`."""
 
     def __post_init__(self) -> None:
+        _validate(self, name="routing")
         if not isinstance(self.field, str) or not self.field:
             raise ConfigError(f"routing.field must be a non-empty str, got {self.field!r}")
         if self.field == ROUTE_KEY:
@@ -193,20 +235,26 @@ class RoutingSpec:
 @dataclass(kw_only=True, slots=True)
 class TeacherSpec:
     """One teacher. ``megatron``: a frozen Megatron GPT in the trainer's layout, loaded from
-    ``checkpoint``; ``http``: an SGLang-compatible ``/generate`` server at ``url``."""
+    ``checkpoint`` (or, when that is None, from the HF folder ``hf_path``); ``http``: an
+    SGLang-compatible ``/generate`` server at ``url``."""
 
-    backend: str = "megatron"
+    backend: TeacherBackend = TeacherBackend.megatron
     """``megatron`` or ``http``."""
     checkpoint: str | None = None
-    """Megatron ``dist_checkpointing`` folder of this teacher's weights (megatron backend)."""
+    """This teacher's weights (megatron backend): a teacher-shard folder, a Megatron
+    ``dist_checkpointing`` folder, or an HF folder (``config.json`` + safetensors, read with
+    :func:`mcore_distill.hf.load_hf_checkpoint` into the trainer's layout). None: ``hf_path``."""
     hf_path: str | None = None
-    """HF model folder (``config.json``, tokenizer files) used for compatibility fingerprints."""
+    """HF model folder (``config.json``, tokenizer files) used for compatibility fingerprints;
+    a megatron teacher without ``checkpoint`` loads its weights from here."""
     url: str | None = None
     """Server base URL, e.g. ``http://10.0.0.7:30000`` (http backend)."""
     timeout_s: float = 60.0
-    """Per-request timeout of the http backend, seconds."""
+    """Budget of one http request (a health check, or one ``/generate`` of ``max_batch`` rows),
+    seconds: connecting, waiting, reading, every retry and backoff included."""
     max_retries: int = 2
-    """Retries after a failed request (connection error, 5xx, timeout); then BROKEN."""
+    """Retries after a failed attempt (refused/reset connection, reply cut short, 5xx) within
+    ``timeout_s``; then BROKEN."""
     retry_backoff_s: float = 0.5
     """Sleep before retry ``i`` is ``retry_backoff_s · 2**i`` seconds."""
     max_batch: int = 64
@@ -219,8 +267,13 @@ class TeacherSpec:
     ``config.json``). SGLang reports input token id ``vocab_size − 1`` as 0; knowing the size
     lets the client accept exactly that substitution while checking every other id."""
 
+    @property
+    def weights_path(self) -> str | None:
+        """Where a megatron teacher's weights are read from: ``checkpoint``, else ``hf_path``."""
+        return self.checkpoint or self.hf_path
+
     def __post_init__(self) -> None:
-        _choice("teacher.backend", self.backend, BACKENDS)
+        _validate(self, name="teacher")
         if self.backend == "http" and not self.url:
             raise ConfigError("teacher.url is required for backend='http'")
         _finite("teacher.timeout_s", self.timeout_s, positive=True)
@@ -258,6 +311,7 @@ class TeacherTreeConfig:
     through the same kernels (same default as ``harts.PlannerConfig``)."""
 
     def __post_init__(self) -> None:
+        _validate(self, name="teacher_tree")
         _choice("teacher_tree.backend", self.backend, TREE_BACKENDS)
         for name in ("chunk_size", "token_cap", "align"):
             v = getattr(self, name)
@@ -280,6 +334,7 @@ class TeacherPoolConfig:
     timeouts, the process group's collective timeout.)"""
 
     def __post_init__(self) -> None:
+        _validate(self, name="pool")
         _finite("pool.wait_timeout_s", self.wait_timeout_s, positive=True)
 
 
@@ -305,6 +360,7 @@ class MOPDConfig:
     """HF folder of the student, for compatibility fingerprints (pre-flight)."""
 
     def __post_init__(self) -> None:
+        _validate(self, name="mopd")
         if not self.teachers:
             raise ConfigError("mopd.teachers is empty: configure at least one teacher")
         if not self.routing.routes:

@@ -8,6 +8,18 @@ Per row (token) with student log-probs s = log_softmax(z / τ) and teacher log-p
                β = 0 is defined as forward KL and β = 1 as reverse KL (the convention of
                TRL's generalized JSD; the interpolation itself tends to 0 at both ends).
 
+Teacher log-probs may be −inf (probability 0). Forward KL and JSD(0 < β < 1) stay exact and
+finite (0·log 0 = 0; M has the student's support). Reverse KL (and JSD(β = 1)) is +∞ as soon as
+the teacher gives probability 0 to a token the student can sample, which for finite student
+logits is every such token. It is therefore computed against the teacher floored at
+``TEACHER_LOGP_FLOOR`` = log 2^−126 ≈ −87.34 (float32's smallest normal probability):
+
+    KL_f(S‖T) = Σ_v e^{s_v} (s_v − max(t_v, f))
+
+equal to KL(S‖T) wherever t ≥ f, finite, with finite gradients that push the student's mass
+off the teacher's impossible tokens (each such token costs at most e^{s_v}(s_v − f)). The same
+floor applies to a top-k ``bucket`` tail of zero mass (top-k mass rounded to 1).
+
 Top-k: the teacher supplies ids ``[N, k]`` and their log-probs under its full distribution.
 ``bucket`` compares the (k+1)-category distributions {top-k ids, everything else} (exact KL /
 JSD of those coarsened distributions; equals the full divergence when k = V); ``renorm``
@@ -29,7 +41,10 @@ import torch
 from mopd.config import DivergenceConfig
 from mopd.errors import NonFiniteInputError
 
-__all__ = ["full_vocab_divergence", "topk_divergence", "row_divergence"]
+__all__ = ["TEACHER_LOGP_FLOOR", "full_vocab_divergence", "topk_divergence", "row_divergence"]
+
+TEACHER_LOGP_FLOOR = -126.0 * math.log(2.0)
+"""log 2^−126: teacher log-probs below it (−inf included) count as this in reverse KL."""
 
 
 def _kl(p_log: torch.Tensor, q_log: torch.Tensor, *, p_finite: bool = False) -> torch.Tensor:
@@ -44,20 +59,22 @@ def _kl(p_log: torch.Tensor, q_log: torch.Tensor, *, p_finite: bool = False) -> 
 
 def row_divergence(s: torch.Tensor, t: torch.Tensor, *, kind: str, beta: float) -> torch.Tensor:
     """Divergence per row between log-prob rows ``s`` (student, finite) and ``t`` (teacher,
-    may hold −inf), ``[N, C]`` → ``[N]``."""
+    may hold −inf), ``[N, C]`` → ``[N]``. Reverse KL reads ``t`` through
+    ``max(t, TEACHER_LOGP_FLOOR)`` (module docstring)."""
     if kind == "forward_kl" or (kind == "jsd" and beta == 0.0):
         return _kl(t, s)
     if kind == "reverse_kl" or (kind == "jsd" and beta == 1.0):
-        return _kl(s, t, p_finite=True)
+        return _kl(s, t.clamp(min=TEACHER_LOGP_FLOOR), p_finite=True)
     if kind == "jsd":
         m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
         return beta * _kl(t, m) + (1.0 - beta) * _kl(s, m, p_finite=True)
     raise ValueError(f"kind must be forward_kl, reverse_kl or jsd, got {kind!r}")
 
 
-def _check_rows(name: str, x: torch.Tensor, m: torch.Tensor, offset: int) -> None:
+def _check_rows(name: str, x: torch.Tensor, m: torch.Tensor, offset: int, *, need_mass: bool = False) -> None:
     """Raise :class:`NonFiniteInputError` if an active row of this chunk has NaN/inf (−inf is
-    allowed in teacher log-probs: probability 0)."""
+    allowed in teacher log-probs: probability 0), or, with ``need_mass``, has no entry above
+    −inf (a teacher row without probability mass cannot be normalized)."""
     ok = (~torch.isnan(x) & (x != math.inf)) if name == "teacher_logp" else torch.isfinite(x)
     bad = m & ~ok.all(-1)
     if bool(bad.any()):
@@ -65,6 +82,11 @@ def _check_rows(name: str, x: torch.Tensor, m: torch.Tensor, offset: int) -> Non
         c = int((~ok[r]).nonzero()[0, 0])
         raise NonFiniteInputError(f"{name} is non-finite at active position ({offset + r}, {c}) "
                                   f"(value {x[r, c].item()!r})")
+    if need_mass:
+        empty = m & ~(x > -math.inf).any(-1)
+        if bool(empty.any()):
+            raise NonFiniteInputError(f"{name} row {offset + int(empty.nonzero()[0, 0])} is active but every "
+                                      "entry is -inf (no probability mass)")
 
 
 class _ChunkedRowLoss(torch.autograd.Function):
@@ -137,7 +159,7 @@ def full_vocab_divergence(student_logits: torch.Tensor, teacher_logp: torch.Tens
     def fn(z, m, dense, offset, t):
         if check:
             _check_rows("student_logits", z.detach(), m, offset)
-            _check_rows("teacher_logp", t, m, offset)
+            _check_rows("teacher_logp", t, m, offset, need_mass=True)
         z, t = _upcast(z), _upcast(t.detach())
         if not dense:
             z = torch.where(m[:, None], z, torch.zeros_like(z))
@@ -177,7 +199,7 @@ def topk_divergence(student_logits: torch.Tensor, teacher_ids: torch.Tensor, tea
     def fn(z, m, dense, offset, ids, t):
         if check:
             _check_rows("student_logits", z.detach(), m, offset)
-            _check_rows("teacher_logp", t, m, offset)
+            _check_rows("teacher_logp", t, m, offset, need_mass=tail == "renorm")
         z, t = _upcast(z), _upcast(t.detach())
         if not dense:
             z = torch.where(m[:, None], z, torch.zeros_like(z))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from mcore_distill import errors as _base
+
 __all__ = [
     "MOPDError",
     "ConfigError",
+    "ConfigTypeError",
     "NonFiniteInputError",
     "RoutingError",
     "RouteMutationError",
@@ -17,12 +20,16 @@ __all__ = [
 ]
 
 
-class MOPDError(Exception):
+class MOPDError(_base.McoreDistillError):
     """Base class of every error raised by ``mopd``."""
 
 
-class ConfigError(MOPDError, ValueError):
+class ConfigError(MOPDError, _base.ConfigError):
     """A configuration value is invalid; the message names the field and the value."""
+
+
+class ConfigTypeError(ConfigError, _base.ConfigTypeError):
+    """A configuration field or argument has the wrong type; the message names it."""
 
 
 class NonFiniteInputError(MOPDError, ValueError):

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -34,23 +36,46 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODES", "HFTeacherServer", "ServerFaults"]
+__all__ = ["MODES", "REPLY_FAULTS", "HFTeacherServer", "ServerFaults"]
 
 MODES = ("reference", "sglang-0.5.17")
 
 
+REPLY_FAULTS = ("stall", "trickle", "reset", "truncated", "bad_status", "bad_json", "bad_utf8", "bad_entry",
+                "short_entries", "extra_results")
+
+
 @dataclass(kw_only=True)
 class ServerFaults:
-    """Injected faults for tests of the client's error handling."""
+    """Injected faults for tests of the client's error handling (``/generate`` unless noted)."""
 
     delay_s: float = 0.0
     """Sleep before answering ``/generate``."""
     fail_first: int = 0
-    """Answer the first N requests (any path) with HTTP 503."""
+    """Answer the first N requests (any path, or only ``fail_path``) with HTTP 503."""
+    fail_path: str | None = None
+    """Restrict ``fail_first`` to this path (e.g. ``/generate``)."""
+    status: int = 0
+    """Answer every ``/generate`` with this HTTP status (and a JSON error body); 0 = off."""
+    reply: str = ""
+    """Break the reply of every ``/generate`` (one of ``REPLY_FAULTS``): ``stall`` reads the
+    request and never answers; ``trickle`` sends the whole reply, status line included, one byte
+    every ``trickle_s``; ``reset`` closes the connection with a TCP RST; ``truncated`` sends half
+    of the announced ``Content-Length``; ``bad_status`` a garbled status line; ``bad_json`` /
+    ``bad_utf8`` a body that is not JSON / not UTF-8; ``bad_entry`` replaces one log-prob entry
+    by a string; ``short_entries`` drops the last entry of row 0; ``extra_results`` adds a row."""
+    trickle_s: float = 0.4
+    """Seconds between bytes of a ``trickle`` reply."""
     nan_at: tuple[int, int] | None = None
     """(row, token position) whose returned log-prob is NaN."""
+    logprob_at: tuple[int, int, float] | None = None
+    """(row, token position, value): return this log-prob there (−inf, +inf, a positive value)."""
     wrong_id_at: tuple[int, int, int] | None = None
     """(row, token position, reported id): report this id there instead (a misaligned server)."""
+
+    def __post_init__(self) -> None:
+        if self.reply and self.reply not in REPLY_FAULTS:
+            raise ValueError(f"ServerFaults.reply must be one of {REPLY_FAULTS}, got {self.reply!r}")
 
 
 class HFTeacherServer:
@@ -67,6 +92,7 @@ class HFTeacherServer:
         self.faults = faults or ServerFaults()
         self.requests = 0
         self._lock = threading.Lock()
+        self._stopping = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -83,12 +109,54 @@ class HFTeacherServer:
 
             def _fault(self) -> bool:
                 with server._lock:
-                    server.requests += 1
+                    if server.faults.fail_path in (None, self.path):
+                        server.requests += 1
                     n = server.requests
-                if n <= server.faults.fail_first:
+                if server.faults.fail_path in (None, self.path) and n <= server.faults.fail_first:
                     self._send(503, {"error": "injected 503"})
                     return True
                 return False
+
+            def _broken_reply(self, result: Any) -> None:
+                """Send ``result`` the way ``faults.reply`` breaks it (see :class:`ServerFaults`)."""
+                kind, conn = server.faults.reply, self.connection
+                self.close_connection = True
+                if kind == "stall":
+                    server._stopping.wait()
+                    return
+                if kind == "reset":
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    conn.close()  # RST instead of FIN
+                    return
+                if kind == "bad_status":
+                    conn.sendall(b"HTTQ/1.1 2OO OK\r\n\r\n")
+                    return
+                rows = result if isinstance(result, list) else [result]
+                if kind == "bad_entry":
+                    rows[0]["meta_info"]["input_token_logprobs"][1] = "oops"
+                elif kind == "short_entries":
+                    rows[0]["meta_info"]["input_token_logprobs"].pop()
+                elif kind == "extra_results":
+                    rows.append(rows[0])
+                body = json.dumps(rows if isinstance(result, list) else rows[0]).encode()
+                if kind == "bad_json":
+                    body = body[: len(body) // 2]
+                elif kind == "bad_utf8":
+                    body = b"\xff\xfe" + body
+                head = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                        "Connection: close\r\n\r\n").encode()
+                if kind == "truncated":
+                    conn.sendall(head + body[: len(body) // 2])
+                elif kind == "trickle":
+                    for i in range(len(head + body)):
+                        if server._stopping.wait(server.faults.trickle_s):
+                            return
+                        try:
+                            conn.sendall((head + body)[i: i + 1])
+                        except OSError:  # the client gave up
+                            return
+                else:
+                    conn.sendall(head + body)
 
             def do_GET(self):
                 if self._fault():
@@ -107,6 +175,10 @@ class HFTeacherServer:
                     return self._send(400, {"error": f"{type(err).__name__}: {err}"})
                 if server.faults.delay_s:
                     time.sleep(server.faults.delay_s)
+                if server.faults.status:
+                    return self._send(server.faults.status, {"error": f"injected {server.faults.status}"})
+                if server.faults.reply:
+                    return self._broken_reply(result)
                 self._send(200, result)
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
@@ -119,6 +191,7 @@ class HFTeacherServer:
         return self
 
     def stop(self) -> None:
+        self._stopping.set()  # ends stalled and trickling replies
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(timeout=10)
@@ -158,6 +231,8 @@ class HFTeacherServer:
                 value = None if pos == int(start) else float(logp[pos - 1, row[pos]])
                 if self.faults.nan_at == (r, pos):
                     value = math.nan
+                if self.faults.logprob_at is not None and self.faults.logprob_at[:2] == (r, pos):
+                    value = self.faults.logprob_at[2]
                 tid = row[pos] if not sglang or row[pos] < self.vocab_size - 1 else 0
                 if self.faults.wrong_id_at is not None and self.faults.wrong_id_at[:2] == (r, pos):
                     tid = self.faults.wrong_id_at[2]

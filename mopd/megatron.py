@@ -159,6 +159,18 @@ class MegatronTeacherHost:
             m.load_state_dict(state, strict=False)
         self.owner = owner
 
+    def load_hf(self, folder: str, owner: str) -> None:
+        """Load an HF checkpoint folder in place (:func:`mcore_distill.hf.load_hf_checkpoint`:
+        collective, each rank reads its slices; nothing is written unless every check passes)."""
+        from mcore_distill.hf import load_hf_checkpoint
+
+        for k, v in self._targets.items():  # storage must exist for an in-place load
+            shape, dtype = self.layout[k]
+            if tuple(v.data.shape) != shape:
+                v.data = torch.empty(shape, dtype=dtype, device=self.device)
+        load_hf_checkpoint(self.chunks, folder, pg_collection=self.pg_collection)
+        self.owner = owner
+
 
 @dataclass(frozen=True, slots=True)
 class _Micro:
@@ -170,7 +182,8 @@ class MegatronTeacher:
     """One teacher's weights for a :class:`MegatronTeacherHost` (see module docstring).
 
     ``checkpoint`` is a folder of teacher shards (:func:`save_teacher_checkpoint`; prefetchable
-    on a host thread, memory-mapped) or a ``dist_checkpointing`` folder (loaded in ``load``).
+    on a host thread, memory-mapped), a ``dist_checkpointing`` folder or an HF folder (both
+    loaded in ``load``, collectively).
     ``tree`` (enabled) scores harts tree batches (:meth:`_score_tree`); ``logprob_fn(output,
     micro)`` replaces :func:`token_logprobs` for other batch layouts (not with ``tree``).
     """
@@ -192,6 +205,9 @@ class MegatronTeacher:
     def _is_shard_folder(self) -> bool:
         return any(Path(self.checkpoint).glob("shard_*.pt"))
 
+    def _is_hf_folder(self) -> bool:
+        return (Path(self.checkpoint) / "config.json").is_file() and any(Path(self.checkpoint).glob("*.safetensors"))
+
     def prefetch(self) -> None:
         if self._staged is None and self._is_shard_folder():
             self._staged = read_teacher_shard(self.checkpoint, rank_tag=shard_tag(self.host.pg_collection),
@@ -202,6 +218,8 @@ class MegatronTeacher:
             self.prefetch()
             self.host.write(self._staged, self.teacher_id)
             self._staged = None
+        elif self._is_hf_folder():
+            self.host.load_hf(self.checkpoint, self.teacher_id)
         else:
             self.host.load_dist_checkpoint(self.checkpoint, self.teacher_id)
 
@@ -338,9 +356,9 @@ def build_teacher_pool(config: MOPDConfig, *, host: MegatronTeacherHost | None =
         else:
             if host is None:
                 raise ValueError(f"teacher {tid!r} uses backend='megatron' but no MegatronTeacherHost was given")
-            if not spec.checkpoint:
-                raise ValueError(f"teacher {tid!r}: backend='megatron' needs teachers.{tid}.checkpoint")
-            backends[tid] = MegatronTeacher(tid, host, spec.checkpoint, temperature=config.rollout_temperature,
+            if not spec.weights_path:
+                raise ValueError(f"teacher {tid!r}: backend='megatron' needs teachers.{tid}.checkpoint or .hf_path")
+            backends[tid] = MegatronTeacher(tid, host, spec.weights_path, temperature=config.rollout_temperature,
                                             logprob_fn=logprob_fn, tree=config.teacher_tree)
     return TeacherPool(backends, config=config.pool, on_event=on_event)
 

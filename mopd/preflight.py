@@ -1,10 +1,14 @@
 """Pre-flight checks: model compatibility fingerprints and a ``--dry-run`` that resolves the
 configuration and exits non-zero on any mismatch, before any GPU is allocated.
 
-Fingerprint of an HF model folder: SHA-256 of ``config.json`` without keys that do not change
-the computation (names, versions, dtype, caching, labels, initialisation), of the vocabulary
-file (``tokenizer.json``, ``vocab.json`` or ``tokenizer.model``) and of the added tokens
-(``tokenizer_config.json`` ``added_tokens_decoder`` and ``added_tokens.json``).
+Fingerprint of an HF model folder: SHA-256 of its architecture, of the vocabulary file
+(``tokenizer.json``, ``vocab.json`` or ``tokenizer.model``) and of the added tokens
+(``tokenizer_config.json`` ``added_tokens_decoder`` and ``added_tokens.json``). The architecture
+is read by the same reader that loads HF checkpoints into Megatron
+(:func:`mcore_distill.hf.hf_arch`: transformers 4.x and 5.x spellings of one model fingerprint
+alike); for a model it does not support, ``config.json`` without the keys that do not change the
+computation (names, versions, dtype, caching, labels, initialisation) is hashed instead, and a
+Megatron teacher whose weights are that HF folder is reported as a problem.
 
 Rules (for teachers some route uses; unused ones are listed, never loaded): every teacher must share the student's vocabulary and added tokens (its log-probs are
 read at the student's token ids); Megatron-backend teachers share one resident model, so they
@@ -19,12 +23,14 @@ everything is consistent, 1 on a mismatch, 2 on an invalid configuration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mcore_distill.hf import HFCheckpointError, hf_arch, read_hf_config
 from mopd.config import MOPDConfig
 from mopd.errors import ConfigError, FingerprintMismatchError
 
@@ -53,6 +59,8 @@ class ModelFingerprint:
     added_tokens: str
     vocab_size: int | None
     vocab_file: str | None
+    unsupported: str | None = None
+    """Why :func:`mcore_distill.hf.hf_arch` cannot load this model into Megatron (None: it can)."""
 
     def short(self) -> str:
         v = self.vocab[:12] if self.vocab else "none"
@@ -63,11 +71,16 @@ class ModelFingerprint:
 def fingerprint_hf(path: str | Path) -> ModelFingerprint:
     """Fingerprint an HF model folder (``config.json`` required)."""
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FingerprintMismatchError(f"{path}: no config.json")
-    cfg = json.loads(cfg_file.read_text())
-    arch = {k: v for k, v in cfg.items() if k not in NON_ARCHITECTURE_KEYS}
+    try:
+        cfg = read_hf_config(path)
+    except HFCheckpointError as err:
+        raise FingerprintMismatchError(str(err)) from None
+    unsupported = None
+    try:
+        arch = {k: v for k, v in dataclasses.asdict(hf_arch(cfg)).items() if k != "dtype"}
+    except HFCheckpointError as err:
+        unsupported = str(err)
+        arch = {k: v for k, v in cfg.items() if k not in NON_ARCHITECTURE_KEYS}
     vocab_file = next((n for n in VOCAB_FILES if (path / n).is_file()), None)
     vocab = _sha((path / vocab_file).read_bytes()) if vocab_file else None
     added: dict = {}
@@ -78,7 +91,8 @@ def fingerprint_hf(path: str | Path) -> ModelFingerprint:
     if at.is_file():
         added["file"] = json.loads(at.read_text())
     return ModelFingerprint(str(path), _sha(json.dumps(arch, sort_keys=True).encode()), vocab,
-                            _sha(json.dumps(added, sort_keys=True).encode()), cfg.get("vocab_size"), vocab_file)
+                            _sha(json.dumps(added, sort_keys=True).encode()), cfg.get("vocab_size"), vocab_file,
+                            unsupported)
 
 
 @dataclass
@@ -124,7 +138,7 @@ def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: i
     else:
         rep.problems.append("student_hf_path is not set: cannot check teacher vocabularies against the student")
     for tid, spec in sorted(config.teachers.items()):
-        where = spec.checkpoint if spec.backend == "megatron" else spec.url
+        where = spec.weights_path if spec.backend == "megatron" else spec.url
         status = "used" if tid in used else "unused (never loaded)"
         rep.lines.append(f"teacher {tid!r}: backend={spec.backend} source={where} hf_path={spec.hf_path} [{status}]")
         if spec.hf_path is None:
@@ -136,6 +150,9 @@ def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: i
             rep.problems.append(f"teacher {tid!r}: {err}")
             continue
         rep.lines.append(f"  fingerprint: {fp.short()}")
+        if spec.backend == "megatron" and not spec.checkpoint and fp.unsupported:
+            rep.problems.append(f"teacher {tid!r}: its weights are the HF folder {spec.hf_path}, which cannot be "
+                                f"loaded into Megatron: {fp.unsupported}")
         if student is None or tid not in used:
             continue
         if fp.vocab != student.vocab:

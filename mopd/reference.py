@@ -11,6 +11,7 @@ import math
 import torch
 
 __all__ = [
+    "TEACHER_PROB_FLOOR",
     "enumerated_weighted_reverse_kl",
     "enumerated_mean_reverse_kl",
     "enumerated_mixture_reverse_kl",
@@ -101,6 +102,11 @@ def pg_loss_reference(student_logp: torch.Tensor, old_logp: torch.Tensor, teache
     return total / max(n, 1)
 
 
+TEACHER_PROB_FLOOR = 2.0 ** -126
+"""Reverse KL compares the student with the teacher probabilities floored at this (fp32's
+smallest normal number): KL(S‖T) is +∞ once the teacher gives probability 0 to any token."""
+
+
 def _div(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
     """One row; the mixture built from probabilities (not log-space) for independence."""
     ps, pt = s.exp(), t.exp()
@@ -111,7 +117,7 @@ def _div(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float) -> torch.Tens
     if kind == "forward_kl" or (kind == "jsd" and beta == 0.0):
         return kl(pt, ps)
     if kind == "reverse_kl" or (kind == "jsd" and beta == 1.0):
-        return kl(ps, pt)
+        return kl(ps, pt.clamp(min=TEACHER_PROB_FLOOR))
     m = (1 - beta) * ps + beta * pt
     return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
 

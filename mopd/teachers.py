@@ -14,12 +14,18 @@ States per teacher::
 * ``prefetch`` stages the next teacher's weights on a single background thread (host-side
   work only, no collectives); waits on it and on other holders are bounded by timeouts.
 * Any back-end exception moves that teacher to BROKEN and closes it; lifecycle calls
-  (load/offload/onload) are never retried. ``close`` is idempotent.
+  (load/offload/onload) are never retried, and a BROKEN teacher is never called again (not
+  even through a lease taken before it broke). The pool keeps a copy of the cause without
+  traceback: a kept traceback would keep every frame of the failed call alive, with its
+  tensors (batches, scores, the caller's activations).
+* ``close`` is idempotent and bounded: it waits at most ``wait_timeout_s`` for a running
+  prefetch, then leaves it behind (recorded as that teacher's error).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import enum
 import threading
 import weakref
@@ -96,6 +102,7 @@ class Lease:
         """Score ``batch`` with this teacher (see :meth:`TeacherBackend.score`)."""
         if self.released:
             raise TeacherStateError(f"lease {self.lease_id} of {self.teacher_id!r} was released")
+        self.pool._check_usable(self.teacher_id)
         logp = self.pool._call(self.teacher_id, "score", batch)
         out = TeacherOutput(logp)
         self._outputs.append(out)
@@ -162,7 +169,7 @@ class TeacherPool:
     # ---- failure handling ----------------------------------------------------------------
     def _break(self, teacher_id: str, err: BaseException) -> None:
         self._state[teacher_id] = TeacherState.BROKEN
-        self._errors[teacher_id] = err
+        self._errors[teacher_id] = _detached(err)
         self._on_event(teacher_id, "broken")
         try:
             self._backends[teacher_id].close()
@@ -290,13 +297,20 @@ class TeacherPool:
         with self._cond:
             self._cond.notify_all()
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+            running = {tid: f for tid, f in self._prefetch.items() if not f.done()}
+            cf.wait(running.values(), timeout=self.config.wait_timeout_s)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            for tid, f in running.items():
+                if not f.done():
+                    self._errors[tid] = TeacherTimeoutError(
+                        f"close: prefetch of teacher {tid!r} still running after pool.wait_timeout_s="
+                        f"{self.config.wait_timeout_s}s; left behind")
         for tid, backend in self._backends.items():
             if self._state[tid] is not TeacherState.BROKEN:
                 try:
                     backend.close()
                 except Exception as err:  # noqa: BLE001 - keep closing the others
-                    self._errors[tid] = err
+                    self._errors[tid] = _detached(err)
             self._state[tid] = TeacherState.CLOSED
             self._on_event(tid, "close")
 
@@ -305,3 +319,14 @@ class TeacherPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _detached(err: BaseException) -> BaseException:
+    """A copy of ``err`` (type, args, attributes) without traceback, cause or context, so that
+    keeping it keeps no frame, hence no tensor, alive."""
+    try:
+        clone = copy.copy(err)
+    except Exception:  # noqa: BLE001 - an exception type that cannot be rebuilt from its args
+        clone = TeacherStateError(f"{type(err).__name__}: {err}")
+    clone.__traceback__ = clone.__cause__ = clone.__context__ = None
+    return clone

@@ -83,7 +83,7 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         if key == self._layout_key:
             return
         if self._ring is not None:
-            self._ring.drain(release=True)
+            self.drain(release=True)
         # Parameters that stay across a re-layout (e.g. add_param_group) keep their state.
         old_state = {id(p): v for p, v in self.state.items()} if self._layout_key is not None else {}
         plist = self._params()
@@ -105,12 +105,12 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             self._offsets[i] = off
             off += numels[i]
         self.slabs = StateSlabs(self.state_keys, off, device="cpu", pin=cfg.pin_memory and dev.type == "cuda",
-                                memory_margin=cfg.host_memory_margin)
+                                memory_margin=cfg.host_memory_margin, dtype=self._state_dtypes())
         roff = 0
         for i in resident:
             self._offsets[i] = roff
             roff += numels[i]
-        self.resident = StateSlabs(self.state_keys, roff, device=dev) if resident else None
+        self.resident = StateSlabs(self.state_keys, roff, device=dev, dtype=self._state_dtypes()) if resident else None
         self._build_ring()
         # state[p] = views into the slabs; master initialised from the (possibly bf16) parameter.
         self.state.clear()
@@ -127,10 +127,19 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             self.state[p] = views
         self._layout_key = key
 
+    def _state_dtypes(self) -> dict[str, torch.dtype]:
+        """dtype of each state key's slab (fp32 unless a subclass stores some keys narrower)."""
+        return {k: torch.float32 for k in self.state_keys}
+
+    def _ring_spec(self) -> dict[str, Any]:
+        """How the slot ring is built: keys it streams, their dtypes, caching."""
+        return {"keys": self.state_keys, "dtypes": self._state_dtypes(), "keep_resident": self.slot_config.keep_resident}
+
     def _build_ring(self) -> None:
         cfg, plist = self.slot_config, self._plist
-        self._ring = SlotRing(self.state_keys, slot_numel=cfg.slot_numel, num_slots=cfg.num_slots, device=self._dev,
-                              late_keys=self.late_keys, keep_resident=cfg.keep_resident)
+        spec = self._ring_spec()
+        self._ring = SlotRing(spec["keys"], slot_numel=cfg.slot_numel, num_slots=cfg.num_slots, device=self._dev,
+                              late_keys=self.late_keys, keep_resident=spec["keep_resident"], dtypes=spec["dtypes"])
         self._staged_units = self._units([(i, plist[i][0], plist[i][1], self._offsets[i]) for i in self._staged_idx])
         self._resident_units = self._units(
             [(i, plist[i][0], plist[i][1], self._offsets[i]) for i in self._resident_idx], whole=True)
@@ -189,13 +198,17 @@ class StagedOptimizerBase(torch.optim.Optimizer):
         self._ensure_layout()
         self._begin_step()
         params = [p for _, p in self._plist]
-        self._ring.run(self._staged_units, self.slabs, lambda u, v, ph: self._compute(u, v, params, ph),
-                       reverse=self._reverse_at(self._step_count()))
+        self._run_staged(params)
         if self._resident_units:
             for u in self._resident_units:
                 views = {k: self.resident[k][u.start:u.end] for k in self.state_keys}
                 self._compute(u, views, params, None)
         return None
+
+    def _run_staged(self, params: list[torch.Tensor]) -> None:
+        """Update every staged unit (here: all through the slot ring)."""
+        self._ring.run(self._staged_units, self.slabs, lambda u, v, ph: self._compute(u, v, params, ph),
+                       reverse=self._reverse_at(self._step_count()))
 
     def _scratch(self, numel: int) -> torch.Tensor:
         """fp32 device scratch of ``numel`` elements for the unit being computed."""
@@ -323,15 +336,16 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             fresh, fresh_res = self.slabs, self.resident
         else:
             fresh = StateSlabs(self.state_keys, self.slabs.numel, device="cpu", pin=False,
-                               memory_margin=self.slot_config.host_memory_margin)
-            fresh_res = (StateSlabs(self.state_keys, self.resident.numel, device=self.resident.device)
+                               memory_margin=self.slot_config.host_memory_margin, dtype=self._state_dtypes())
+            fresh_res = (StateSlabs(self.state_keys, self.resident.numel, device=self.resident.device,
+                                    dtype=self._state_dtypes())
                          if self.resident is not None else None)
             for i, entry in items:
                 p = self._plist[i][1]
                 store = fresh if i in staged else fresh_res
                 o = self._offsets[i]
                 for k in self.state_keys:
-                    store[k][o:o + p.numel()].copy_(entry[k].reshape(-1).to(torch.float32))
+                    store[k][o:o + p.numel()].copy_(entry[k].reshape(-1))
         # Success: swap in, re-pin, keep the hyper-parameters of the checkpoint.
         if self.slabs.pinned and not fresh.pinned:
             fresh.pin()

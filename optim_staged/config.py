@@ -6,7 +6,18 @@ validates and raises :class:`StagedConfigError` naming the field and the value.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+from mcore_distill.validate import validate_fields
+from optim_staged.errors import (
+    CheckpointLayoutError,
+    HostMemoryError,
+    SlotTooSmallError,
+    StagedConfigError,
+    StagedConfigTypeError,
+    UnsupportedMegatronConfigError,
+)
 
 __all__ = [
     "StagedConfigError",
@@ -19,27 +30,83 @@ __all__ = [
     "MuonConfig",
     "MemorySnapshotConfig",
     "StagedOptimizerConfig",
+    "AdamWImpl",
+    "MuonTPMode",
+    "NSCoefficients",
+    "MuonScaleMode",
+    "MatmulPrecision",
+    "Algorithm",
+    "Residency",
+    "MomentDtype",
 ]
 
 
-class StagedConfigError(ValueError):
-    """A configuration field has an invalid value (the message names the field and value)."""
+class AdamWImpl(enum.StrEnum):
+    """AdamW update kernel."""
+
+    auto = "auto"
+    fused = "fused"
+    foreach = "foreach"
 
 
-class HostMemoryError(MemoryError):
-    """Host RAM is too small for the pinned slabs (the message gives bytes needed and available)."""
+class MuonTPMode(enum.StrEnum):
+    """How a TP-sharded matrix is orthogonalized (Megatron ``TensorParallelMuon`` modes)."""
+
+    duplicated = "duplicated"
+    distributed = "distributed"
+    blockwise = "blockwise"
 
 
-class SlotTooSmallError(ValueError):
-    """A whole-matrix unit (Muon) does not fit one transfer slot."""
+class NSCoefficients(enum.StrEnum):
+    """Newton-Schulz coefficient sets of emerging-optimizers (``coefficient_type``)."""
+
+    simple = "simple"
+    quintic = "quintic"
+    polar_express = "polar_express"
+    cans = "cans"
+    aol = "aol"
+    deepseekv4 = "deepseekv4"
 
 
-class CheckpointLayoutError(ValueError):
-    """A checkpoint does not match this optimizer's layout (shapes, keys, TP/PP sizes)."""
+class MuonScaleMode(enum.StrEnum):
+    """Scale of the orthogonalized update (emerging-optimizers ``scale_mode``)."""
+
+    spectral = "spectral"
+    shape_scaling = "shape_scaling"
+    unit_rms_norm = "unit_rms_norm"
 
 
-class UnsupportedMegatronConfigError(ValueError):
-    """The Megatron ``OptimizerConfig`` / DDP config asks for something staging cannot do."""
+class MatmulPrecision(enum.StrEnum):
+    """``torch.set_float32_matmul_precision`` values."""
+
+    highest = "highest"
+    high = "high"
+    medium = "medium"
+
+
+class Algorithm(enum.StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class Residency(enum.StrEnum):
+    gpu = "gpu"
+    staged = "staged"
+
+
+def _validate(obj: object) -> None:
+    validate_fields(obj, error=StagedConfigError, type_error=StagedConfigTypeError)
+
+
+class MomentDtype(enum.StrEnum):
+    """Storage dtype of an AdamW moment."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+MOMENT_DTYPES = tuple(MomentDtype)
+"""Storage dtypes AdamW moments may use (names as in ``AdamWConfig``)."""
 
 
 def _check(cond: bool, name: str, value: object, need: str) -> None:
@@ -68,6 +135,7 @@ class SlotConfig:
     """Fraction of currently available host RAM the slabs may use; more raises HostMemoryError."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _check(self.slot_numel >= 1024, "slot_numel", self.slot_numel, "must be >= 1024 elements")
         _check(1 <= self.num_slots <= 16, "num_slots", self.num_slots, "must be in [1, 16]")
         _check(0.0 < self.host_memory_margin <= 1.0, "host_memory_margin", self.host_memory_margin,
@@ -86,22 +154,41 @@ class AdamWConfig:
     """Added to sqrt(v_hat)."""
     weight_decay: float = 0.01
     """Decoupled weight decay: p <- p * (1 - lr * wd)."""
-    impl: str = "auto"
+    impl: AdamWImpl = AdamWImpl.auto
     """Update kernel: PyTorch's fused AdamW, its foreach ops, or ``auto`` (chosen per unit: fused
     where the device supports it and the unit has at most ``fused_max_slices`` slices, else foreach)."""
     fused_max_slices: int | None = None
     """With ``impl='auto'``: most parameter slices per unit for the fused kernel; None: the measured
     default of the device (``optim_staged.update.FUSED_MAX_SLICES``)."""
+    host_fraction: float = 0.0
+    """Share of the staged elements (the trailing ones, whose gradients the backward pass produces
+    first) updated by the host CPU (PyTorch's fused CPU AdamW on the host slabs: 4 B/param of
+    gradient down and 4 B/param of weights up) instead of streaming through the GPU slots (12 B/param
+    each way; 8 with fp32 parameters). Both halves run at the same time. 0 keeps every update on
+    the GPU, bitwise equal to ``torch.optim.AdamW(fused=True)``."""
+    auto_balance: bool = False
+    """Search the host share on the measured step time over the first ``balance_steps`` steps
+    (starting from ``host_fraction``, steps of 0.1 halved when neither neighbour is faster), then
+    keep the fastest (a fixed split keeps runs reproducible)."""
+    balance_steps: int = 8
+    """Steps over which ``auto_balance`` adjusts the split."""
+    exp_avg_dtype: MomentDtype = MomentDtype.fp32
+    """Storage dtype of the first moment: ``fp32`` or ``bf16`` (halves its bytes; the update itself
+    runs in fp32; see docs/optim_staged.md for the error bound)."""
+    exp_avg_sq_dtype: MomentDtype = MomentDtype.fp32
+    """Storage dtype of the second moment: ``fp32`` or ``bf16``."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _check(self.lr >= 0.0, "lr", self.lr, "must be >= 0")
         b1, b2 = self.betas
         _check(0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0, "betas", self.betas, "both must be in [0, 1)")
         _check(self.eps > 0.0, "eps", self.eps, "must be > 0")
         _check(self.weight_decay >= 0.0, "weight_decay", self.weight_decay, "must be >= 0")
-        _check(self.impl in ("auto", "fused", "foreach"), "impl", self.impl, "one of auto|fused|foreach")
-        _check(self.fused_max_slices is None or (isinstance(self.fused_max_slices, int) and self.fused_max_slices >= 1),
-               "fused_max_slices", self.fused_max_slices, "must be None or an int >= 1")
+        _check(0.0 <= self.host_fraction <= 1.0, "host_fraction", self.host_fraction, "must be in [0, 1]")
+        _check(self.balance_steps >= 1, "balance_steps", self.balance_steps, "must be >= 1")
+        _check(self.fused_max_slices is None or self.fused_max_slices >= 1, "fused_max_slices",
+               self.fused_max_slices, "must be None or >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,28 +205,29 @@ class MuonConfig:
     """Decoupled: p <- p - lr * wd * p."""
     num_ns_steps: int = 5
     """Newton-Schulz iterations."""
-    coefficient_type: str = "quintic"
+    coefficient_type: NSCoefficients = NSCoefficients.quintic
     """Newton-Schulz coefficients (emerging-optimizers ``coefficient_type``)."""
-    scale_mode: str = "spectral"
+    scale_mode: MuonScaleMode = MuonScaleMode.spectral
     """Update scale (``spectral``, ``shape_scaling``, ``unit_rms_norm``) on the full matrix shape."""
     extra_scale_factor: float = 1.0
     """Extra multiplier on the orthogonalized update."""
-    fp32_matmul_prec: str = "medium"
+    fp32_matmul_prec: MatmulPrecision = MatmulPrecision.medium
     """``torch`` float32 matmul precision inside Newton-Schulz."""
     split_qkv: bool = True
     """Orthogonalize Q, K, V parts of a fused QKV weight separately."""
-    tp_mode: str = "duplicated"
+    tp_mode: MuonTPMode = MuonTPMode.duplicated
     """How a TP-sharded matrix is orthogonalized (see docs/optim_staged.md)."""
     scalar_lr: float | None = None
     """AdamW learning rate for non-matrix parameters (None: ``lr``)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _check(self.lr >= 0.0, "lr", self.lr, "must be >= 0")
         _check(0.0 <= self.momentum < 1.0, "momentum", self.momentum, "must be in [0, 1)")
         _check(self.weight_decay >= 0.0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(self.num_ns_steps >= 1, "num_ns_steps", self.num_ns_steps, "must be >= 1")
-        _check(self.tp_mode in ("duplicated", "distributed", "blockwise"), "tp_mode", self.tp_mode,
-               "one of duplicated|distributed|blockwise")
+        _check(self.extra_scale_factor > 0.0, "extra_scale_factor", self.extra_scale_factor, "must be > 0")
+        _check(self.scalar_lr is None or self.scalar_lr >= 0.0, "scalar_lr", self.scalar_lr, "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -157,20 +245,18 @@ class MemorySnapshotConfig:
     """Allocator events kept (``torch.cuda.memory._record_memory_history(max_entries=...)``)."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.output_dir, str), "MemorySnapshotConfig.output_dir", self.output_dir, "must be a str")
-        _check(isinstance(self.step, int) and self.step >= 1, "MemorySnapshotConfig.step", self.step,
-               "must be an int >= 1")
-        _check(isinstance(self.max_entries, int) and self.max_entries >= 1, "MemorySnapshotConfig.max_entries",
-               self.max_entries, "must be an int >= 1")
+        _validate(self)
+        _check(self.step >= 1, "MemorySnapshotConfig.step", self.step, "must be >= 1")
+        _check(self.max_entries >= 1, "MemorySnapshotConfig.max_entries", self.max_entries, "must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
 class StagedOptimizerConfig:
     """Top-level config: which algorithm, where its state lives, and how it streams."""
 
-    algorithm: str = "adamw"
+    algorithm: Algorithm = Algorithm.adamw
     """``adamw`` | ``muon`` (Muon uses AdamW for embeddings, norms and other non-matrix params)."""
-    residency: str = "staged"
+    residency: Residency = Residency.staged
     """``gpu`` | ``staged``. ``gpu``: state lives on the accelerator (plain Megatron optimizer). ``staged``: state lives in
     host slabs and streams through slots."""
     staged_fraction: float = 1.0
@@ -188,8 +274,7 @@ class StagedOptimizerConfig:
     """CUDA allocator snapshot of one training iteration (off unless ``output_dir`` is set)."""
 
     def __post_init__(self) -> None:
-        _check(self.algorithm in ("adamw", "muon"), "algorithm", self.algorithm, "one of adamw|muon")
-        _check(self.residency in ("gpu", "staged"), "residency", self.residency, "one of gpu|staged")
+        _validate(self)
         _check(0.0 <= self.staged_fraction <= 1.0, "staged_fraction", self.staged_fraction,
                "must be in [0, 1]")
         _check(self.clip_grad >= 0.0, "clip_grad", self.clip_grad, "must be >= 0")

@@ -62,7 +62,8 @@ def _check_supported(mcfg: OptimizerConfig, model_chunks: list[Any]) -> None:
     if not mcfg.use_distributed_optimizer:
         bad("OptimizerConfig.use_distributed_optimizer", False, "staged AdamW plugs into the distributed optimizer")
     if mcfg.exp_avg_dtype != torch.float32 or mcfg.exp_avg_sq_dtype != torch.float32:
-        bad("OptimizerConfig.exp_avg_dtype", mcfg.exp_avg_dtype, "moments are staged in fp32")
+        bad("OptimizerConfig.exp_avg_dtype", mcfg.exp_avg_dtype,
+            "set StagedOptimizerConfig.adamw.exp_avg_dtype / exp_avg_sq_dtype ('bf16') instead")
     for chunk in model_chunks:
         mc = chunk.config
         if getattr(mc, "fp8", None):
@@ -149,9 +150,7 @@ def _restage(leaf: DistributedOptimizer, cfg: StagedOptimizerConfig) -> Distribu
         params = list(leaf.model_fp32_groups[gi]) + list(leaf.model_float16_groups[gi])
         groups.append({**{k: v for k, v in orig.items() if k != "params"}, "params": params})
     a = cfg.adamw
-    inner = StagedAdamW(groups, lr=a.lr, betas=a.betas, eps=a.eps, weight_decay=a.weight_decay,
-                        slots=cfg.slots, staged_fraction=cfg.staged_fraction, impl=a.impl,
-                        fused_max_slices=a.fused_max_slices)
+    inner = StagedAdamW.from_config(groups, a, slots=cfg.slots, staged_fraction=cfg.staged_fraction)
     # Precision-aware flags on a copy: OptimizerConfig's own check only looks for TE FusedAdam.
     pa = copy.copy(leaf.config)
     pa.use_precision_aware_optimizer = True

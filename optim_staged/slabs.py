@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +59,10 @@ def available_host_bytes() -> int:
         raise
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _register(t: torch.Tensor) -> int | None:
     """Pin ``t``'s host memory in place (exact size, no power-of-two rounding); returns the pointer
     to unregister later, or None for an empty tensor."""
@@ -79,24 +83,33 @@ def _unregister(ptrs: list[int]) -> None:
 
 
 class StateSlabs:
-    """Flat state tensors ``{key: [numel]}`` of one dtype on the host (or on a device when resident)."""
+    """Flat state tensors ``{key: [numel]}`` on the host (or on a device when resident).
+
+    ``dtype`` is one dtype for every key, or a ``{key: dtype}`` mapping (keys it omits are fp32),
+    e.g. bf16 moments next to an fp32 master."""
 
     def __init__(self, keys: Sequence[str], numel: int, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, pin: bool = False, memory_margin: float = 0.9) -> None:
+                 dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32, pin: bool = False,
+                 memory_margin: float = 0.9) -> None:
         self.keys = tuple(keys)
         self.numel = int(numel)
         self.device = torch.device(device)
-        self.dtype = dtype
-        nbytes = self.nbytes_for(len(self.keys), self.numel, dtype)
+        if isinstance(dtype, torch.dtype):
+            self.dtypes = {k: dtype for k in self.keys}
+        else:
+            self.dtypes = {k: dtype.get(k, torch.float32) for k in self.keys}
+        self.dtype = self.dtypes[self.keys[0]] if self.keys else torch.float32
+        nbytes = self.nbytes
         if self.device.type == "cpu":
             avail = available_host_bytes()
             if nbytes > memory_margin * avail:
+                per = "+".join(str(_itemsize(self.dtypes[k])) for k in self.keys)
                 raise HostMemoryError(
-                    f"optimizer state slabs need {nbytes} bytes of host RAM ({len(self.keys)} x {self.numel} "
-                    f"x {torch.finfo(dtype).bits // 8} B) but only {avail} bytes are available "
+                    f"optimizer state slabs need {nbytes} bytes of host RAM ({self.numel} x ({per}) B) but only "
+                    f"{avail} bytes are available "
                     f"(host_memory_margin={memory_margin} allows {int(memory_margin * avail)})"
                 )
-        self.tensors = {k: torch.zeros(self.numel, dtype=dtype, device=self.device) for k in self.keys}
+        self.tensors = {k: torch.zeros(self.numel, dtype=self.dtypes[k], device=self.device) for k in self.keys}
         self.pinned = False
         if pin and self.device.type == "cpu" and torch.cuda.is_available():
             self.pin()
@@ -116,7 +129,7 @@ class StateSlabs:
 
     @property
     def nbytes(self) -> int:
-        return self.nbytes_for(len(self.keys), self.numel, self.dtype)
+        return sum(self.numel * _itemsize(self.dtypes[k]) for k in self.keys)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.tensors[key]
@@ -150,9 +163,14 @@ class Unit:
 
 
 def build_units(param_numels: Sequence[int], param_offsets: Sequence[int], param_groups: Sequence[int],
-                *, slot_numel: int) -> list[Unit]:
+                *, slot_numel: int, whole_params: bool = False) -> list[Unit]:
     """Chunk each group's contiguous slab range into units of at most ``slot_numel`` elements
-    (parameters may be split across units). Parameters are listed in slab order."""
+    (parameters may be split across units). Parameters are listed in slab order.
+
+    ``whole_params``: a unit holds either one part of a single parameter or several whole
+    parameters (a parameter that does not fit the rest of a unit starts a new one; one larger
+    than a unit gets units of its own), so a unit never waits for two parameters of which one is
+    only partly in it (gradients consumed as they arrive)."""
     units: list[Unit] = []
     n = len(param_numels)
     i = 0
@@ -163,9 +181,10 @@ def build_units(param_numels: Sequence[int], param_offsets: Sequence[int], param
             j += 1
         g_start = param_offsets[i]
         g_end = param_offsets[j - 1] + param_numels[j - 1]
+        ends = _aligned_ends(param_numels[i:j], param_offsets[i:j], slot_numel) if whole_params else None
         pos, k = g_start, i
         while pos < g_end:
-            u_end = min(pos + slot_numel, g_end)
+            u_end = min(pos + slot_numel, g_end) if ends is None else ends[pos]
             pieces = []
             while k < j and param_offsets[k] + param_numels[k] <= pos:
                 k += 1
@@ -180,6 +199,27 @@ def build_units(param_numels: Sequence[int], param_offsets: Sequence[int], param
             pos = u_end
         i = j
     return units
+
+
+def _aligned_ends(numels: Sequence[int], offsets: Sequence[int], slot_numel: int) -> dict[int, int]:
+    """Unit start -> unit end for ``build_units(whole_params=True)`` over one group."""
+    ends: dict[int, int] = {}
+    start, fill = offsets[0], 0
+    for n, o in zip(numels, offsets):
+        if n > slot_numel:  # close the open unit; whole units of this parameter, remainder alone
+            if fill:
+                ends[start] = o
+            for a in range(o, o + n, slot_numel):
+                ends[a] = min(a + slot_numel, o + n)
+            start, fill = o + n, 0
+        elif fill + n > slot_numel:
+            ends[start] = o
+            start, fill = o, n
+        else:
+            fill += n
+    if fill:
+        ends[start] = start + fill
+    return ends
 
 
 @dataclass
@@ -219,11 +259,15 @@ class SlotRing:
 
     ``late_keys`` are needed only at the end of a unit's compute (Muon's master weight): their H2D
     is queued after the early keys' and awaited by the compute through :class:`Phases`.
+
+    ``dtypes`` maps keys to their slot dtype (fp32 when omitted).
     """
 
     def __init__(self, keys: Sequence[str], *, slot_numel: int, num_slots: int, device: torch.device | str,
-                 late_keys: Sequence[str] = (), keep_resident: bool = True) -> None:
+                 late_keys: Sequence[str] = (), keep_resident: bool = True,
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.keys = tuple(keys)
+        self.dtypes = {k: (dtypes or {}).get(k, torch.float32) for k in self.keys}
         self.late_keys = tuple(k for k in self.keys if k in late_keys)
         self.early_keys = tuple(k for k in self.keys if k not in late_keys)
         self.slot_numel = int(slot_numel)
@@ -238,6 +282,8 @@ class SlotRing:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.compute_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
+            # ends of the last run() on the compute and D2H streams (timed: rate measurements)
+            self.end_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         self._reset_cache()
 
     def _reset_cache(self) -> None:
@@ -269,7 +315,8 @@ class SlotRing:
             return
         with self._stream(self.h2d_stream if self.cuda else None):
             for _ in range(self.num_slots):
-                bufs = {k: torch.empty(self.slot_numel, dtype=torch.float32, device=self.device) for k in self.keys}
+                bufs = {k: torch.empty(self.slot_numel, dtype=self.dtypes[k], device=self.device)
+                        for k in self.keys}
                 slot = _Slot(bufs)
                 if self.cuda:
                     for b in bufs.values():
@@ -309,6 +356,18 @@ class SlotRing:
             self.slots = []
             self._scratch = None
             self._reset_cache()
+
+    def release(self) -> None:
+        """Free the slot buffers and the scratch without waiting for the streams (no slot may hold
+        unwritten state). Safe because every buffer is marked as used by the compute and D2H
+        streams (``record_stream``) and was allocated on the H2D stream: the caching allocator
+        hands the memory out again only after those uses. Unlike :meth:`drain` this does not
+        block the host, so a step can give its slots back before the next backward pass."""
+        if any(d is not None for d in self._dirty):
+            raise RuntimeError("SlotRing.release() with unwritten slots: use drain()")
+        self.slots = []
+        self._scratch = None
+        self._reset_cache()
 
     def forget(self) -> None:
         """Drop the cache after the host slabs were written or replaced (call after :meth:`drain`).
@@ -378,9 +437,11 @@ class SlotRing:
         self._touch(si)
         return si
 
-    def _begin(self, slabs: StateSlabs) -> None:
+    def _begin(self, slabs: StateSlabs, *, after_write_backs: bool = True) -> None:
         self.ensure_allocated()
         self._bind(slabs)
+        if not after_write_backs:
+            return
         self._written_back.clear()
         if self.cuda:  # host ranges written back by earlier steps are read only after that D2H
             self.h2d_stream.wait_stream(self.d2h_stream)
@@ -401,7 +462,8 @@ class SlotRing:
                 self._load(unit, slabs, protect=want)
 
     def run(self, units: Sequence[Unit], slabs: StateSlabs,
-            compute: Callable[[Unit, dict[str, torch.Tensor], Phases], None], *, reverse: bool = False) -> None:
+            compute: Callable[[Unit, dict[str, torch.Tensor], Phases], None], *, reverse: bool = False,
+            join_caller: bool = True, after_write_backs: bool = True) -> None:
         """Stream every unit: H2D (unless cached) -> ``compute(unit, views, phases)`` on the compute
         stream -> D2H (the last ``num_slots`` units stay in their slots with ``keep_resident``).
 
@@ -409,10 +471,16 @@ class SlotRing:
         caller stream waits on compute only. ``reverse`` walks the units last to first (with
         ``keep_resident``); callers alternate it per step, identically on every rank (TP
         collectives inside the compute follow this order).
+
+        A step may also be streamed in several calls (units as they become ready, e.g. from
+        gradient hooks): later calls pass ``after_write_backs=False`` (their host ranges were not
+        written back in this step, so their H2D need not wait for the D2H stream) and
+        ``join_caller=False`` (the caller's stream must not wait on the compute yet: it is still
+        running the backward pass); the caller joins ``compute_stream`` itself at the end.
         """
         if not units:
             return
-        self._begin(slabs)
+        self._begin(slabs, after_write_backs=after_write_backs)
         order = self._order(units, reverse)
         keep = {u.start for u in order[-self.num_slots:]} if self.keep_resident else set()
         caller = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -443,4 +511,7 @@ class SlotRing:
             if unit.start not in keep:
                 self._write_back(si)
         if self.cuda:
-            caller.wait_stream(self.compute_stream)  # (4) caller waits on compute only
+            self.end_events[0].record(self.compute_stream)
+            self.end_events[1].record(self.d2h_stream)
+            if join_caller:
+                caller.wait_stream(self.compute_stream)  # (4) caller waits on compute only

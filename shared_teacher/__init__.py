@@ -20,6 +20,7 @@ from shared_teacher.errors import (
     CrossNodeSkewError,
     IncompatibleSubscriptionError,
     LeaseExpiredError,
+    PublishError,
     SharedTeacherError,
     SourceClosedError,
     SourceConfigError,
@@ -27,6 +28,7 @@ from shared_teacher.errors import (
     SourceTeardownBlockedError,
     StaleRefError,
     StoreError,
+    WaitTimeoutError,
 )
 from shared_teacher.features import TeacherFeatureFn, features_from_logits, fingerprint_state_dict
 from shared_teacher.ledger import StudentCursor
@@ -53,7 +55,7 @@ from shared_teacher.store import FeatureStore, FileStore, ShmStore, open_store
 
 __all__ = [
     "SIGNALS", "AdmissionConfigError", "CompatKey", "CrossNodeSkewError", "FeatureStore", "FileStore", "IncompatibleSubscriptionError",
-    "LeaseExpiredError", "MegatronTeacher", "NodeGate", "NodeLimits", "PreflightReport", "SampleRef",
+    "LeaseExpiredError", "MegatronTeacher", "PublishError", "WaitTimeoutError", "NodeGate", "NodeLimits", "PreflightReport", "SampleRef",
     "SharedTeacherError", "SharedTeacherSource", "ShmStore", "SimNode", "SimResult", "SimStudent", "SourceClient", "SourceClosedError",
     "SourceConfig", "SourceConfigError", "SourceServer", "SourceStalledError", "SourceTeardownBlockedError",
     "StaleRefError", "StoreError", "StudentCursor", "StudentReader", "StudentSpec", "TeacherFeatureFn", "Window",

@@ -88,7 +88,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from shared_teacher.config import NodeLimits, SourceConfig, StudentSpec
-from shared_teacher.errors import AdmissionConfigError, CrossNodeSkewError
+from shared_teacher.errors import AdmissionConfigError, CrossNodeSkewError, PublishError
 
 __all__ = ["node_epoch_sizes", "windows_per_epoch", "need_samples", "admission_capacity", "cross_node_skew",
            "preflight",
@@ -343,7 +343,11 @@ class NodeGate:
             self.paused_tokens = True
 
     def publish(self, nbytes: int) -> None:
-        """Replace the reservation of one sample by its stored size."""
+        """Replace the reservation of one sample by its stored size (at most ``max_sample_bytes``,
+        which admission reserved: a larger object would break the byte cap)."""
+        if not 0 <= nbytes <= self.max_sample_bytes:
+            raise PublishError(f"object of {nbytes} bytes exceeds max_sample_bytes={self.max_sample_bytes} "
+                               "reserved at admission")
         self.bytes += nbytes - self.max_sample_bytes
 
     def free(self, tokens: int, nbytes: int) -> None:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shared_teacher.config import CompatKey
-from shared_teacher.errors import SharedTeacherError
+from shared_teacher.errors import SharedTeacherError, WaitTimeoutError
 from shared_teacher.features import TeacherFeatureFn
 from shared_teacher.ledger import StudentCursor
 from shared_teacher.refs import SampleRef, epoch_order, node_position
@@ -51,17 +51,23 @@ class StudentReader:
         store_spec: :meth:`FeatureStore.spec` of the source's store.
         resume: the cursor from the student's checkpoint (``None``: fresh start).
         heartbeat_s: heartbeat period (well below the source's ``lease_timeout_s``).
-        timeout: default wait for a window / an ack; ``None`` waits as long as the source is healthy
-            (a lag-capped student may legitimately wait for a slow one; the source's watchdog and
-            leases turn a real stall into an error).
+        timeout: default wait for a window / an ack (then :class:`WaitTimeoutError`); ``None`` waits
+            as long as the source is healthy (a lag-capped student may legitimately wait for a slow
+            one): it asks again every 30 s, and any other error (the watchdog's
+            :class:`SourceStalledError` when the producer died, a closed source, a dead control plane)
+            ends the wait.
     """
 
     def __init__(self, connect_info: dict, *, student: str, rank: int, key: CompatKey, store_spec: dict,
                  resume: dict | None = None, heartbeat_s: float = 0.5, timeout: float | None = None) -> None:
         self.student, self.rank, self.timeout = student, rank, timeout
         self.client = SourceClient(connect_info)
-        info = self.client.call("subscribe", student=student, rank=rank, pid=os.getpid(), key=asdict(key),
-                                resume=resume)
+        try:
+            info = self.client.call("subscribe", student=student, rank=rank, pid=os.getpid(), key=asdict(key),
+                                    resume=resume)
+        except BaseException:
+            self.client.close()
+            raise
         self.lease = info["lease"]
         self.world_size = info["world_size"]
         self.node = info["node"]
@@ -86,8 +92,8 @@ class StudentReader:
         while True:
             try:
                 return self.client.call(method, lease=self.lease, timeout=30.0, **kwargs)
-            except TimeoutError:
-                continue  # the source is alive (it answered); errors such as SourceStalledError propagate
+            except WaitTimeoutError:
+                continue  # only "the source waited 30 s, healthy": every other error (stall, close) propagates
 
     def next_window(self, timeout: float | None = None) -> Window | None:
         """This rank's next window, or ``None`` at the end of the stream."""
@@ -132,14 +138,15 @@ def run_producer(connect_info: dict, *, store_spec: dict, teacher: TeacherFeatur
     ``nodes``: the nodes this producer serves (default all); run one producer per node for
     node-local features, each with its teacher and its node's store.
 
-    Returns ``{"forward_samples", "forward_batches", "skipped", "put_bytes"}``. Raises
-    ``TimeoutError`` if the stream is not finished after ``deadline_s`` (``None``: no deadline; the
-    source's watchdog turns a stall into ``SourceStalledError``).
+    ``key`` must equal the source's key (checked by ``plan``: seed, order and ``max_length`` decide
+    what the producer scores). Returns ``{"forward_samples", "forward_batches", "skipped",
+    "put_bytes"}``. Raises :class:`WaitTimeoutError` if the stream is not finished after ``deadline_s``
+    (``None``: no deadline; the source's watchdog turns a stall into ``SourceStalledError``).
     """
     client = SourceClient(connect_info)
     store = open_store(store_spec)
     try:
-        plan = client.call("plan", timeout=plan_timeout)
+        plan = client.call("plan", key=asdict(key), timeout=plan_timeout)
         all_nodes, sizes = plan["nodes"], plan["sizes"]
         unknown = set(nodes or []) - set(all_nodes)
         if unknown:
@@ -159,7 +166,8 @@ def run_producer(connect_info: dict, *, store_spec: dict, teacher: TeacherFeatur
 
         while any(pos[n] < end[n] for n in mine):
             if time.monotonic() > limit:
-                raise TimeoutError(f"run_producer: stream not finished after {deadline_s}s; positions {pos} of {end}")
+                raise WaitTimeoutError(f"run_producer: stream not finished after {deadline_s}s; positions {pos} of "
+                                       f"{end}")
             for n in mine:
                 if pos[n] >= end[n]:
                     continue

@@ -11,12 +11,23 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from shared_teacher.errors import SourceConfigError
+from mcore_distill.validate import validate_fields
+from shared_teacher.errors import SourceConfigError, SourceConfigTypeError
 
-__all__ = ["SIGNALS", "CompatKey", "NodeLimits", "StudentSpec", "SourceConfig"]
+__all__ = ["SIGNALS", "CompatKey", "NodeLimits", "StudentSpec", "SourceConfig", "kill_grace_s"]
 
 SIGNALS = ("logprobs", "topk", "hidden")
 """Teacher signals a source can capture: sampled-token log-probs, top-k log-probs, hidden taps."""
+
+
+def _validate(obj: object) -> None:
+    validate_fields(obj, error=SourceConfigError, type_error=SourceConfigTypeError)
+
+
+def kill_grace_s(teardown_timeout_s: float) -> float:
+    """How long fencing waits after SIGKILLing a failed student's owned processes for them to be
+    reaped: ``min(teardown_timeout_s, 5) + 0.5`` seconds."""
+    return min(teardown_timeout_s, 5.0) + 0.5
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -67,6 +78,7 @@ class CompatKey:
     _SUBSET_FIELDS = ("signals", "hidden_taps")
 
     def __post_init__(self) -> None:
+        _validate(self)
         bad = [s for s in self.signals if s not in SIGNALS]
         if bad:
             raise SourceConfigError(f"CompatKey.signals has unknown entries {bad}; choose from {list(SIGNALS)}")
@@ -123,6 +135,7 @@ class NodeLimits:
     """Hard cap on in-flight bytes (0: none). Never pauses admission below one dispatch quantum."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _positive(self, "high_samples")
         _non_negative(self, "low_samples", "high_tokens", "low_tokens", "byte_cap")
         if self.low_samples > self.high_samples:
@@ -157,6 +170,7 @@ class StudentSpec:
     """Token budget of one packed micro-batch (packed students only)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             raise SourceConfigError(f"StudentSpec.name must be non-empty [A-Za-z0-9-_.], got {self.name!r}")
         _positive(self, "micro_batch_size", "accumulation_steps")
@@ -215,11 +229,16 @@ class SourceConfig:
     teardown_timeout_s: float = 10.0
     """How long fencing waits for a failed student's processes to exit before killing owned pids."""
     watchdog_s: float = 60.0
-    """No progress for this long (while work remains) → dump state and fail with SourceStalledError."""
+    """No progress for this long (while work remains) → dump state and fail with SourceStalledError.
+    Must exceed :attr:`recovery_bound_s` (a dead reader's lease expiring, then its fence), or the
+    watchdog would fail every student while a failure is still being handled; and it should
+    exceed the longest legitimate pause of the whole stream (a slow optimizer step of the
+    slowest student, a checkpoint save)."""
     state_dir: str = ""
     """Folder for per-student ledgers and watchdog dumps ('' → no files)."""
 
     def __post_init__(self) -> None:
+        _validate(self)
         _positive(self, "dataset_size", "num_epochs", "max_sample_bytes", "max_seq_len", "min_seq_len")
         _non_negative(self, "lag_cap_samples")
         if self.min_seq_len > self.max_seq_len:
@@ -228,6 +247,13 @@ class SourceConfig:
         for name in ("lease_timeout_s", "teardown_timeout_s", "watchdog_s"):
             if getattr(self, name) <= 0:
                 raise SourceConfigError(f"SourceConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.watchdog_s > self.recovery_bound_s:
+            raise SourceConfigError(
+                f"SourceConfig.watchdog_s={self.watchdog_s!r} must exceed lease_timeout_s + teardown_timeout_s + "
+                f"kill grace = {self.lease_timeout_s!r} + {self.teardown_timeout_s!r} + "
+                f"{kill_grace_s(self.teardown_timeout_s)!r} = {self.recovery_bound_s!r}s: a dead reader is detected "
+                f"after lease_timeout_s and fenced within teardown_timeout_s + kill grace, and a shorter watchdog "
+                f"fails every student first")
         if not self.nodes:
             raise SourceConfigError("SourceConfig.nodes must name at least one node, got {}")
         if not self.students:
@@ -244,6 +270,12 @@ class SourceConfig:
         if self.max_seq_len > self.key.max_length:
             raise SourceConfigError(
                 f"SourceConfig.max_seq_len={self.max_seq_len} exceeds key.max_length={self.key.max_length}")
+
+    @property
+    def recovery_bound_s(self) -> float:
+        """Longest silence a handled failure causes: a dead reader's lease expires after
+        ``lease_timeout_s``, its fence waits ``teardown_timeout_s`` and then the kill grace."""
+        return self.lease_timeout_s + self.teardown_timeout_s + kill_grace_s(self.teardown_timeout_s)
 
     def student(self, name: str) -> StudentSpec:
         for s in self.students:

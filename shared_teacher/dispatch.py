@@ -70,6 +70,7 @@ class _Student:
     epoch: int = 0  # dispatch epoch (the durable cursor's epoch lags it until older windows are acked)
     drops: list[int] = field(default_factory=list)  # epochs whose tails were dropped, not yet durable
     reason: str = ""
+    left: bool = False  # stopped by leave(): fenced on exit, never SIGKILLed
 
 
 class _Dispatch:

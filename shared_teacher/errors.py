@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from mcore_distill import errors as _base
+
 __all__ = [
     "SharedTeacherError",
     "SourceConfigError",
+    "SourceConfigTypeError",
     "AdmissionConfigError",
     "CrossNodeSkewError",
     "IncompatibleSubscriptionError",
@@ -14,15 +17,21 @@ __all__ = [
     "SourceStalledError",
     "SourceClosedError",
     "StoreError",
+    "PublishError",
+    "WaitTimeoutError",
 ]
 
 
-class SharedTeacherError(RuntimeError):
+class SharedTeacherError(_base.McoreDistillError, RuntimeError):
     """Base class of every error raised by :mod:`shared_teacher`."""
 
 
-class SourceConfigError(SharedTeacherError, ValueError):
+class SourceConfigError(SharedTeacherError, _base.ConfigError):
     """A config field has an invalid value (the message names the field and the value)."""
+
+
+class SourceConfigTypeError(SourceConfigError, _base.ConfigTypeError):
+    """A config field has a value of the wrong type (the message names the field and the value)."""
 
 
 class AdmissionConfigError(SourceConfigError):
@@ -69,8 +78,23 @@ class SourceTeardownBlockedError(SharedTeacherError):
     """A failed student's reader processes could not be confirmed exited; its pins are kept."""
 
 
-class SourceStalledError(SharedTeacherError, TimeoutError):
-    """The watchdog saw no progress for ``watchdog_s`` seconds; the state dump path is in the message."""
+class SourceStalledError(SharedTeacherError):
+    """The watchdog saw no progress for ``watchdog_s`` seconds; the state dump path is in the message.
+
+    Fatal for the source: every later call raises it. Deliberately not a ``TimeoutError`` (which
+    callers retry, see :class:`WaitTimeoutError`)."""
+
+
+class WaitTimeoutError(SharedTeacherError, TimeoutError):
+    """A blocking call's own ``timeout`` expired while the source is healthy (no window yet, other
+    ranks not acked yet, students not subscribed yet). Safe to call again; nothing else is."""
+
+
+class PublishError(SharedTeacherError, ValueError):
+    """A producer published a ref the source cannot place: an unknown node, a position that is not
+    on that node, another schema, a generation never admitted, another sample at that position
+    (a producer with a different order), or an object over ``max_sample_bytes``. Fatal for the
+    source: the stream's promises (order, memory caps) no longer hold."""
 
 
 class SourceClosedError(SharedTeacherError):

@@ -7,6 +7,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mcore_distill.atomic import atomic_write_json as _atomic_write_json
+
 __all__ = ["StudentCursor", "atomic_write_json", "read_json"]
 
 
@@ -36,20 +38,11 @@ class StudentCursor:
 
 
 def atomic_write_json(path: str | os.PathLike, payload: object) -> None:
-    """Write JSON to ``path`` atomically: temp file in the same folder, fsync, rename, fsync folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Write JSON to ``path`` atomically (:func:`mcore_distill.atomic.atomic_write_json`: temp file in
+    the same folder, fsync, rename, fsync of the folder); values JSON cannot encode are written as
+    ``str``. Creates the folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_json(path, payload, indent=None, default=str)
 
 
 def read_json(path: str | os.PathLike) -> object:

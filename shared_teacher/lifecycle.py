@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from shared_teacher.config import kill_grace_s
 from shared_teacher.errors import (
     SharedTeacherError,
     SourceConfigError,
@@ -40,14 +41,22 @@ class _Lifecycle:
 
     # ---------------------------------------------------------------- failures
     def leave(self, *, lease: str, reason: str = "left") -> None:
-        """A student stops early (step limit, preemption): same path as a failure, fenced on exit."""
+        """A student stops early (step limit, preemption): same path as a failure, fenced on exit,
+        but never SIGKILLed: it is healthy and may still be writing its last checkpoint. Its pins
+        drop once its processes have exited (``blocked`` until then if that takes longer than
+        ``teardown_timeout_s``)."""
         with self._cv:
             st, _ = self._lease(lease)
+            st.left = True
             self.fail_student(st.spec.name, reason)
 
     def fail_student(self, student: str, reason: str) -> None:
-        """Stop dispatching to ``student``; fencing (then pin release) follows on the monitor thread."""
+        """Stop dispatching to ``student``; fencing (then pin release) follows on the monitor thread.
+        A student that fails before the source started no longer holds the start back."""
         with self._cv:
+            if student not in self._students:
+                raise SourceConfigError(f"fail_student: unknown student {student!r}; configured: "
+                                        f"{list(self._students)}")
             st = self._students[student]
             if st.status in ("pending", "live"):
                 st.status = "failed"
@@ -55,6 +64,7 @@ class _Lifecycle:
                 self.events.append(("failed", student, time.monotonic()))
                 for lid in [ls.lease_id for ls in st.leases.values()]:
                     self._leases.pop(lid, None)
+                self._maybe_start()
                 self._pump()  # lag bounds of the others no longer include it
                 self._cv.notify_all()
 
@@ -70,8 +80,8 @@ class _Lifecycle:
             if st.status not in ("failed", "blocked"):
                 raise SourceConfigError(f"fence: student {student!r} is {st.status}, not failed")
             st.status = "fencing"
-            pids = {ls.pid for ls in st.leases.values()} | set(st.owned_pids)
-            owned = set(st.owned_pids)
+            pids = self._pids(st)
+            owned = set() if st.left else set(st.owned_pids)
         limit = self.cfg.teardown_timeout_s if timeout is None else timeout
         alive = self._wait_exit(pids, limit)
         for pid in alive & owned:
@@ -80,13 +90,14 @@ class _Lifecycle:
             except ProcessLookupError:
                 pass
         if alive & owned:
-            alive = self._wait_exit(alive, min(limit, 5.0) + 0.5)
+            alive = self._wait_exit(alive, kill_grace_s(limit))
         with self._cv:
             if alive:
                 st.status = "blocked"
+                why = "it left and is not killed" if st.left else "not owned, or did not die on SIGKILL"
                 err = SourceTeardownBlockedError(
                     f"student {student!r}: reader processes {sorted(alive)} still alive after {limit:.1f}s "
-                    f"(not owned, or did not die on SIGKILL); its pins stay, memory is not recycled")
+                    f"({why}); its pins stay until they exit")
                 self.errors.append(err)
                 self.events.append(("teardown_blocked", student, time.monotonic()))
                 raise err
@@ -101,6 +112,10 @@ class _Lifecycle:
             self._progress()
 
     @staticmethod
+    def _pids(st) -> set[int]:
+        return {ls.pid for ls in st.leases.values()} | set(st.owned_pids)
+
+    @staticmethod
     def _wait_exit(pids: set[int], timeout: float) -> set[int]:
         deadline = time.monotonic() + timeout
         alive = {p for p in pids if pid_alive(p)}
@@ -110,16 +125,21 @@ class _Lifecycle:
         return alive
 
     def tick(self) -> None:
-        """One monitor pass: expire leases, start fencing, run the watchdog."""
+        """One monitor pass: expire leases (of students still waiting for their other ranks too),
+        start fencing, fence again a ``blocked`` student whose processes have all exited since,
+        run the watchdog."""
         now = time.monotonic()
         with self._cv:
             for name, st in self._students.items():
-                if st.status == "live":
+                if st.status in ("pending", "live"):
                     late = [ls for ls in st.leases.values() if now - ls.beat > self.cfg.lease_timeout_s]
                     if late:
                         self.fail_student(name, f"rank {late[0].rank} (pid {late[0].pid}) missed heartbeats for "
                                                 f"{now - late[0].beat:.1f}s > lease_timeout_s={self.cfg.lease_timeout_s}")
-                if st.status == "failed" and name not in self._fencers:
+                fencer = self._fencers.get(name)
+                retry = (st.status == "blocked" and (fencer is None or not fencer.is_alive())
+                         and not any(pid_alive(p) for p in self._pids(st)))
+                if (st.status == "failed" and fencer is None) or retry:
                     t = threading.Thread(target=self._fence_quietly, args=(name,), daemon=True)
                     self._fencers[name] = t
                     t.start()

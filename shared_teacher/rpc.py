@@ -2,9 +2,12 @@
 
 Only metadata crosses it (dicts of ints/strings). The server exposes a fixed set of
 :class:`~shared_teacher.source.SharedTeacherSource` methods; each connection gets a thread, so a
-blocking call (``next_window``) of one reader never delays another. Errors come back as the
-same typed exception. Every client call has a timeout: a dead server fails the call, never hangs it.
-Pass ``address=(host, port)`` to serve over TCP for readers on other hosts.
+blocking call (``next_window``) of one reader never delays another, and the HMAC handshake runs in
+that thread too, so a client that stalls mid-handshake never blocks the accept loop. Errors come
+back as the same typed exception. Every client wait has a timeout: connecting, the handshake
+(``connect_timeout``) and each call (its own ``timeout`` + ``rpc_timeout``); a dead or hung
+server fails the call with ``ConnectionError``, never hangs it. Pass ``address=(host, port)`` to
+serve over TCP for readers on other hosts.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import os
 import socket
 import tempfile
 import threading
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from shared_teacher import errors as _errors
 
@@ -23,6 +26,41 @@ METHODS = frozenset({"subscribe", "plan", "admit", "publish", "heartbeat", "next
                      "fail_student", "leave", "stats", "register_owned_pids", "requeue_unpublished"})
 _ERRORS = {name: getattr(_errors, name) for name in _errors.__all__}
 _ERRORS.update(TimeoutError=TimeoutError, ValueError=ValueError, KeyError=KeyError, TypeError=TypeError)
+_HANDSHAKE_S = 30.0
+"""Server side: how long a new connection may take to authenticate before it is dropped."""
+
+
+class _TimedConnection(Connection):
+    """A connection whose ``recv_bytes`` (used only by the HMAC handshake; calls use ``recv``)
+    waits at most ``handshake_timeout`` seconds for each message."""
+
+    handshake_timeout = _HANDSHAKE_S
+
+    def recv_bytes(self, maxlength=None):
+        if not self.poll(self.handshake_timeout):
+            raise ConnectionError(f"handshake: no message within {self.handshake_timeout:.1f}s")
+        return super().recv_bytes(maxlength)
+
+
+def _connect(address, family: str, authkey: bytes, timeout: float) -> _TimedConnection:
+    """Connect and authenticate (both directions), each step bounded by ``timeout``."""
+    sock = socket.socket(getattr(socket, family))
+    try:
+        sock.settimeout(timeout)
+        sock.connect(address)
+        sock.setblocking(True)
+    except BaseException:
+        sock.close()
+        raise
+    conn = _TimedConnection(sock.detach())
+    conn.handshake_timeout = timeout
+    try:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 class SourceServer:
@@ -41,9 +79,19 @@ class SourceServer:
             address = os.path.join(self._dir, "sock")
         self.family = "AF_INET" if isinstance(address, tuple) else "AF_UNIX"
         self.authkey = authkey or os.urandom(16)
-        # a deep backlog: with the default of 1, concurrent TCP connects get SYN-dropped and back off for seconds
-        self._listener = Listener(address, family=self.family, authkey=self.authkey, backlog=128)
-        self.address = self._listener.address
+        # A plain listening socket (multiprocessing's Listener would run the handshake in the accept
+        # loop, see _serve), with a deep backlog: with a backlog of 1, concurrent TCP connects get
+        # SYN-dropped and back off for seconds.
+        self._sock = socket.socket(getattr(socket, self.family))
+        try:
+            if self.family == "AF_INET":
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind(address)
+            self._sock.listen(128)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.address = self._sock.getsockname()
         self._conns: list[Connection] = []
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="shared-teacher-rpc", daemon=True)
@@ -56,18 +104,26 @@ class SourceServer:
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                conn = self._listener.accept()
-            except (OSError, EOFError):
+                sock, _ = self._sock.accept()
+            except OSError:
                 if self._closed:
                     return
-                continue  # a client that failed authentication
+                continue
             if self._closed:
-                conn.close()
+                sock.close()
                 return
+            sock.setblocking(True)
+            conn = _TimedConnection(sock.detach())
             self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+        except Exception:  # noqa: BLE001 - a wrong key, a stalled or vanished client: drop this connection only
+            conn.close()
+            return
         while True:
             try:
                 method, kwargs = conn.recv()
@@ -93,7 +149,7 @@ class SourceServer:
                 s.connect(self.address)  # unblock accept()
         except OSError:
             pass
-        self._listener.close()
+        self._sock.close()
         for c in self._conns:
             c.close()
         self._thread.join(timeout=2)
@@ -108,10 +164,14 @@ class SourceServer:
 class SourceClient:
     """One connection to a :class:`SourceServer`; ``call(method, **kwargs)`` with a hard timeout."""
 
-    def __init__(self, connect_info: dict, *, rpc_timeout: float = 120.0) -> None:
+    def __init__(self, connect_info: dict, *, rpc_timeout: float = 120.0, connect_timeout: float = 30.0) -> None:
         family = connect_info.get("family", "AF_UNIX")
         address = tuple(connect_info["address"]) if family == "AF_INET" else connect_info["address"]
-        self._conn = Client(address, family=family, authkey=bytes.fromhex(connect_info["authkey"]))
+        try:
+            self._conn = _connect(address, family, bytes.fromhex(connect_info["authkey"]), connect_timeout)
+        except (OSError, EOFError) as err:  # refused, timed out, stalled or cut handshake
+            raise ConnectionError(f"control plane at {address!r}: connect/handshake failed "
+                                  f"(connect_timeout={connect_timeout:.1f}s): {type(err).__name__}: {err}") from None
         self._lock = threading.Lock()
         self.rpc_timeout = rpc_timeout
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from shared_teacher.admission import NodeGate, node_epoch_sizes, preflight
@@ -32,8 +32,10 @@ from shared_teacher.dispatch import _Dispatch, _Entry, _Lease, _Student, _Window
 from shared_teacher.errors import (
     IncompatibleSubscriptionError,
     LeaseExpiredError,
+    PublishError,
     SourceClosedError,
     SourceConfigError,
+    WaitTimeoutError,
 )
 from shared_teacher.ledger import StudentCursor, atomic_write_json
 from shared_teacher.lifecycle import _Lifecycle
@@ -101,7 +103,7 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
 
         Raises :class:`IncompatibleSubscriptionError` naming every differing key field.
         """
-        theirs = CompatKey(**key)
+        theirs = self._key_of(key, f"student {student!r}")
         diff = self.cfg.key.differences(theirs)
         if diff:
             lines = ", ".join(f"{k}: source={a!r} student={b!r}" for k, (a, b) in diff.items())
@@ -138,10 +140,25 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
         with self._cv:
             self._students[student].owned_pids.update(int(p) for p in pids)
 
+    @staticmethod
+    def _key_of(key: dict, who: str) -> CompatKey:
+        if not isinstance(key, dict):
+            raise SourceConfigError(f"{who}: key must be a dict of CompatKey fields, got {type(key).__name__}")
+        unknown = sorted(set(key) - {f.name for f in fields(CompatKey)})
+        if unknown:
+            raise SourceConfigError(f"{who}: key has unknown CompatKey fields {unknown}")
+        try:
+            return CompatKey(**key)
+        except TypeError as err:  # a required field is missing
+            raise SourceConfigError(f"{who}: key is not a CompatKey: {err}") from None
+
     def _maybe_start(self) -> None:
-        if self._start_epoch is not None or any(s.status != "live" for s in self._students.values()):
+        """Start once every student is live or out (failed before it could subscribe fully, fenced):
+        a student that died early must not keep the others from ever starting."""
+        if self._start_epoch is not None or any(s.status == "pending" for s in self._students.values()):
             return
-        self._start_epoch = min(s.cursor.epoch for s in self._students.values())
+        live = [s for s in self._students.values() if s.status == "live"] or list(self._students.values())
+        self._start_epoch = min(s.cursor.epoch for s in live)
         for n in self.nodes:
             self._admit_pos[n] = self._start_epoch * self.sizes[n]
         for st in self._students.values():
@@ -151,14 +168,26 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
         self._cv.notify_all()
 
     # ---------------------------------------------------------------- producer side
-    def plan(self, *, timeout: float) -> dict:
-        """Block until every student subscribed; returns where production starts."""
+    def plan(self, *, key: dict, timeout: float) -> dict:
+        """Block until every student subscribed (or failed); returns where production starts.
+
+        ``key``: the producer's :class:`CompatKey` (as a dict). It must equal the source's in every
+        field (the producer's seed, order and ``max_length`` decide which samples it scores and how),
+        else :class:`IncompatibleSubscriptionError` names the differing fields.
+        """
+        theirs = self._key_of(key, "producer")
+        diff = {f.name: (getattr(self.cfg.key, f.name), getattr(theirs, f.name)) for f in fields(CompatKey)
+                if getattr(self.cfg.key, f.name) != getattr(theirs, f.name)}
+        if diff:
+            lines = ", ".join(f"{k}: source={a!r} producer={b!r}" for k, (a, b) in diff.items())
+            raise IncompatibleSubscriptionError(f"the producer is incompatible with this source: {lines}", diff)
         with self._cv:
-            pending = lambda: [n for n, s in self._students.items() if s.status == "pending"]  # noqa: E731
             try:
                 self._wait(lambda: self._start_epoch is not None, timeout, "plan")
-            except TimeoutError:
-                raise TimeoutError(f"plan: students {pending()} did not subscribe within {timeout:.1f}s") from None
+            except WaitTimeoutError:
+                missing = {n: f"{len(s.leases)} of {s.spec.world_size} ranks" for n, s in self._students.items()
+                           if s.status == "pending"}
+                raise WaitTimeoutError(f"plan: students {missing} did not subscribe within {timeout:.1f}s") from None
             return {"start_epoch": self._start_epoch, "num_epochs": self.cfg.num_epochs, "nodes": self.nodes,
                     "sizes": self.sizes, "schema_key": self.cfg.key.schema_key(),
                     "start": dict(self._admit_pos)}
@@ -173,6 +202,8 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
         with self._cv:
             if self._start_epoch is None:
                 raise SourceConfigError("admit: call plan() first; not every student has subscribed")
+            if node not in self.sizes:
+                raise SourceConfigError(f"admit: unknown node {node!r}; SourceConfig.nodes has {self.nodes}")
             end = self.cfg.num_epochs * self.sizes[node]
             self._wait(lambda: self._admit_pos.get(node, end) >= end or self._gate_open(node), timeout, None)
             out = []
@@ -231,15 +262,22 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
             return count
 
     def publish(self, *, refs: list[dict]) -> None:
-        """Record committed objects (``SampleRef`` fields as dicts); frees any that lost all pins meanwhile."""
+        """Record committed objects (``SampleRef`` fields as dicts); frees any that lost all pins meanwhile.
+
+        A ref of an older attempt (a requeued position, see :meth:`requeue_unpublished`) is stale:
+        its object is released and nothing else happens. A ref the source cannot place raises
+        :class:`PublishError` (its object released) and fails the source (see the error)."""
         with self._cv:
+            self._check_open()
             for r in refs:
                 ref = SampleRef(**r)
-                key = (ref.node, self._node_pos_of(ref))
-                e = self._entries.get(key)
-                if e is None or e.generation != ref.generation or e.sid != ref.sample_id:
+                s = self._check_publish(ref)
+                e = self._entries.get((ref.node, s))
+                if e is None or ref.generation < e.generation:
                     self.store.release(ref)  # stale attempt: never visible to students
                     continue
+                if e.ref is not None:
+                    continue  # the same ref again (a producer retrying a publish whose reply was lost)
                 e.ref = ref
                 self._gates[ref.node].publish(ref.nbytes)
                 self.counters["published"] += 1
@@ -248,8 +286,47 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
             self._pump()
             self._progress()
 
-    def _node_pos_of(self, ref: SampleRef) -> int:
-        return ref.epoch * self.sizes[ref.node] + ref.position // len(self.nodes)
+    def _check_publish(self, ref: SampleRef) -> int:
+        """The node stream position of ``ref``, or :class:`PublishError` (fatal) if it cannot be placed."""
+        n = len(self.nodes)
+        why = None
+        if ref.node not in self.sizes:
+            why = f"unknown node {ref.node!r} (SourceConfig.nodes has {self.nodes})"
+        elif ref.schema_key != self.cfg.key.schema_key():
+            why = f"schema_key {ref.schema_key!r} is not this source's {self.cfg.key.schema_key()!r}"
+        elif ref.position % n != self.nodes.index(ref.node) or not 0 <= ref.position < self.cfg.dataset_size:
+            why = (f"epoch position {ref.position} is not on node {ref.node!r} (position p lives on "
+                   f"nodes[p % {n}])")
+        elif not 0 <= ref.epoch < self.cfg.num_epochs:
+            why = f"epoch {ref.epoch} outside [0, num_epochs={self.cfg.num_epochs})"
+        elif ref.nbytes > self.cfg.max_sample_bytes:
+            why = (f"object of {ref.nbytes} bytes exceeds SourceConfig.max_sample_bytes={self.cfg.max_sample_bytes} "
+                   "(admission reserved that much; raise max_sample_bytes, e.g. with features.max_object_bytes)")
+        else:
+            s = ref.epoch * self.sizes[ref.node] + ref.position // n
+            admitted = self._generations.get((ref.node, s), 0)
+            e = self._entries.get((ref.node, s))
+            if ref.generation > admitted:
+                why = f"generation {ref.generation} of node {ref.node!r} position {s} was never admitted"
+            elif e is not None and e.generation == ref.generation and e.sid != ref.sample_id:
+                why = (f"node {ref.node!r} position {s} holds {e.sid}, not {ref.sample_id} "
+                       "(the producer follows another order: seed or epoch_order)")
+            elif e is not None and e.generation == ref.generation and e.ref is not None and e.ref != ref:
+                why = f"{ref.sample_id} generation {ref.generation} was already published as another object"
+            else:
+                return s
+        self.store.release(ref)
+        err = PublishError(f"publish of {ref.sample_id} (generation {ref.generation}) refused: {why}; "
+                           "the source stops: its order and memory caps no longer hold")
+        self._fail(err)
+        raise err
+
+    def _fail(self, err: BaseException) -> None:
+        """Make ``err`` fatal: every waiting and later call raises it."""
+        if self._fatal is None:
+            self._fatal = err
+        self.errors.append(err)
+        self._cv.notify_all()
 
     # ---------------------------------------------------------------- reader side
     def heartbeat(self, *, lease: str) -> None:
@@ -358,7 +435,7 @@ class SharedTeacherSource(_Dispatch, _Lifecycle):
             if left <= 0:
                 if what is None:
                     return
-                raise TimeoutError(f"{what}: timed out after {timeout:.1f}s")
+                raise WaitTimeoutError(f"{what}: timed out after {timeout:.1f}s")
             self._cv.wait(min(left, 0.2))
 
     def _progress(self) -> None:

@@ -10,8 +10,12 @@ a node-local buffer and returns its ref, ``get`` is a remote read into a local b
 Backends here, both one object per file ``<root>/<node>/<sample_id>.g<generation>``:
 
 * :class:`ShmStore` — POSIX shared memory (``/dev/shm``): no disk I/O, visible to every
-  process of the host; ``put`` writes a temp object and renames it (atomic, no fsync).
-* :class:`FileStore` — a local folder; ``put`` writes temp + fsync + rename (+ fsync of the folder).
+  process of the host.
+* :class:`FileStore` — a local folder.
+
+Both ``put`` through :func:`mcore_distill.atomic.atomic_write` (temp sibling + fsync + rename +
+fsync of the folder; fsync is a no-op on tmpfs), so an object is visible complete or not at all,
+and a killed writer leaves only a ``.<name>.tmp-<token>`` file that ``abort``/``gc`` remove.
 
 Object layout: ``b"STSOBJ01"``, u64 header length, JSON header (name, dtype, shape, offset),
 payload aligned to 64 bytes.
@@ -29,6 +33,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from mcore_distill.atomic import atomic_write
 from shared_teacher.errors import StaleRefError, StoreError
 from shared_teacher.refs import SampleRef
 
@@ -63,16 +68,21 @@ def decode_object(buf: bytearray | bytes, *, where: str = "object") -> dict[str,
     """Tensors of an encoded object; the tensors share memory with ``buf`` (a private copy)."""
     if bytes(buf[:8]) != _MAGIC:
         raise StoreError(f"{where}: bad magic {bytes(buf[:8])!r}, not a shared_teacher object")
+    if len(buf) < 16:
+        raise StoreError(f"{where}: truncated header ({len(buf)} bytes)")
     (hlen,) = struct.unpack("<Q", bytes(buf[8:16]))
-    header = json.loads(bytes(buf[16:16 + hlen]))
     base = _payload_start(hlen)
     raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
     out = {}
-    for e in header["tensors"]:
-        start = base + e["offset"]
-        if start + e["nbytes"] > len(buf):
-            raise StoreError(f"{where}: truncated tensor {e['name']!r} ({start + e['nbytes']} > {len(buf)} bytes)")
-        out[e["name"]] = raw[start:start + e["nbytes"]].view(_DTYPES[e["dtype"]]).reshape(e["shape"])
+    try:
+        header = json.loads(bytes(buf[16:16 + hlen]))
+        for e in header["tensors"]:
+            start = base + e["offset"]
+            if start + e["nbytes"] > len(buf):
+                raise StoreError(f"{where}: truncated tensor {e['name']!r} ({start + e['nbytes']} > {len(buf)} bytes)")
+            out[e["name"]] = raw[start:start + e["nbytes"]].view(_DTYPES[e["dtype"]]).reshape(e["shape"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:  # a garbled header (JSON, fields, sizes)
+        raise StoreError(f"{where}: corrupt object header: {type(err).__name__}: {err}") from None
     return out
 
 
@@ -99,10 +109,9 @@ class FeatureStore(Protocol):
 
 
 class _DirStore:
-    """One file per object under ``root/<node>/``; subclasses choose durability."""
+    """One file per object under ``root/<node>/``."""
 
     kind = "dir"
-    durable = False
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
@@ -115,8 +124,7 @@ class _DirStore:
         header, views = encode_object(tensors)
         final = self._path(node, sample_id, generation)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-        with open(tmp, "wb") as f:
+        with atomic_write(final, "wb") as f:  # temp sibling + fsync + rename + fsync of the folder
             f.write(header)
             f.write(b"\0" * (_payload_start(len(header) - 16) - len(header)))
             for v in views:
@@ -124,17 +132,7 @@ class _DirStore:
                 pad = (-len(v)) % _ALIGN
                 if pad:
                     f.write(b"\0" * pad)
-            if self.durable:
-                f.flush()
-                os.fsync(f.fileno())
             nbytes = f.tell()
-        os.replace(tmp, final)
-        if self.durable:
-            fd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
         return SampleRef(sample_id=sample_id, generation=generation, node=node, nbytes=nbytes,
                          num_tokens=num_tokens, schema_key=schema_key, epoch=epoch, position=position)
 
@@ -161,7 +159,7 @@ class _DirStore:
 
     def abort(self, *, sample_id: str, generation: int, node: str) -> None:
         final = self._path(node, sample_id, generation)
-        for p in [final, *final.parent.glob(f".{final.name}.*.tmp")] if final.parent.exists() else []:
+        for p in [final, *final.parent.glob(f".{final.name}.tmp-*")] if final.parent.exists() else []:
             try:
                 p.unlink()
             except FileNotFoundError:
@@ -211,10 +209,9 @@ class _DirStore:
 
 
 class ShmStore(_DirStore):
-    """Objects in POSIX shared memory on this host (``/dev/shm/<name>``); no fsync."""
+    """Objects in POSIX shared memory on this host (``/dev/shm/<name>``)."""
 
     kind = "shm"
-    durable = False
 
     def __init__(self, name: str | None = None, *, root: str | None = None) -> None:
         if root is None:
@@ -229,7 +226,6 @@ class FileStore(_DirStore):
     """Objects in a local folder, each written temp + fsync + rename (survives a crash of the writer)."""
 
     kind = "file"
-    durable = True
 
 
 def open_store(spec: dict) -> FeatureStore:

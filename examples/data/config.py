@@ -5,17 +5,24 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
+from mcore_distill.errors import ConfigError, ConfigTypeError, McoreDistillError
+from mcore_distill.validate import validate_fields
+
 __all__ = ["MathDataConfig", "MathDataError", "MathDataConfigError", "MathDataRecordError"]
 
 FORMATS = ("gsm8k", "dapo_math")
 
 
-class MathDataError(ValueError):
+class MathDataError(McoreDistillError, ValueError):
     """Base class of every error raised by ``examples.data``."""
 
 
-class MathDataConfigError(MathDataError):
+class MathDataConfigError(MathDataError, ConfigError):
     """A :class:`MathDataConfig` field holds an invalid value."""
+
+
+class _MathDataConfigTypeError(MathDataConfigError, ConfigTypeError):
+    """A config field holds a value of the wrong type."""
 
 
 class MathDataRecordError(MathDataError):
@@ -83,6 +90,7 @@ class MathDataConfig:
     """Keep only the first ``max_records`` records (``None``: all)."""
 
     def __post_init__(self) -> None:
+        validate_fields(self, error=MathDataConfigError, type_error=_MathDataConfigTypeError)
         if not isinstance(self.path, str) or not self.path:
             raise MathDataConfigError(f"MathDataConfig.path must be a non-empty string, got {self.path!r}")
         if self.format not in FORMATS:

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mcore_distill.errors import ConfigError, ConfigTypeError
+from mcore_distill.validate import validate_fields
 
-class DemoConfigError(ValueError):
+
+class DemoConfigError(ConfigError):
     """A demo config field holds an invalid value (the message names the field and the value)."""
+
+
+class DemoConfigTypeError(DemoConfigError, ConfigTypeError):
+    """A config field holds a value of the wrong type (the message names the field and the value)."""
+
+
+def _fields(obj: object) -> None:
+    validate_fields(obj, error=DemoConfigError, type_error=DemoConfigTypeError)
 
 
 def _check(ok: bool, name: str, value, why: str) -> None:
@@ -28,6 +39,9 @@ class ModelConfig:
     """Key/value heads (GQA)."""
     ffn_hidden_size: int = 256
     """SwiGLU intermediate size."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
 
     def validate(self, name: str) -> None:
         for f in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
@@ -57,6 +71,9 @@ class TeacherTrainConfig:
     distill_prompts: int = 2048
     """Prompts per domain whose greedy teacher answers form the warm-start (sequence-level KD) set."""
 
+    def __post_init__(self) -> None:
+        _fields(self)
+
 
 @dataclass(kw_only=True)
 class WarmStartConfig:
@@ -70,6 +87,9 @@ class WarmStartConfig:
     """Learning rate (constant)."""
     mix: dict[str, float] = field(default_factory=lambda: {"reverse": 0.7, "shift": 0.3})
     """Share of each domain in a warm-start batch (normalized; every domain must be listed)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
 
 
 @dataclass(kw_only=True)
@@ -96,6 +116,9 @@ class MOPDStageConfig:
     """harts attention backend: ``dense`` on CPU; ``flex`` or ``varlen`` on CUDA."""
     eval_every: int = 25
     """Held-out evaluation period in steps (and at the last step)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
 
 
 @dataclass(kw_only=True)
@@ -126,6 +149,9 @@ class DemoConfig:
     """Reuse trained teachers from the cache when the config hash matches."""
     progress: bool = True
     """Show tqdm progress bars (rank 0)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
 
     def validate(self) -> None:
         _check(2 <= self.length <= 16, "length", self.length, "must be in [2, 16]")

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mcore_distill.errors import ConfigError, ConfigTypeError
+from mcore_distill.validate import validate_fields
+
 __all__ = ["ArchConfig", "WorkloadConfig", "RunConfig", "TrainConfig", "TrainConfigError", "to_train_config"]
 
 _DTYPES = ("float32", "bfloat16", "float64")
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(ConfigError):
     """A field of the runner config holds an invalid value (the message names field and value)."""
+
+
+class TrainConfigTypeError(TrainConfigError, ConfigTypeError):
+    """A config field holds a value of the wrong type (the message names the field and the value)."""
+
+
+def _fields(obj: object) -> None:
+    validate_fields(obj, error=TrainConfigError, type_error=TrainConfigTypeError)
 
 
 def _check(ok: bool, name: str, value, why: str) -> None:
@@ -71,8 +82,21 @@ class ArchConfig:
     """Parameter dtype: ``bfloat16`` (GPU; Float16Module wrapper), ``float32`` or ``float64``."""
     recompute: bool = False
     """Full activation recomputation of every layer."""
+    hf_path: str | None = None
+    """Start the student from this HF folder (``config.json`` + safetensors, e.g. written by
+    ``mcore_distill.hf.save_hf_checkpoint``) with ``mcore_distill.hf.megatron_model_from_hf``; the
+    shape fields above are then read from its ``config.json`` (``params_dtype`` and ``recompute``
+    still apply)."""
+    teacher_hf_path: str | None = None
+    """The teacher's HF folder (same architecture as ``hf_path``); null: the teacher loads
+    ``hf_path`` too (both start equal), or is randomly initialised when ``hf_path`` is null."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
 
     def validate(self, name: str = "model") -> None:
+        _check(self.teacher_hf_path is None or self.hf_path is not None, f"{name}.teacher_hf_path",
+               self.teacher_hf_path, f"needs {name}.hf_path (the student's folder) as well")
         for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                   "ffn_hidden_size", "max_sequence_length", "moe_router_topk"):
             _check(getattr(self, f) >= 1, f"{name}.{f}", getattr(self, f), "must be >= 1")
@@ -120,6 +144,9 @@ class WorkloadConfig:
     agent_p_error: float = 0.2
     """``agent``: probability that the scripted policy takes a wrong action at a step."""
 
+    def __post_init__(self) -> None:
+        _fields(self)
+
     def validate(self, name: str = "workload") -> None:
         _check(self.kind in ("grpo", "agent"), f"{name}.kind", self.kind, "one of grpo|agent")
         _check(0.0 <= self.agent_p_error <= 1.0, f"{name}.agent_p_error", self.agent_p_error, "must be in [0, 1]")
@@ -158,6 +185,9 @@ class RunConfig:
     memory_margin: float = 0.9
     """Refuse to start when the estimated resident bytes exceed this share of free device memory."""
 
+    def __post_init__(self) -> None:
+        _fields(self)
+
     def validate(self, name: str = "run") -> None:
         _check(self.steps >= 1, f"{name}.steps", self.steps, "must be >= 1")
         _check(self.lr > 0, f"{name}.lr", self.lr, "must be > 0")
@@ -184,6 +214,9 @@ class TrainConfig:
     """Steps and execution."""
     out_json: str | None = None
     """Write the results as JSON here (null: print only)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
 
     def validate(self) -> None:
         self.model.validate("model")

@@ -16,13 +16,15 @@ Sampling is the rollout engine's job (``colocate``), not timed here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
-from examples.train.config import ArchConfig, TrainConfig
+from examples.train.config import ArchConfig, TrainConfig, TrainConfigError
 
-__all__ = ["build_model", "check_fits", "estimate_bytes", "make_rollouts", "response_mask", "run", "DeviceMemoryError"]
+__all__ = ["arch_from_hf", "build_model", "check_fits", "estimate_bytes", "make_rollouts", "response_mask", "run", "DeviceMemoryError"]
 
 
 class DeviceMemoryError(MemoryError):
@@ -94,9 +96,45 @@ def estimate_bytes(arch: ArchConfig, *, residency: str) -> int:
     return n * (2 * w + 4 + (12 if residency == "gpu" else 0))
 
 
-def build_model(arch: ArchConfig, *, seed: int, device: torch.device):
+def arch_from_hf(arch: ArchConfig) -> ArchConfig:
+    """``arch`` with its shape fields read from ``arch.hf_path``'s ``config.json``
+    (:func:`mcore_distill.hf.hf_arch`)."""
+    from mcore_distill.hf import hf_arch
+
+    a = hf_arch(arch.hf_path)
+    if a.is_hybrid and a.num_experts:
+        raise TrainConfigError(f"model.hf_path={arch.hf_path!r}: MoE hybrids (Qwen3-Next with experts) are not "
+                               "supported by this runner")
+    pattern = None if a.layer_types is None else "".join("A" if t == "full_attention" else "G" for t in a.layer_types)
+    gdn = {} if pattern is None else dict(
+        linear_conv_kernel_dim=a.linear_conv_kernel_dim, linear_key_head_dim=a.linear_key_head_dim,
+        linear_value_head_dim=a.linear_value_head_dim, linear_num_key_heads=a.linear_num_key_heads,
+        linear_num_value_heads=a.linear_num_value_heads)
+    return dataclasses.replace(
+        arch, name=Path(arch.hf_path).name, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+        num_layers=a.num_layers, num_attention_heads=a.num_attention_heads, num_query_groups=a.num_query_groups,
+        kv_channels=a.head_dim, ffn_hidden_size=a.ffn_hidden_size, rotary_base=int(a.rope_theta),
+        tie_embeddings=a.tie_embeddings, max_sequence_length=a.max_position_embeddings,
+        num_moe_experts=a.num_experts, moe_router_topk=a.num_experts_per_tok if a.num_experts else arch.moe_router_topk,
+        moe_ffn_hidden_size=a.moe_ffn_hidden_size, layer_pattern=pattern, **gdn)
+
+
+def _from_hf(arch: ArchConfig, path: str, device: torch.device):
+    """``mcore_distill.hf.megatron_model_from_hf`` in ``arch.params_dtype``; no vocabulary padding
+    (TP = 1), so the log-probs are over exactly the HF vocabulary."""
+    from mcore_distill.hf import megatron_model_from_hf
+
+    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if arch.recompute else {}
+    (model,) = megatron_model_from_hf(path, params_dtype=_dtype(arch.params_dtype), make_vocab_size_divisible_by=1,
+                                      use_cpu_initialization=device.type != "cuda", **extra)
+    return model
+
+
+def build_model(arch: ArchConfig, *, seed: int, device: torch.device, hf_path: str | None = None):
     """A Megatron ``GPTModel`` for ``arch`` on ``device`` with harts applied (tree attention, RoPE by
-    depth; hybrid stacks get ``TreeGatedDeltaNet`` mixers). Model-parallel state must exist."""
+    depth; hybrid stacks get ``TreeGatedDeltaNet`` mixers): random init, or the weights of the HF
+    folder ``hf_path``. Model-parallel state must exist."""
     from megatron.core.models.gpt import GPTModel
 
     from harts.megatron import apply_harts
@@ -104,7 +142,9 @@ def build_model(arch: ArchConfig, *, seed: int, device: torch.device):
 
     seed_all(seed)
     cfg = tiny_config(arch, on_cuda=device.type == "cuda")
-    if arch.layer_pattern is not None:
+    if hf_path is not None:
+        model = _from_hf(arch, hf_path, device)
+    elif arch.layer_pattern is not None:
         from harts.gdn_megatron import hybrid_block_spec
 
         model = GPTModel(config=transformer_config(cfg), transformer_layer_spec=hybrid_block_spec(arch.layer_pattern),
@@ -174,6 +214,9 @@ def run(cfg: TrainConfig) -> dict:
     from optim_staged.megatron import get_staged_optimizer
 
     cfg.validate()
+    if cfg.model.hf_path is not None:
+        cfg = dataclasses.replace(cfg, model=arch_from_hf(cfg.model))
+        cfg.validate()
     r = cfg.run
     cuda = r.device == "cuda" or (r.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -183,8 +226,9 @@ def run(cfg: TrainConfig) -> dict:
         check_fits(cfg, need=need, free=free, total=total)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    student = build_model(cfg.model, seed=r.seed, device=device)
-    teacher = build_model(cfg.model, seed=r.seed + 1, device=device).eval()
+    student = build_model(cfg.model, seed=r.seed, device=device, hf_path=cfg.model.hf_path)
+    teacher = build_model(cfg.model, seed=r.seed + 1, device=device,
+                          hf_path=cfg.model.teacher_hf_path or cfg.model.hf_path).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
     bf16 = cfg.model.params_dtype == "bfloat16"

@@ -36,7 +36,9 @@ class Outer:
     maybe: float | None = None
     inner: Inner = field(default_factory=Inner)
     ids: list[int] = field(default_factory=list)
+    pair: tuple[float, float] = (0.9, 0.99)
     table: dict[str, float] = field(default_factory=dict)
+    limit: float = field(default=1.0, metadata={"allow_inf": True})
 
     def __post_init__(self):
         validate_fields(self, type_error=ConfigTypeError, allow_inf=("cap",))
@@ -46,6 +48,7 @@ def test_valid_and_enum_from_string():
     o = Outer(color="blue", maybe=2, ids=[1, 2], table={"a": 1.0})
     assert o.color is Color.BLUE
     assert Outer(color="RED").color is Color.RED
+    assert Outer(pair=[0.5, 0.6]).pair == (0.5, 0.6)  # OmegaConf hands tuples over as lists
 
 
 @pytest.mark.parametrize("kw, cls, needle", [
@@ -63,6 +66,8 @@ def test_valid_and_enum_from_string():
     ({"ids": (1, 2)}, ConfigTypeError, "Outer.ids"),
     ({"table": {"a": math.nan}}, ConfigError, "Outer.table"),
     ({"table": [1.0]}, ConfigTypeError, "Outer.table"),
+    ({"pair": (0.5,)}, ConfigTypeError, "Outer.pair"),
+    ({"pair": (0.5, math.nan)}, ConfigError, "Outer.pair"),
 ], ids=lambda v: str(v))
 def test_bad_fields_raise_typed_errors_naming_the_field(kw, cls, needle):
     with pytest.raises(cls, match=needle):
@@ -71,6 +76,9 @@ def test_bad_fields_raise_typed_errors_naming_the_field(kw, cls, needle):
 
 def test_allow_inf_and_nested():
     assert Outer(cap=-math.inf).cap == -math.inf
+    assert Outer(limit=math.inf).limit == math.inf
+    with pytest.raises(ConfigError, match="Outer.limit"):
+        Outer(limit=math.nan)
     with pytest.raises(ConfigTypeError, match="Inner.k"):
         Inner(k="1")
 

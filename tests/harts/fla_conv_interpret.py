@@ -1,6 +1,7 @@
 """Runs FLA's Triton ``causal_conv1d`` kernels under Triton's CPU interpreter to check
 :func:`harts.gdn.tree_causal_conv1d_fla` (trie context passed as the per-segment initial state)
-against the torch tree convolution. Started by ``tests/harts/test_gdn.py`` in a subprocess with
+against the torch tree convolution, with FLA's own chunk-index preparation disabled (the plan
+supplies the indices). Started by ``tests/harts/test_gdn.py`` in a subprocess with
 ``TRITON_INTERPRET=1`` (set before Triton is imported); prints one JSON line of max errors.
 
 The interpreter cannot benchmark, so FLA's autotuned kernels get a constant timing (Triton 3.6's
@@ -22,7 +23,15 @@ from harts.forest import build_forest  # noqa: E402
 from harts.gdn import build_gdn_plan, tree_causal_conv1d, tree_causal_conv1d_fla  # noqa: E402
 
 
+def _no_index_rebuild(*args, **kwargs):
+    raise AssertionError("FLA rebuilt the chunk indices (on CUDA: a host computation and a synchronizing copy); "
+                         "the plan's conv_chunk_indices should have been used")
+
+
 def main(cases: dict[str, list[list[int]]]) -> dict[str, float]:
+    import fla.modules.causal_conv1d.ops as conv_ops
+
+    conv_ops.prepare_chunk_indices = _no_index_rebuild  # the tree conv hands FLA the plan's indices
     err: dict[str, float] = {}
     for name, seqs in cases.items():
         f = build_forest(seqs).padded(8)

@@ -181,3 +181,61 @@ def test_teacher_zero_probability_is_allowed():
 def test_divergence_config_validation(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         DivergenceConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kind,beta", [("reverse_kl", 0.5), ("jsd", 1.0), ("jsd", 0.3), ("forward_kl", 0.5)],
+                         ids=["reverse_kl", "jsd-beta1", "jsd-beta0.3", "forward_kl"])
+def test_teacher_minus_inf_gives_finite_loss_and_grad_against_fp64_reference(kind, beta):
+    """Teacher probability 0 (log-prob −inf, allowed): reverse KL and JSD(β=1) would be +inf with
+    NaN gradients; they are computed against the teacher floored at 2^−126 (fp64 reference built in
+    probability space), the others stay exact. Loss and gradient finite, equal to 1e-12."""
+    z, t, _, _, mask = _data(N=9, V=13, seed=11)
+    t = t.clone()
+    t[:, 0] = -math.inf  # a token the teacher never emits, in every row
+    t[2, 5:9] = -math.inf
+    t[3, 1] = -200.0  # finite but below the floor: floored the same way
+    t = torch.log_softmax(t, -1)
+    cfg = DivergenceConfig(kind=kind, beta=beta, chunk_rows=4)
+    loss, _ = div.full_vocab_divergence(z, t, mask, config=cfg)
+    g = _grad(loss, z)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    z2 = z.detach().clone().requires_grad_(True)
+    expect = ref.divergence_reference(z2, t, mask, kind=kind, beta=beta, temperature=1.0)
+    assert_close("loss", expect.detach(), loss.detach(), atol=1e-12, rtol=1e-12)
+    assert_close("grad", _grad(expect, z2), g, atol=1e-12, rtol=1e-12)
+    if kind == "reverse_kl":  # the floor is exactly "−inf reads as log 2^−126"
+        floored = t.clamp(min=-126 * math.log(2.0))
+        same, _ = div.full_vocab_divergence(z, floored, mask, config=cfg)
+        assert_close("floored", same.detach(), loss.detach(), atol=1e-12, rtol=1e-12)
+        assert loss.item() > div.full_vocab_divergence(z, torch.log_softmax(t.clamp(min=-30.0), -1), mask,
+                                                      config=cfg)[0].item()  # impossible tokens cost more
+
+
+@pytest.mark.parametrize("kind,beta", [("reverse_kl", 0.5), ("jsd", 1.0)])
+def test_topk_bucket_with_teacher_mass_one_is_finite(kind, beta):
+    """Teacher top-k mass rounded to 1 gives a tail of probability 0 (−inf): floored like any other."""
+    z, _, ids, _, mask = _data(N=7, V=10, k=3, seed=12)
+    t_k = torch.log_softmax(torch.randn(7, 3, dtype=D, generator=torch.Generator().manual_seed(3)), -1)
+    cfg = DivergenceConfig(kind=kind, beta=beta, top_k_tail="bucket")
+    loss, _ = div.topk_divergence(z, ids, t_k, mask, config=cfg)
+    g = _grad(loss, z)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    z2 = z.detach().clone().requires_grad_(True)
+    expect = ref.topk_divergence_reference(z2, ids, t_k, mask, kind=kind, beta=beta, temperature=1.0, tail="bucket")
+    assert_close("loss", expect.detach(), loss.detach(), atol=1e-12, rtol=1e-12)
+    assert_close("grad", _grad(expect, z2), g, atol=1e-12, rtol=1e-12)
+
+
+def test_teacher_row_without_mass_is_a_typed_error():
+    z, t, ids, t_k, mask = _data(seed=13)
+    r = int(mask.nonzero()[0, 0])
+    t = t.clone()
+    t[r] = -math.inf
+    with pytest.raises(NonFiniteInputError, match=f"teacher_logp row {r} is active but every entry is -inf"):
+        div.full_vocab_divergence(z, t, mask, config=DivergenceConfig(kind="forward_kl"))
+    t_k = t_k.clone()
+    t_k[r] = -math.inf
+    with pytest.raises(NonFiniteInputError, match="no probability mass"):
+        div.topk_divergence(z, ids, t_k, mask, config=DivergenceConfig(top_k_tail="renorm"))
+    loss, _ = div.topk_divergence(z, ids, t_k, mask, config=DivergenceConfig(kind="forward_kl", top_k_tail="bucket"))
+    assert torch.isfinite(loss)  # bucket: the tail holds all the mass

@@ -147,3 +147,31 @@ def test_score_routed_scores_each_sample_by_exactly_its_teachers():
     pool.close()
     pool.close()  # idempotent
     assert set(pool.states().values()) == {TeacherState.CLOSED}
+
+
+@pytest.mark.parametrize("value", [math.nan, -math.inf], ids=["nan", "-inf"])
+def test_in_process_teacher_nonfinite_score_is_a_sample_error_not_a_broken_teacher(value):
+    """An in-process teacher's NaN/−inf at an active token: score_routed raises NonFiniteInputError
+    naming teacher, sample and position; the lease ends, the teacher stays RESIDENT and scores the
+    next batch."""
+    model = tiny_qwen3(5)
+    poison = {"on": True}
+
+    class Poisoned(TransformersTeacher):
+        def score(self, batch):
+            out = super().score(batch)
+            if poison["on"]:
+                out[0, 3] = value  # row 0 has full length: an active label
+            return out
+
+    pool = TeacherPool({"m": Poisoned("m", lambda: model)}, config=TeacherPoolConfig(wait_timeout_s=2.0))
+    batch = token_batch(3, 8, seed=2)
+    spec = RoutingSpec(routes={"math": {"m": 1.0}})
+    with pytest.raises(NonFiniteInputError, match=f"teacher 'm' returned non-finite log-prob {value!r} for batch "
+                                                  "sample 0 at position 3"):
+        score_routed(pool, batch, ["math"] * 3, spec)
+    assert pool.state("m") is TeacherState.RESIDENT
+    poison["on"] = False
+    targets, _ = score_routed(pool, batch, ["math"] * 3, spec)  # the lease was ended: no timeout
+    assert torch.isfinite(targets.logp_sum).all()
+    pool.close()

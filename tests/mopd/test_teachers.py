@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -197,3 +199,78 @@ def test_consumer_exception_ends_lease_without_breaking():
     assert pool.state("a") is S.RESIDENT
     _use(pool, "a")
     pool.close()
+
+
+class _Failing:
+    """A back-end whose ``score`` builds a large tensor and then fails (a device error mid-forward)."""
+
+    teacher_id = "f"
+
+    def __init__(self):
+        self.made, self.scores, self.closed = None, 0, False
+
+    def prefetch(self):
+        return None
+
+    load = offload = onload = prefetch
+
+    def score(self, batch):
+        self.scores += 1
+        activations = torch.ones(64, 1024)
+        self.made = weakref.ref(activations)
+        raise RuntimeError("injected device error")
+
+    def close(self):
+        self.closed = True
+
+
+def test_broken_teacher_record_keeps_no_frame_or_tensor_alive():
+    """The pool keeps the cause of a failure, not its traceback: the failed call's frames (and
+    the tensors in them) are freed once the caller drops the exception."""
+    backend = _Failing()
+    pool = TeacherPool({"f": backend}, config=TeacherPoolConfig())
+    gc.disable()  # frames must be freed by reference counting, not by a later cycle collection
+    try:
+        lease = pool.acquire("f")
+        with pytest.raises(RuntimeError, match="injected device error") as info:
+            lease.score(token_batch(2, 5))
+        del info
+        assert backend.made() is None, "the failed forward's tensor is still referenced"
+        with pytest.raises(TeacherBrokenError, match="BROKEN after: RuntimeError: injected device error") as info:
+            pool.acquire("f")
+        assert isinstance(info.value.__cause__, RuntimeError) and info.value.__cause__.__traceback__ is None
+    finally:
+        gc.enable()
+    pool.close()
+
+
+def test_lease_of_a_broken_teacher_never_calls_it_again():
+    backend = _Failing()
+    pool = TeacherPool({"f": backend}, config=TeacherPoolConfig())
+    lease = pool.acquire("f")
+    with pytest.raises(RuntimeError):
+        lease.score(token_batch(2, 5))
+    with pytest.raises(TeacherBrokenError, match="'f' is BROKEN"):
+        lease.score(token_batch(2, 5))
+    assert backend.scores == 1 and backend.closed
+    pool.close()
+
+
+def test_close_does_not_wait_forever_for_a_stuck_prefetch():
+    release = threading.Event()
+
+    class Stuck(Counting):
+        def prefetch(self):
+            release.wait(30)  # a hung disk read; released at the end of the test
+
+    a, stuck = Counting("a"), Stuck("stuck")
+    pool, _ = _pool(a, stuck, wait_timeout_s=0.3)
+    try:
+        _use(pool, "a", prefetch_next="stuck")
+        t0 = time.monotonic()
+        pool.close()
+        assert time.monotonic() - t0 < 5.0  # bounded by wait_timeout_s, not by the prefetch
+        assert pool.states() == {"a": S.CLOSED, "stuck": S.CLOSED}
+        assert "still running after pool.wait_timeout_s=0.3s" in str(pool._errors["stuck"])
+    finally:
+        release.set()

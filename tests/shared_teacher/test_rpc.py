@@ -39,7 +39,7 @@ def test_rpc_per_node_producers_and_readers(tcp):
     students = [StudentSpec(name="x", ranks_per_node={"n0": 1, "n1": 1}, micro_batch_size=2),
                 StudentSpec(name="y", ranks_per_node={"n0": 1, "n1": 1}, micro_batch_size=1, accumulation_steps=2)]
     cfg = SourceConfig(key=KEY, nodes=nodes, students=students, dataset_size=len(DATA), max_sample_bytes=1024,
-                       max_seq_len=16, lease_timeout_s=30, watchdog_s=30)
+                       max_seq_len=16, lease_timeout_s=30, watchdog_s=60)
     store = ShmStore()
     src = SharedTeacherSource(cfg, store)
     server = SourceServer(src, address=("127.0.0.1", 0) if tcp else None)

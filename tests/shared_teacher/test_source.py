@@ -42,10 +42,9 @@ def _config(students, *, epochs=2, nodes=("n0", "n1"), high=8, low=7, **kw):
     # Uneven splits and a packed student on two nodes with tight caps: preflight cannot prove progress
     # (the cross-node skew bound needs about an epoch in flight); these tests exercise delivery, with
     # the watchdog as the guard.
-    kw.setdefault("allow_unproven_layout", True)
+    kw = {"allow_unproven_layout": True, "lease_timeout_s": 60, "teardown_timeout_s": 0.5, "watchdog_s": 120, **kw}
     return SourceConfig(key=KEY, nodes=limits, students=students, dataset_size=N, num_epochs=epochs,
-                        max_sample_bytes=600, max_seq_len=16, min_seq_len=2, lease_timeout_s=60,
-                        teardown_timeout_s=0.5, watchdog_s=60, **kw)
+                        max_sample_bytes=600, max_seq_len=16, min_seq_len=2, **kw)
 
 
 STUDENTS = [
@@ -70,7 +69,8 @@ def _close_harnesses():
 class Harness:
     """Drives one source with a fake-free producer (real store puts) and per-rank reader state."""
 
-    def __init__(self, cfg, *, resume=None, seed=0):
+    def __init__(self, cfg, *, resume=None, seed=0, absent=(), before=None):
+        """``absent``: students the harness does not subscribe; ``before(src)`` runs before it subscribes."""
         self.cfg, self.store = cfg, ShmStore()
         self.src = SharedTeacherSource(cfg, self.store, monitor=False)
         _OPEN.append(self)
@@ -79,12 +79,17 @@ class Harness:
         self.produced = 0
         gone = subprocess.Popen(["true"])
         gone.wait()  # an exited, reaped pid: readers of these harness students "live" in this process
+        self.gone_pid = gone.pid
+        if before is not None:
+            before(self.src)
         for s in cfg.students:
+            if s.name in absent:
+                continue
             for r in range(s.world_size):
                 info = self.src.subscribe(student=s.name, rank=r, pid=gone.pid, key=asdict(KEY),
                                           resume=(resume or {}).get(s.name))
                 self.leases[(s.name, r)] = info["lease"]
-        self.plan = self.src.plan(timeout=1)
+        self.plan = self.src.plan(key=asdict(KEY), timeout=1)
 
     def produce(self, node):
         src = self.src
@@ -330,7 +335,7 @@ def test_dead_producer_requeue_bumps_generation_and_drops_stale_publish():
     first = src.admit(node="n0", lengths=[LENS[src.locate("n0", s)[1]] for s in range(3)], timeout=0)
     assert [d["generation"] for d in first] == [1, 1, 1]
     old = [store.put({"x": torch.ones(2)}, sample_id=d["sample_id"], generation=1, node="n0", num_tokens=2,
-                     schema_key="k", epoch=0, position=2 * d["s"]) for d in first]
+                     schema_key=h.plan["schema_key"], epoch=0, position=2 * d["s"]) for d in first]
     src.publish(refs=[asdict(old[0])])  # the producer published one object, then died
     assert src.stats()["nodes"]["n0"]["in_flight_samples"] == 3
     assert src.requeue_unpublished(node="n0") == 2
@@ -350,7 +355,7 @@ def test_starving_student_reopens_a_latched_node():
     spec = StudentSpec(name="u", ranks_per_node={"n0": 2}, micro_batch_size=2)
     cfg = SourceConfig(key=KEY, nodes={"n0": NodeLimits(high_samples=10, low_samples=0)}, students=[spec],
                        dataset_size=N, num_epochs=1, max_sample_bytes=600, max_seq_len=16, min_seq_len=2,
-                       lease_timeout_s=60, teardown_timeout_s=0.5, watchdog_s=60)
+                       lease_timeout_s=60, teardown_timeout_s=0.5, watchdog_s=120)
     h = Harness(cfg, seed=3)
     h.run()
     assert h.src._gates["n0"].starvation_releases > 0

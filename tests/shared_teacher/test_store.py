@@ -62,7 +62,10 @@ def test_stale_generation_release_abort_gc(store):
         store.get(ref2)
     keep = _put(store, {"x": torch.ones(1)}, sid="e0-i5", gen=1)
     _put(store, {"x": torch.ones(1)}, sid="e0-i6", gen=1, node="n1")
-    (store.root / "n1" / ".e0-i7.g1.dead.tmp").write_bytes(b"partial")
+    (store.root / "n1" / ".e0-i7.g1.tmp-1-host-999999").write_bytes(b"partial")  # a killed writer's temp
+    (store.root / "n0" / ".e0-i8.g1.tmp-1-host-999999").write_bytes(b"partial")
+    store.abort(sample_id="e0-i8", generation=1, node="n0")  # abort removes the temps of that put
+    assert not (store.root / "n0" / ".e0-i8.g1.tmp-1-host-999999").exists()
     assert store.gc({(keep.sample_id, keep.generation)}) == 2
     assert store.objects() == [("n0", "e0-i5", 1)]
     assert store.pool_bytes("n0") == keep.nbytes and store.pool_bytes("n1") == 0
@@ -75,6 +78,13 @@ def test_reopen_from_spec_and_corruption(store):
     store._path("n0", "e0-i3", 1).write_bytes(b"garbage!" + bytes(64))
     with pytest.raises(StoreError, match="bad magic"):
         store.get(ref)
+    good = (store.root / "n0" / "e0-i3.g1")
+    for garbled in (b"STSOBJ01" + (5).to_bytes(8, "little") + b"{nope" + bytes(64),  # header not JSON
+                    b"STSOBJ01" + (2).to_bytes(8, "little") + b"{}" + bytes(64),  # no "tensors"
+                    b"STSOBJ01\x01"):  # cut inside the header length
+        good.write_bytes(garbled)
+        with pytest.raises(StoreError, match="corrupt object header|truncated header"):
+            store.get(ref)
     with pytest.raises(StoreError, match="unknown store kind 'rdma'"):
         open_store({"kind": "rdma"})
     with pytest.raises(StoreError, match="not storable"):
