@@ -152,11 +152,15 @@ def async_save(optimizer: torch.optim.Optimizer, names: dict[int, str], path: st
     place, and the optimizer's next state-writing call (``step``, ``load_state_dict``,
     ``set_scaled_state``, ``set_slot_config``) waits for the write, up to ``timeout_s``. Either
     way the file holds the state as of this call. Returns a handle with ``wait()`` / ``done()``.
+    Temporaries that killed writers left in the folder are deleted first.
     """
     import threading
 
     if mode not in ("fence", "snapshot"):
         raise ValueError(f"mode={mode!r} is invalid: one of fence|snapshot")
+    from mcore_distill.atomic import remove_stale_files
+
+    remove_stale_files(Path(path).parent)  # temporaries of saves whose process died
     state = model_space_state(optimizer, names, clone=(mode == "snapshot"))
     handle = AsyncSave(Path(path), timeout_s)
 

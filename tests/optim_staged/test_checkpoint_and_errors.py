@@ -160,3 +160,17 @@ def test_async_save_holds_state_of_the_call(tmp_path, monkeypatch, mode):
     assert not torch.equal(opt.state[ps[0]]["exp_avg"], expect["p0"]["exp_avg"])  # the step did run after
     with pytest.raises(ValueError, match="mode='copy'"):
         checkpoint.async_save(opt, names, tmp_path / "x.pt", mode="copy")
+
+
+def test_async_save_removes_temporaries_of_killed_writers(tmp_path):
+    """A save killed mid-write leaves ``.<name>.tmp-<token>``; the next save deletes it (not the
+    temporary of a live writer on this host). Issue #19 item 2."""
+    from optim_staged import checkpoint
+
+    dead = tmp_path / ".opt.pt.tmp-1-otherhost-12345"
+    dead.write_bytes(b"partial")
+    p = torch.randn(3, requires_grad=True)
+    opt = StagedAdamW([p], slots=SlotConfig(slot_numel=1024))
+    checkpoint.async_save(opt, {id(p): "p"}, tmp_path / "opt.pt", mode="snapshot").wait()
+    assert sorted(os.listdir(tmp_path)) == ["opt.pt"]
+
