@@ -12,6 +12,7 @@ __all__ = [
     "SlotTooSmallError",
     "CheckpointLayoutError",
     "UnsupportedMegatronConfigError",
+    "CheckpointWriteError",
 ]
 
 
@@ -41,3 +42,9 @@ class CheckpointLayoutError(StagedError, ValueError):
 
 class UnsupportedMegatronConfigError(StagedError, ValueError):
     """The Megatron ``OptimizerConfig`` / DDP config asks for something staging cannot do."""
+
+
+class CheckpointWriteError(StagedError, RuntimeError):
+    """Writing a checkpoint failed (a rank's background writer, a disk error); the previous
+    checkpoint at the path is untouched."""
+

@@ -17,6 +17,7 @@ The stock build allocates fp32 main-param shards once (4 B/param, freed when the
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -493,19 +494,35 @@ class AsyncCheckpoint:
     def wait(self, timeout: float | None = None) -> None:
         """Collective: wait up to ``timeout`` s (default ``timeout_s``) for every rank's writer,
         then finalize and publish. Raises ``TimeoutError`` on every rank if any rank's writer is
-        still running (call again later), or the writer's error (on every rank) if one failed;
-        the previous checkpoint at ``directory`` stays in place in both cases."""
+        still running (call again later), or :class:`~optim_staged.errors.CheckpointWriteError` on
+        every rank if a write failed (its temporary folder is removed); the previous checkpoint at
+        ``directory`` stays in place in both cases."""
         if self.published:
             return
         t = self.timeout_s if timeout is None else timeout
         self._thread.join(t)
         if not _all_ranks_true(not self._thread.is_alive(), self._group):
             raise TimeoutError(f"async checkpoint save to {self.directory}: a rank's writer is still running after {t} s")
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from optim_staged.errors import CheckpointWriteError
+
+        failure: BaseException | None = None
         if not _all_ranks_true(self.error is None, self._group):
-            raise RuntimeError(f"async checkpoint save to {self.directory} failed on a rank; "
-                               f"this rank's error: {self.error!r}") from self.error
-        for fn in self._request.finalize_fns:  # write results gathered, .metadata, metadata.json
-            fn()
+            failure = self.error or RuntimeError("another rank's writer failed")
+        else:
+            try:
+                for fn in self._request.finalize_fns:  # write results gathered, .metadata, metadata.json
+                    fn()
+            except CheckpointException as e:  # raised on every rank when any rank's write failed
+                failure = e
+        if failure is not None:  # every rank is here: drop the incomplete folder, keep the old checkpoint
+            torch.distributed.barrier(self._group)
+            if torch.distributed.get_rank(self._group) == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            self.published = True  # nothing more to wait for
+            raise CheckpointWriteError(f"async checkpoint save to {self.directory} failed: {failure!r}; "
+                                       "the previous checkpoint there is unchanged") from failure
         _publish(self._model_chunk, self.tmp, self.directory, self._group)
         self.published = True
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import functools
+import functools
 import json
 import os
 import random
@@ -135,6 +136,7 @@ def async_snapshot_body(rank: int, world_size: int, ckpt: str):
     import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
 
     from mcore_distill.testing import init_megatron
+    from optim_staged.errors import CheckpointWriteError
     from optim_staged.megatron import async_save_checkpoint, load_checkpoint
     from tests.optim_staged.ckpt_faults import fingerprint, train
 
@@ -153,14 +155,31 @@ def async_snapshot_body(rank: int, world_size: int, ckpt: str):
     handle = async_save_checkpoint(model, optim, ckpt, timeout_s=120)
     train(model, optim, range(2, 3))  # mutates params and staged state while the write is pending
     overlapped = not handle.done()
+    try:  # a writer still running: every rank gets TimeoutError (rank 1 has nothing to write)
+        handle.wait(timeout=0.2)
+        timed_out = False
+    except TimeoutError:
+        timed_out = True
     release.set()
     handle.wait()
-    fsa._write_item = real
     after = fingerprint(model, optim)
+
+    @functools.wraps(real)
+    def failing_write(*args, **kwargs):  # a disk error in the background write of the next save
+        raise OSError(28, "No space left on device")
+
+    fsa._write_item = failing_write
+    broken = async_save_checkpoint(model, optim, ckpt, timeout_s=120)
+    try:
+        broken.wait()
+        failure = None
+    except CheckpointWriteError as e:
+        failure = str(e)
+    fsa._write_item = real
     model2, optim2 = _muon_model(99)
-    load_checkpoint(model2, optim2, ckpt)
+    load_checkpoint(model2, optim2, ckpt)  # still the first async checkpoint
     loaded = fingerprint(model2, optim2)
-    return {"overlapped": overlapped,
+    return {"overlapped": overlapped, "timed_out": timed_out, "failure": failure,
             "step_changed": [k for k in saved if not torch.equal(saved[k], after[k])],
             "mismatch": [k for k in saved if not torch.equal(saved[k], loaded[k])],
             "listing": sorted(os.listdir(os.path.dirname(ckpt)))}
@@ -171,15 +190,20 @@ def async_snapshot_body(rank: int, world_size: int, ckpt: str):
 def test_async_save_is_a_snapshot_of_the_call(tmp_path):
     """Staged Muon chain (fp32 model: its parameters are not views, so Megatron's own staging
     does not copy them), DP=2. The step after ``async_save_checkpoint`` runs while every rank's
-    writer is held; after ``wait()`` the checkpoint loads into a fresh model as the state at the
-    call, exactly (model parameters, masters, momenta, Adam moments, step counters)."""
+    writer is held; ``wait(timeout)`` raises ``TimeoutError`` on every rank meanwhile; after
+    ``wait()`` the checkpoint loads into a fresh model as the state at the call, exactly (model
+    parameters, masters, momenta, Adam moments, step counters). A next async save whose writer
+    fails raises on every rank at ``wait()`` and leaves that checkpoint in place."""
     results = run_ranks(async_snapshot_body, 2, str(tmp_path / "ckpt"), timeout=200)
     assert results[0]["overlapped"]  # rank 0 writes the DP-replicated state (rank 1 has nothing to write)
     for r in results:
+        assert r["timed_out"], "wait(timeout) returned while a writer was held"
+        assert r["failure"] and "previous checkpoint there is unchanged" in r["failure"], r  # on every rank
+
         assert any(k.startswith("model.") for k in r["step_changed"]) and any(
             k.startswith("leaf") for k in r["step_changed"]), r["step_changed"]
         assert r["mismatch"] == [], r["mismatch"]
-        assert r["listing"] == ["ckpt"]
+        assert r["listing"] == ["ckpt"]  # the failed save's temporary folder is gone
 
 
 # ------------------------------------------------------------------------------- layouts
