@@ -159,7 +159,7 @@ class KillPoints:
 def main(argv: list[str]) -> None:
     cmd, work = argv[0], Path(argv[1])
     _init()
-    from optim_staged.megatron import async_save_checkpoint, save_checkpoint
+    from optim_staged.megatron import save_checkpoint
 
     ckpt = work / "ckpts" / "ckpt"
     if cmd == "prepare":
@@ -190,6 +190,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"kill point {k} was not reached ({len(points.labels)} points)")
     elif cmd == "async-kill":
         import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
+
+        from optim_staged.megatron import async_save_checkpoint
 
         model, optim = build()
         train(model, optim, range(1))
