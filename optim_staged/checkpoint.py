@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from mcore_distill.atomic import atomic_torch_save, atomic_write_json, fsync_tree, publish_directory
+from mcore_distill.atomic import (
+    atomic_torch_save,
+    atomic_write_json,
+    fsync_tree,
+    publish_directory,
+    remove_stale_files,
+)
 
 __all__ = ["atomic_torch_save", "fsync_tree", "publish_directory", "model_space_state", "AsyncSave", "async_save",
            "LAYOUT_FILE", "LAYOUT_FIELDS", "LAYOUT_FIXED",
@@ -158,8 +164,6 @@ def async_save(optimizer: torch.optim.Optimizer, names: dict[int, str], path: st
 
     if mode not in ("fence", "snapshot"):
         raise ValueError(f"mode={mode!r} is invalid: one of fence|snapshot")
-    from mcore_distill.atomic import remove_stale_files
-
     remove_stale_files(Path(path).parent)  # temporaries of saves whose process died
     state = model_space_state(optimizer, names, clone=(mode == "snapshot"))
     handle = AsyncSave(Path(path), timeout_s)

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import functools
-import functools
 import json
 import os
 import random
@@ -18,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -131,7 +129,6 @@ def _muon_model(seed: int):
 
 def async_snapshot_body(rank: int, world_size: int, ckpt: str):
     import threading
-    import time
 
     import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
 
