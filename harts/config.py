@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-__all__ = ["HartsConfigError", "CostModelConfig", "PlannerConfig", "HeadConfig"]
+from mcore_distill.validate import check_choice
+
+__all__ = ["AttentionBackend", "HartsConfigError", "CostModelConfig", "PlannerConfig", "HeadConfig"]
 
 
 class HartsConfigError(ValueError):
     """An invalid harts configuration value (the message names the field and the value)."""
+
+
+class AttentionBackend(enum.StrEnum):
+    """Tree attention backend: the one list of names that configs and functions accept (a member
+    compares equal to its name, so ``"flex"`` and ``AttentionBackend.flex`` are interchangeable).
+
+    * ``flex``: FlexAttention with a BlockMask built once per microbatch (forward only on CPU).
+    * ``varlen``: FlashAttention-2 varlen kernels per trie segment (bf16/fp16 on CUDA; plain-torch
+      kernels on CPU).
+    * ``dense``: a ``[T, T]`` mask and SDPA (tests and tiny inputs).
+    """
+
+    flex = "flex"
+    varlen = "varlen"
+    dense = "dense"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,8 +91,9 @@ class HeadConfig:
     """Tree-aware chunked LM head and attention options for :func:`harts.megatron.tree_forward`."""
 
     backend: str = "flex"
-    """Tree attention backend: ``flex`` (FlexAttention, BlockMask once per microbatch), ``varlen``
-    (FlashAttention-2 varlen per trie segment, bf16/fp16 on CUDA) or ``dense`` (tests only)."""
+    """Tree attention backend, an :class:`AttentionBackend` name: ``flex`` (FlexAttention, BlockMask
+    once per microbatch), ``varlen`` (FlashAttention-2 varlen per trie segment, bf16/fp16 on CUDA)
+    or ``dense`` (tests only)."""
     chunk_size: int = 1024
     """Rows per LM-head chunk; extra memory ≈ 2 · chunk_size · V_local fp32 values."""
     temperature: float = 1.0
@@ -83,8 +102,7 @@ class HeadConfig:
     """Make the returned entropy differentiable (entropy bonus)."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("flex", "varlen", "dense"):
-            raise HartsConfigError(f"HeadConfig.backend must be 'flex', 'varlen' or 'dense', got {self.backend!r}")
+        check_choice("HeadConfig.backend", self.backend, AttentionBackend, error=HartsConfigError)
         if self.chunk_size < 1:
             raise HartsConfigError(f"HeadConfig.chunk_size must be >= 1, got {self.chunk_size}")
         if not self.temperature > 0:

@@ -32,14 +32,19 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from harts.attention import Backend, build_block_mask, build_varlen_plan, tree_attention
-from harts.config import HeadConfig
+from harts.attention import build_block_mask, build_varlen_plan, tree_attention
+from harts.batch import TreeBatch, plan_tree_batch
+from harts.config import AttentionBackend, HeadConfig, PlannerConfig
 from harts.forest import Forest, TokenOutOfRangeError
+from harts.gdn import GdnTreeConfig
 from harts.lm_head import HeadEdges, TreeHeadOutput, head_edges, tree_lm_head
 from harts.varlen import VarlenMode
+from mcore_distill.errors import ConfigTypeError
+from mcore_distill.validate import check_choice
 
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
-           "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward"]
+           "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward", "TreeScores",
+           "tree_logprobs"]
 
 
 class TreeIncompatibleError(ValueError):
@@ -55,7 +60,7 @@ class TreePackedSeqParams(PackedSeqParams):
     tree_depth: torch.Tensor | None = None
     """[T] trie depth = RoPE position."""
     tree_backend: str = "flex"
-    """'flex', 'varlen' or 'dense' (tests)."""
+    """An :class:`~harts.config.AttentionBackend` name: 'flex', 'varlen' or 'dense' (tests)."""
     block_mask: object = None
     """FlexAttention BlockMask, built once per microbatch."""
     varlen_plan: object = None
@@ -178,7 +183,8 @@ def _gpt_models(model: torch.nn.Module):
 def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
     """Enable tree execution on a built model (GPTModel, possibly wrapped in DDP/Float16Module).
 
-    Swaps every ``core_attention`` module's class for :func:`tree_core_attention_class` and hooks
+    Swaps every ``core_attention`` module's class for :func:`tree_core_attention_class`, every
+    Megatron ``GatedDeltaNet`` for :class:`harts.gdn_megatron.TreeGatedDeltaNet`, and hooks
     RoPE-by-depth into each ``GPTModel.decoder``. Idempotent; non-tree batches run unchanged.
     """
     handle = HartsHandle()
@@ -197,23 +203,50 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
         if isinstance(core, torch.nn.Module) and not getattr(type(core), "_harts_tree", False):
             handle._swapped.append((core, type(core)))
             core.__class__ = tree_core_attention_class(type(core))
+        if _is_plain_gdn(m):
+            from harts.gdn_megatron import TreeGatedDeltaNet
+
+            handle._swapped.append((m, type(m)))
+            m.__class__ = TreeGatedDeltaNet
     return handle
 
 
-def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128,
-                     varlen_mode: VarlenMode = "auto", save_gathered_kv: bool = False) -> TreePackedSeqParams:
+def _is_plain_gdn(m: torch.nn.Module) -> bool:
+    """Megatron's own ``GatedDeltaNet`` (checked by name: importing it here would pull in FLA)."""
+    t = type(m)
+    return t.__name__ == "GatedDeltaNet" and t.__module__.startswith("megatron.core.ssm.gated_delta_net")
+
+
+
+
+def make_tree_params(forest: Forest, *, backend: AttentionBackend | str = AttentionBackend.flex,
+                     block_size: int = 128, varlen_mode: VarlenMode = "auto", save_gathered_kv: bool = False,
+                     model: torch.nn.Module | None = None, gdn: GdnTreeConfig | None = None) -> TreePackedSeqParams:
     """Per-microbatch tree metadata, built once (ahead of the step, e.g. in the data loader): the
     flex BlockMask or varlen plan (``varlen_mode``, ``save_gathered_kv``: see
     :func:`harts.varlen.build_varlen_plan`),
     the LM head's edge list and host-side sizes, so the forward/backward parts that harts owns
-    need no device-to-host synchronization."""
-    if backend not in ("flex", "varlen", "dense"):
-        raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
+    need no device-to-host synchronization.
+
+    With ``model`` given, a model holding tree Gated DeltaNet layers (after :func:`apply_harts`)
+    gets :func:`harts.gdn_megatron.make_gdn_tree_params` (the GDN plan too, with ``gdn`` or by
+    default the layers' conv width and, for fp64 layers, fp64 states), any other model the
+    attention metadata: the caller never picks between the two."""
+    backend = check_choice("backend", backend, AttentionBackend, error=ValueError)
+    mixers = [] if model is None else [m for m in model.modules() if getattr(type(m), "_harts_tree_gdn", False)]
+    if mixers:
+        from harts.gdn_megatron import make_gdn_tree_params
+
+        if gdn is None:
+            fp64 = any(p.dtype == torch.float64 for m in mixers for p in m.parameters())
+            gdn = GdnTreeConfig(conv_width=max(int(m.conv1d.weight.shape[-1]) for m in mixers),
+                                state_dtype="float64" if fp64 else "float32")
+        return make_gdn_tree_params(forest, config=gdn, backend=backend, block_size=block_size)
     bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
     vp = build_varlen_plan(forest.seg_offsets, forest.seg_parent, mode=varlen_mode,
                            save_gathered_kv=save_gathered_kv) if backend == "varlen" else None
     rope_len = int(forest.depth.max()) + 1  # the RoPE table only needs positions 0..max depth
-    return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
+    return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend.value, block_mask=bm,
                                varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len,
                                head_edges=head_edges(forest.tokens, forest.parent), max_token=int(forest.tokens.max()))
 
@@ -241,13 +274,15 @@ def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, te
 
 
 def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSeqParams | None = None,
-                 backend: Backend = "flex", temperature: float = 1.0, chunk_size: int = 1024,
+                 backend: AttentionBackend | str = AttentionBackend.flex, temperature: float = 1.0,
+                 chunk_size: int = 1024,
                  entropy_requires_grad: bool = False, head: HeadConfig | None = None) -> TreeHeadOutput | torch.Tensor:
     """Run ``model`` (after :func:`apply_harts`) on the compact row of ``forest``.
 
     Returns ``(logp [T], entropy [T])`` on the last pipeline stage (see
     :func:`harts.loss.sequence_logprobs` for per-sequence vectors) and the hidden states on
-    other stages. ``params`` defaults to :func:`make_tree_params` (pass it to reuse a BlockMask).
+    other stages. ``params`` defaults to :func:`make_tree_params` for this model (attention or
+    Gated DeltaNet metadata; pass it to reuse a BlockMask).
     ``head`` (a :class:`~harts.config.HeadConfig`), when given, overrides the four keyword options.
     """
     if head is not None:
@@ -256,7 +291,7 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     gpts = _gpt_models(model)
     if not gpts:
         raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")
-    params = params or make_tree_params(forest, backend=backend)
+    params = params or make_tree_params(forest, backend=backend, model=model)
     vocab = getattr(gpts[0], "vocab_size", None)
     top = params.max_token if params.max_token is not None else int(forest.tokens.max())
     if vocab is not None and forest.num_nodes and top >= vocab:
@@ -266,3 +301,63 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     return model(forest.tokens[None], pos, None, packed_seq_params=params,
                  output_processor=_head_processor(forest, params.head_edges, chunk_size, temperature,
                                                   entropy_requires_grad))
+
+
+@dataclass(frozen=True, eq=False)
+class TreeScores:
+    """Result of :func:`tree_logprobs`: ``[B, L]`` tensors in the label layout of
+    :mod:`harts.batch` (``logp[b, t]`` scores ``input_ids[b, t+1]``; 0 past ``lengths[b] − 1``)."""
+
+    logp: torch.Tensor
+    """[B, L] log-probs at the temperature, on the model's device (differentiable)."""
+    entropy: torch.Tensor
+    """[B, L] entropies of the predicting rows (differentiable with ``entropy_requires_grad``)."""
+    batch: TreeBatch
+    """The plan: micro-batches, compression C (``batch.compression``), rows."""
+
+
+def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *,
+                  temperature: float = 1.0, backend: AttentionBackend | str = AttentionBackend.flex,
+                  planner: PlannerConfig | None = None, chunk_size: int = 1024,
+                  entropy_requires_grad: bool = False, gdn: GdnTreeConfig | None = None) -> TreeScores:
+    """Score ``input_ids [B, L]`` (row ``b`` is ``input_ids[b, :lengths[b]]``) with a Megatron
+    model as prefix trees: plan → tree forward → tree LM head → rows.
+
+    1. :func:`harts.batch.plan_tree_batch`: micro-batches of at most ``planner.token_cap`` compact
+       rows (default: one micro-batch, no padding), shared prefixes computed once;
+    2. :func:`tree_forward` per micro-batch with :func:`make_tree_params` for this model (tree
+       attention with ``backend``, Gated DeltaNet plans for hybrid models, ``gdn`` overriding
+       their defaults; :func:`apply_harts` is called once if the model is not tree-capable yet);
+    3. :func:`harts.tree_lm_head` at ``temperature`` (chunks of ``chunk_size`` rows);
+    4. every sequence's values written back to its row (label layout).
+
+    Equals scoring each row on its own, up to float reduction order. Differentiable: call
+    ``backward`` on a loss of ``logp``. Runs the micro-batches one after another through
+    ``model(...)`` on this rank (no pipeline schedule, so pipeline size 1); inside a Megatron
+    ``forward_step_func`` use :func:`~harts.batch.plan_tree_batch`, :func:`tree_forward` and
+    :meth:`~harts.batch.TreeMicrobatch.logprob_rows` per micro-batch instead.
+    """
+    gpts = _gpt_models(model)
+    if not gpts:
+        raise ConfigTypeError(f"tree_logprobs: model must be (or wrap) a Megatron GPTModel, got {type(model).__name__}")
+    if not _tree_capable(model):
+        apply_harts(model)
+    device = next(model.parameters()).device
+    batch = plan_tree_batch(input_ids, lengths, config=planner, device=device)
+    logp, ent = [], []
+    for mb in batch.microbatches:
+        params = make_tree_params(mb.forest, backend=backend, model=model, gdn=gdn)
+        out = tree_forward(model, mb.forest, params=params, temperature=temperature, chunk_size=chunk_size,
+                           entropy_requires_grad=entropy_requires_grad)
+        logp.append(mb.logprob_rows(out.logp))
+        ent.append(mb.entropy_rows(out.entropy))
+    return TreeScores(logp=batch.gather(logp), entropy=batch.gather(ent), batch=batch)
+
+
+def _tree_capable(model: torch.nn.Module) -> bool:
+    cores = [getattr(m, "core_attention", None) for m in model.modules()]
+    cores = [c for c in cores if isinstance(c, torch.nn.Module)]
+    hooked = all(getattr(g.decoder, "_harts_hooked", False) for g in _gpt_models(model)
+                 if g.position_embedding_type in ("rope", "yarn"))
+    return hooked and all(getattr(type(c), "_harts_tree", False) for c in cores) and not any(
+        _is_plain_gdn(m) for m in model.modules())

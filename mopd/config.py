@@ -13,6 +13,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from harts.config import AttentionBackend
+from mcore_distill.validate import check_choice
 from mopd.errors import ConfigError
 
 __all__ = [
@@ -34,7 +36,6 @@ AGGREGATIONS = ("geometric", "arithmetic", "mean")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TOPK_TAILS = ("bucket", "renorm")
 BACKENDS = ("megatron", "http")
-TREE_BACKENDS = ("flex", "varlen", "dense")
 RESERVED_TEACHER_IDS = frozenset({"actor", "student", "rl"})
 ROUTE_KEY = "mopd_route"
 """Reserved sample key holding the stamped route (a ``str``)."""
@@ -245,8 +246,8 @@ class TeacherTreeConfig:
     enabled: bool = False
     """Score Megatron teachers with harts tree batches instead of padded ``[B, L]`` micro-batches."""
     backend: str = "flex"
-    """Tree attention: ``flex`` (FlexAttention), ``varlen`` (FlashAttention-2 per trie segment,
-    bf16/fp16 on CUDA) or ``dense`` (a [T, T] mask; CPU tests)."""
+    """Tree attention, a :class:`harts.AttentionBackend` name: ``flex`` (FlexAttention), ``varlen``
+    (FlashAttention-2 per trie segment, bf16/fp16 on CUDA) or ``dense`` (a [T, T] mask; CPU tests)."""
     chunk_size: int = 1024
     """Rows per chunk of the LM head (extra memory ≈ 2 · chunk_size · V/TP fp32 values)."""
     token_cap: int = 8192
@@ -258,7 +259,7 @@ class TeacherTreeConfig:
     through the same kernels (same default as ``harts.PlannerConfig``)."""
 
     def __post_init__(self) -> None:
-        _choice("teacher_tree.backend", self.backend, TREE_BACKENDS)
+        check_choice("teacher_tree.backend", self.backend, AttentionBackend, error=ConfigError)
         for name in ("chunk_size", "token_cap", "align"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

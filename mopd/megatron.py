@@ -264,60 +264,51 @@ class MegatronTeacher:
 
     def _score_tree(self, batch: TokenBatch) -> torch.Tensor:
         """harts tree scoring. Rows ``input_ids[b, :lengths[b]]`` are planned into micro-batches
-        of at most ``token_cap`` compact rows (:func:`harts.plan_step`; sequences sorted, shared
-        prefixes once, THD fallback for micro-batches that barely compress), each run as one
-        packed row through Megatron's forward-only schedule with tree attention and harts'
-        chunked LM head at the teacher temperature. Edge log-probs come back per sequence
-        (:func:`harts.sequence_logprobs`) and are written to their rows:
-        ``logp[b, t] = lp_b[t]`` for ``t < lengths[b] − 1``. Under pipeline parallelism without
-        ``variable_seq_lengths`` every micro-batch is padded to the longest one."""
-        from harts import PlannerConfig, plan_step, sequence_logprobs
+        of at most ``token_cap`` compact rows (:func:`harts.plan_tree_batch`; sequences sorted,
+        shared prefixes once, THD fallback for micro-batches that barely compress), each run as one
+        packed row through Megatron's forward-only schedule with tree attention (Gated DeltaNet
+        plans for hybrid teachers) and harts' chunked LM head at the teacher temperature; each
+        micro-batch's log-probs come back as its rows (label layout, ``logp[b, t]`` for
+        ``t < lengths[b] − 1``). Under pipeline parallelism without ``variable_seq_lengths`` every
+        micro-batch is padded to the longest one."""
+        from harts import PlannerConfig, plan_tree_batch
         from harts.megatron import make_tree_params, tree_forward
 
         cfg = self.tree
         self.host.enable_tree()
         model = self.host.chunks[0]
         dev = self.host.device
-        B, L = batch.input_ids.shape
-        ids_cpu, lens = batch.input_ids.cpu(), batch.lengths.cpu().tolist()
-        seqs = [ids_cpu[b, : lens[b]] for b in range(B)]
-        plan = plan_step(seqs, PlannerConfig(token_cap=cfg.token_cap, align=cfg.align,
-                                             fallback_compression=cfg.fallback_compression, dp_size=1))
-        micro = plan.ranks[0]
-        forests = [mb.build(seqs, device=dev) for mb in micro]  # token ids are checked by tree_forward
-        rows = max(f.num_nodes for f in forests)
+        planner = PlannerConfig(token_cap=cfg.token_cap, align=cfg.align,
+                                fallback_compression=cfg.fallback_compression, dp_size=1)
+        plan = plan_tree_batch(batch.input_ids, batch.lengths, config=planner, device=dev)
         _, pp_group = _groups(self.host.pg_collection)
         variable = getattr(getattr(model, "config", None), "variable_seq_lengths", False)
         if torch.distributed.get_world_size(pp_group) > 1 and not variable:
-            forests = [f.padded(rows) for f in forests]  # 0 < T <= rows: pads to exactly ``rows``
-        self.last_tree_stats = {"compression": plan.stats.compression, "micro_batches": float(len(forests)),
-                                "rows": float(sum(f.num_nodes for f in forests)), "tokens": float(sum(lens))}
+            plan = plan.padded()
+        micro = plan.microbatches
+        rows = max(mb.forest.num_nodes for mb in micro)
+        self.last_tree_stats = {"compression": plan.compression, "micro_batches": float(len(micro)),
+                                "rows": float(plan.rows), "tokens": float(batch.lengths.sum())}
         temperature, backend, chunk = self.temperature, cfg.backend, cfg.chunk_size
 
         def step(data_iterator, model_):
-            f = next(data_iterator)
-            params = make_tree_params(f, backend=backend)
-            output = tree_forward(model_, f, params=params, temperature=temperature, chunk_size=chunk)
+            mb = next(data_iterator)
+            params = make_tree_params(mb.forest, backend=backend, model=model_)
+            output = tree_forward(model_, mb.forest, params=params, temperature=temperature, chunk_size=chunk)
 
             def collect(output_tensor, non_loss_data=True):
-                return sequence_logprobs(output_tensor[0], f)
+                return mb.logprob_rows(output_tensor[0])
 
             return output, collect
 
         fb = get_forward_backward_func()
         kw = {} if self.host.pg_collection is None else {"pg_collection": self.host.pg_collection}
-        res = fb(forward_step_func=step, data_iterator=iter(forests), model=model, num_microbatches=len(forests),
+        res = fb(forward_step_func=step, data_iterator=iter(micro), model=model, num_microbatches=len(micro),
                  seq_length=rows, micro_batch_size=1, forward_only=True, collect_non_loss_data=True, **kw)
         if not res:  # not the last pipeline stage
-            return torch.zeros(B, L, dtype=torch.float32, device=batch.input_ids.device)
+            return torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
         dtype = torch.promote_types(res[0].dtype, torch.float32)
-        out = torch.zeros(B, L, dtype=dtype, device=dev)
-        for mb, f, flat in zip(micro, forests, res):  # sequence k of forest f is row mb.seq_ids[k]
-            n = f.lengths - 1
-            row = torch.repeat_interleave(torch.as_tensor(mb.seq_ids, device=dev), n)
-            col = torch.arange(flat.numel(), device=dev) - torch.repeat_interleave(f.pred_offsets()[:-1], n)
-            out[row, col] = flat.to(dtype)
-        out = out.to(batch.input_ids.device)
+        out = plan.gather([r.to(dtype) for r in res]).to(batch.input_ids.device)
         return torch.where(batch.label_mask().to(out.device), out, torch.zeros_like(out))
 
 
