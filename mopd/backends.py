@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mcore_distill.validate import check_type
 from mopd.errors import ConfigError, FingerprintMismatchError, TeacherServerError, TeacherTimeoutError
 
 __all__ = ["HTTPTeacher", "TeacherBackend", "TokenBatch", "TransformersTeacher", "atomic_torch_save", "read_teacher_shard",
@@ -47,6 +48,9 @@ class TokenBatch:
     score_from: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        check_type("TokenBatch.input_ids", self.input_ids, torch.Tensor)
+        check_type("TokenBatch.lengths", self.lengths, torch.Tensor)
+        check_type("TokenBatch.score_from", self.score_from, torch.Tensor | None)
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(self.input_ids.shape)}")
         b, L = self.input_ids.shape

@@ -27,6 +27,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mcore_distill.validate import check_type
 from mopd.backends import HTTPTeacher, TokenBatch, read_teacher_shard, write_teacher_shard
 from mopd.config import MOPDConfig, MOPDLossConfig, TeacherTreeConfig
 from mopd.errors import TeacherStateError
@@ -322,6 +323,7 @@ def build_teacher_pool(config: MOPDConfig, *, host: MegatronTeacherHost | None =
     ``config.rollout_temperature``; HTTP teachers take their timeouts, retries, batch size and
     temperature capability from their :class:`~mopd.config.TeacherSpec`.
     """
+    check_type("config", config, MOPDConfig)
     backends = {}
     for tid, spec in config.teachers.items():
         if spec.backend == "http":
@@ -355,6 +357,23 @@ class MOPDMicroBatch:
     rl_advantages: torch.Tensor | None = None
     extra: dict | None = None
 
+    def __post_init__(self) -> None:
+        check_type("MOPDMicroBatch.targets", self.targets, TokenTargets)
+        shape = self.loss_mask.shape if isinstance(self.loss_mask, torch.Tensor) else None
+        for name in ("labels", "loss_mask", "old_logp", "route_ids", "normalization_mask", "rl_advantages"):
+            value = getattr(self, name)
+            optional = name in ("normalization_mask", "rl_advantages")
+            check_type(f"MOPDMicroBatch.{name}", value, torch.Tensor | None if optional else torch.Tensor)
+            if value is not None and value.shape != shape:
+                raise ValueError(f"MOPDMicroBatch.{name} has shape {tuple(value.shape)}, the token tensors have "
+                                 f"{tuple(shape)} (loss_mask): one value per token; route_ids are per token too "
+                                 "(expand a per-sample [b] vector with route_ids[:, None].expand_as(loss_mask))")
+        if self.targets.logp_sum.shape != shape:
+            raise ValueError(f"MOPDMicroBatch.targets has shape {tuple(self.targets.logp_sum.shape)}, the token "
+                             f"tensors have {tuple(shape)} (loss_mask)")
+        if self.route_ids.dtype.is_floating_point or self.route_ids.dtype == torch.bool:
+            raise ValueError(f"MOPDMicroBatch.route_ids must hold integer route indices, got {self.route_ids.dtype}")
+
 
 _ROUTE_METRICS = ("loss", "reward", "is_weight", "is_capped_frac", "adv_clip_frac", "teacher_weight")
 
@@ -374,6 +393,8 @@ def mopd_loss_func(micro: MOPDMicroBatch, output_tensor: torch.Tensor, *, config
     loss, reward (−reverse KL estimate), is_weight, is_capped_frac, adv_clip_frac,
     teacher_weight, plus ``mopd/<route>/tokens`` as ``[tokens, 1]``.
     """
+    check_type("micro", micro, MOPDMicroBatch)
+    check_type("config", config, MOPDLossConfig)
     if logprob_fn is not None:
         student = logprob_fn(output_tensor, micro)
     else:

@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mcore_distill.validate import check_type
 from mopd.config import MOPDConfig
 from mopd.errors import ConfigError, FingerprintMismatchError
 
@@ -104,6 +105,7 @@ class PreflightReport:
 def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: int | None = None) -> PreflightReport:
     """Resolve routes and teachers, fingerprint models, check topology; never raises on a
     mismatch (see :meth:`PreflightReport.raise_if_failed`)."""
+    check_type("config", config, MOPDConfig)
     rep = PreflightReport()
     rep.lines.append(f"routing field: {config.routing.field!r} (strict={config.routing.strict}, "
                      f"default_route={config.routing.default_route!r})")
