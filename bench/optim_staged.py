@@ -15,7 +15,7 @@ Sections (each row: case, provider, ms p50, ratio vs the case baseline):
   native Megatron Adam vs staged; step time, peak HBM, optimizer-state HBM; allocator snapshots
   ``optim_staged_snapshot_{gpu,staged}.pickle`` and ``optim_staged_memory.json``.
 
-Run: ``python bench/optim_staged.py`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds);
+Run: ``python -m bench.optim_staged`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds);
 ``--only adamw|muon|megatron`` runs one section; ``--targets`` runs only the cases behind the
 issue's targets (H200: well under a minute).
 Writes ``optim_staged.json`` / ``optim_staged.png`` into ``$OUT`` (or ``outputs/bench``)."""
@@ -26,16 +26,12 @@ import argparse
 import functools
 import gc
 import os
-import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
-from optim_staged import SlotConfig, StagedAdamW  # noqa: E402
+from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results
+from optim_staged import SlotConfig, StagedAdamW
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

@@ -1,7 +1,7 @@
 """MOPD steps on a real architecture built from a Hydra config, on one GPU (or CPU for tiny models).
 
-    python examples/train_gpu.py model=qwen3_dense_0p6b            # GPU
-    python examples/train_gpu.py                                   # CPU default: model=tiny_dense
+    python -m examples.train_gpu model=qwen3_dense_0p6b            # GPU
+    python -m examples.train_gpu                                   # CPU default: model=tiny_dense
 
 Builds a student and a frozen teacher (random init) from ``examples/configs/model/<name>.yaml``,
 runs ``run.steps`` steps of tree-packed (harts) GRPO batches through the MOPD loss and StagedAdamW,
@@ -13,21 +13,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from examples.train.config import TrainConfig, to_train_config  # noqa: E402
-
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+from examples.train.config import TrainConfig, to_train_config  # noqa: E402 (registers the schema)
 
 
 def setup(device: str) -> bool:

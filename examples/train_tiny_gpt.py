@@ -4,7 +4,7 @@ Megatron-Core DDP + distributed optimizer over gloo, launched by torchrun (``mak
 2 ranks). Prints a progress bar, then held-out exact-match accuracy of greedy decoding. Replaced as
 ``make demo`` by the full distillation demo once that exists.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_tiny_gpt.py
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m examples.train_tiny_gpt
 """
 
 from __future__ import annotations
