@@ -282,7 +282,9 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     Returns ``(logp [T], entropy [T])`` on the last pipeline stage (see
     :func:`harts.loss.sequence_logprobs` for per-sequence vectors) and the hidden states on
     other stages. ``params`` defaults to :func:`make_tree_params` for this model (attention or
-    Gated DeltaNet metadata; pass it to reuse a BlockMask).
+    Gated DeltaNet metadata; pass it to reuse a BlockMask). A model that is not tree-capable yet
+    gets :func:`apply_harts` first (a model run on a packed row without it would attend causally
+    across sequences).
     ``head`` (a :class:`~harts.config.HeadConfig`), when given, overrides the four keyword options.
     """
     if head is not None:
@@ -291,6 +293,8 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     gpts = _gpt_models(model)
     if not gpts:
         raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")
+    if not _tree_capable(model):
+        apply_harts(model)
     params = params or make_tree_params(forest, backend=backend, model=model)
     vocab = getattr(gpts[0], "vocab_size", None)
     top = params.max_token if params.max_token is not None else int(forest.tokens.max())
@@ -327,7 +331,7 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
        rows (default: one micro-batch, no padding), shared prefixes computed once;
     2. :func:`tree_forward` per micro-batch with :func:`make_tree_params` for this model (tree
        attention with ``backend``, Gated DeltaNet plans for hybrid models, ``gdn`` overriding
-       their defaults; :func:`apply_harts` is called once if the model is not tree-capable yet);
+       their defaults; :func:`apply_harts` is applied first if the model is not tree-capable yet);
     3. :func:`harts.tree_lm_head` at ``temperature`` (chunks of ``chunk_size`` rows);
     4. every sequence's values written back to its row (label layout).
 
@@ -340,8 +344,6 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
     gpts = _gpt_models(model)
     if not gpts:
         raise ConfigTypeError(f"tree_logprobs: model must be (or wrap) a Megatron GPTModel, got {type(model).__name__}")
-    if not _tree_capable(model):
-        apply_harts(model)
     device = next(model.parameters()).device
     batch = plan_tree_batch(input_ids, lengths, config=planner, device=device)
     logp, ent = [], []
