@@ -77,7 +77,9 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """One table cell: one line, RST roles and double backquotes as Markdown code, ``|`` escaped."""
+    text = re.sub(r":(?:class|func|meth|mod|data|attr|exc):`~?([^`]+)`", r"`\1`", text)
+    return " ".join(text.replace("``", "`").split()).replace("|", "\\|")
 
 
 def config_reference() -> str:
