@@ -22,7 +22,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from examples.megatron_integration.common import (
@@ -40,9 +44,10 @@ from examples.megatron_integration.common import (
 )
 from harts import plan_tree_batch
 from harts.megatron import make_tree_params, tree_forward
-from mopd import (MOPDConfig, MOPDLossConfig, RoutingSpec, TeacherSpec, TeacherTreeConfig, TokenBatch, score_routed,
-                  stamp_routes)
+from mopd.backends import TokenBatch
+from mopd.config import MOPDConfig, MOPDLossConfig, RoutingSpec, TeacherSpec, TeacherTreeConfig
 from mopd.megatron import MegatronTeacherHost, MOPDMicroBatch, build_teacher_pool, mopd_loss_func
+from mopd.routing import score_routed, stamp_routes
 from optim_staged.config import AdamWConfig, StagedOptimizerConfig
 from optim_staged.megatron import get_staged_optimizer, load_checkpoint, save_checkpoint
 

@@ -91,3 +91,5 @@ def test_diff_budget_and_the_docs_show_the_current_diff():
     removed = sum(1 for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---"))
     assert added <= DIFF_BUDGET[0] and removed <= DIFF_BUDGET[1], (added, removed)
     assert docgen.check("integration") == [], "docs/integration.md is stale: run python scripts/docgen.py"
+    for doc in ("docs/integration.md", "README.md"):
+        assert f"+{added} / −{removed}" in (ROOT / doc).read_text(), f"{doc} quotes another diff size"
