@@ -112,9 +112,9 @@ def test_response_mask_layout():
 
 @pytest.mark.timeout(120)
 def test_tiny_configs_build_and_step_on_cpu(cpu_megatron):
-    from examples.train.runner import _tree_params, build_model, param_count, response_mask, run
+    from examples.train.runner import build_model, param_count, response_mask, run
     from harts import build_forest, sequence_logprobs
-    from harts.megatron import tree_forward
+    from harts.megatron import make_tree_params, tree_forward
 
     small = ["workload.num_groups=2", "workload.group_size=3", "workload.prompt_len=6", "workload.response_len=5",
              "run.steps=2", "run.device=cpu"]
@@ -126,7 +126,7 @@ def test_tiny_configs_build_and_step_on_cpu(cpu_megatron):
         seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 7]]
         forest = build_forest(seqs)
         with torch.no_grad():
-            params = _tree_params(cfg, forest, "dense")
+            params = make_tree_params(forest, backend="dense", model=model)  # GDN plans for the hybrid
             tree = sequence_logprobs(tree_forward(model, forest, params=params)[0], forest)
             ref = []
             for s in seqs:
