@@ -93,13 +93,14 @@ class TreeBatch:
         return dataclasses.replace(self, microbatches=mbs)
 
     def gather(self, per_microbatch: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``[B, L]`` from each micro-batch's ``[n, L]`` rows (:meth:`TreeMicrobatch.to_rows`);
-        differentiable; rows of no micro-batch stay 0."""
+        """``[B, *]`` from each micro-batch's ``[n, *]`` rows (``[n, L]`` from
+        :meth:`TreeMicrobatch.to_rows`); differentiable; rows of no micro-batch stay 0."""
         if len(per_microbatch) != len(self.microbatches):
             raise ValueError(f"{len(per_microbatch)} results for {len(self.microbatches)} micro-batches")
         first = per_microbatch[0]
         rows = torch.cat([mb.rows.to(first.device) for mb in self.microbatches])
-        return first.new_zeros(self.shape).index_put((rows,), torch.cat(list(per_microbatch)))
+        out = first.new_zeros((self.shape[0], *first.shape[1:]))
+        return out.index_put((rows,), torch.cat(list(per_microbatch)))
 
 
 def plan_tree_batch(input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *,

@@ -323,7 +323,8 @@ class TreeScores:
 def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *,
                   temperature: float = 1.0, backend: AttentionBackend | str = AttentionBackend.flex,
                   planner: PlannerConfig | None = None, chunk_size: int = 1024,
-                  entropy_requires_grad: bool = False, gdn: GdnTreeConfig | None = None) -> TreeScores:
+                  entropy_requires_grad: bool = False, gdn: GdnTreeConfig | None = None,
+                  forward_only: bool = False, pg_collection=None) -> TreeScores:
     """Score ``input_ids [B, L]`` (row ``b`` is ``input_ids[b, :lengths[b]]``) with a Megatron
     model as prefix trees: plan → tree forward → tree LM head → rows.
 
@@ -335,17 +336,23 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
     3. :func:`harts.tree_lm_head` at ``temperature`` (chunks of ``chunk_size`` rows);
     4. every sequence's values written back to its row (label layout).
 
-    Equals scoring each row on its own, up to float reduction order. Differentiable: call
-    ``backward`` on a loss of ``logp``. Runs the micro-batches one after another through
-    ``model(...)`` on this rank (no pipeline schedule, so pipeline size 1); inside a Megatron
-    ``forward_step_func`` use :func:`~harts.batch.plan_tree_batch`, :func:`tree_forward` and
-    :meth:`~harts.batch.TreeMicrobatch.logprob_rows` per micro-batch instead.
+    Equals scoring each row on its own, up to float reduction order. By default the micro-batches
+    run one after another through ``model(...)`` on this rank (pipeline size 1) and the result is
+    differentiable: call ``backward`` on a loss of ``logp``. ``forward_only=True`` runs them
+    through Megatron's forward-only schedule instead (no gradients; any pipeline size, with
+    ``pg_collection``'s groups or the global ones; every micro-batch padded to the longest one
+    unless the model config has ``variable_seq_lengths``); stages other than the last get zeros.
+    Inside a training ``forward_step_func`` use :func:`~harts.batch.plan_tree_batch`,
+    :func:`tree_forward` and :meth:`~harts.batch.TreeMicrobatch.logprob_rows` per micro-batch.
     """
     gpts = _gpt_models(model)
     if not gpts:
         raise ConfigTypeError(f"tree_logprobs: model must be (or wrap) a Megatron GPTModel, got {type(model).__name__}")
     device = next(model.parameters()).device
     batch = plan_tree_batch(input_ids, lengths, config=planner, device=device)
+    if forward_only:
+        return _scheduled_scores(model, batch, temperature=temperature, backend=backend, chunk_size=chunk_size,
+                                 gdn=gdn, pg_collection=pg_collection)
     logp, ent = [], []
     for mb in batch.microbatches:
         params = make_tree_params(mb.forest, backend=backend, model=model, gdn=gdn)
@@ -354,6 +361,40 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
         logp.append(mb.logprob_rows(out.logp))
         ent.append(mb.entropy_rows(out.entropy))
     return TreeScores(logp=batch.gather(logp), entropy=batch.gather(ent), batch=batch)
+
+
+@torch.no_grad()
+def _scheduled_scores(model: torch.nn.Module, batch: TreeBatch, *, temperature: float, backend, chunk_size: int,
+                      gdn: GdnTreeConfig | None, pg_collection) -> TreeScores:
+    """:func:`tree_logprobs` through ``get_forward_backward_func(forward_only=True)``."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    pp = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(pp) > 1 and not getattr(getattr(model, "config", None),
+                                                                 "variable_seq_lengths", False):
+        batch = batch.padded()  # one shape for the pipeline's p2p buffers
+
+    def step(data_iterator, model_):
+        mb = next(data_iterator)
+        params = make_tree_params(mb.forest, backend=backend, model=model_, gdn=gdn)
+        output = tree_forward(model_, mb.forest, params=params, temperature=temperature, chunk_size=chunk_size)
+
+        def collect(output_tensor, non_loss_data=True):
+            return torch.stack([mb.logprob_rows(output_tensor[0]), mb.entropy_rows(output_tensor[1])], 1)
+
+        return output, collect
+
+    kw = {} if pg_collection is None else {"pg_collection": pg_collection}
+    res = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(batch.microbatches), model=model,
+        num_microbatches=len(batch.microbatches), seq_length=max(mb.forest.num_nodes for mb in batch.microbatches),
+        micro_batch_size=1, forward_only=True, collect_non_loss_data=True, **kw)
+    if not res:  # not the last pipeline stage
+        zeros = torch.zeros(batch.shape, dtype=torch.float32, device=next(model.parameters()).device)
+        return TreeScores(logp=zeros, entropy=zeros.clone(), batch=batch)
+    both = batch.gather(res)  # [B, 2, L]
+    return TreeScores(logp=both[:, 0], entropy=both[:, 1], batch=batch)
 
 
 def _tree_capable(model: torch.nn.Module) -> bool:

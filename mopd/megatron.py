@@ -264,52 +264,28 @@ class MegatronTeacher:
         return torch.where(batch.label_mask().to(logp.device), logp, torch.zeros_like(logp))
 
     def _score_tree(self, batch: TokenBatch) -> torch.Tensor:
-        """harts tree scoring. Rows ``input_ids[b, :lengths[b]]`` are planned into micro-batches
-        of at most ``token_cap`` compact rows (:func:`harts.plan_tree_batch`; sequences sorted,
-        shared prefixes once, THD fallback for micro-batches that barely compress), each run as one
-        packed row through Megatron's forward-only schedule with tree attention (Gated DeltaNet
-        plans for hybrid teachers) and harts' chunked LM head at the teacher temperature; each
-        micro-batch's log-probs come back as its rows (label layout, ``logp[b, t]`` for
+        """harts tree scoring (:func:`harts.megatron.tree_logprobs` through Megatron's forward-only
+        schedule): rows ``input_ids[b, :lengths[b]]`` are planned into micro-batches of at most
+        ``token_cap`` compact rows (sequences sorted, shared prefixes once, THD fallback for
+        micro-batches that barely compress), each run as one packed row with tree attention (Gated
+        DeltaNet plans for hybrid teachers) and harts' chunked LM head at the teacher
+        temperature, and written back as label-layout rows (``logp[b, t]`` for
         ``t < lengths[b] − 1``). Under pipeline parallelism without ``variable_seq_lengths`` every
         micro-batch is padded to the longest one."""
-        from harts import PlannerConfig, plan_tree_batch
-        from harts.megatron import make_tree_params, tree_forward
+        from harts import PlannerConfig
+        from harts.megatron import tree_logprobs
 
         cfg = self.tree
         self.host.enable_tree()
-        model = self.host.chunks[0]
-        dev = self.host.device
         planner = PlannerConfig(token_cap=cfg.token_cap, align=cfg.align,
                                 fallback_compression=cfg.fallback_compression, dp_size=1)
-        plan = plan_tree_batch(batch.input_ids, batch.lengths, config=planner, device=dev)
-        _, pp_group = _groups(self.host.pg_collection)
-        variable = getattr(getattr(model, "config", None), "variable_seq_lengths", False)
-        if torch.distributed.get_world_size(pp_group) > 1 and not variable:
-            plan = plan.padded()
-        micro = plan.microbatches
-        rows = max(mb.forest.num_nodes for mb in micro)
-        self.last_tree_stats = {"compression": plan.compression, "micro_batches": float(len(micro)),
+        res = tree_logprobs(self.host.chunks[0], batch.input_ids, batch.lengths, temperature=self.temperature,
+                            backend=cfg.backend, planner=planner, chunk_size=cfg.chunk_size, forward_only=True,
+                            pg_collection=self.host.pg_collection)
+        plan = res.batch
+        self.last_tree_stats = {"compression": plan.compression, "micro_batches": float(len(plan.microbatches)),
                                 "rows": float(plan.rows), "tokens": float(batch.lengths.sum())}
-        temperature, backend, chunk = self.temperature, cfg.backend, cfg.chunk_size
-
-        def step(data_iterator, model_):
-            mb = next(data_iterator)
-            params = make_tree_params(mb.forest, backend=backend, model=model_)
-            output = tree_forward(model_, mb.forest, params=params, temperature=temperature, chunk_size=chunk)
-
-            def collect(output_tensor, non_loss_data=True):
-                return mb.logprob_rows(output_tensor[0])
-
-            return output, collect
-
-        fb = get_forward_backward_func()
-        kw = {} if self.host.pg_collection is None else {"pg_collection": self.host.pg_collection}
-        res = fb(forward_step_func=step, data_iterator=iter(micro), model=model, num_microbatches=len(micro),
-                 seq_length=rows, micro_batch_size=1, forward_only=True, collect_non_loss_data=True, **kw)
-        if not res:  # not the last pipeline stage
-            return torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
-        dtype = torch.promote_types(res[0].dtype, torch.float32)
-        out = plan.gather([r.to(dtype) for r in res]).to(batch.input_ids.device)
+        out = res.logp.to(torch.promote_types(res.logp.dtype, torch.float32)).to(batch.input_ids.device)
         return torch.where(batch.label_mask().to(out.device), out, torch.zeros_like(out))
 
 
