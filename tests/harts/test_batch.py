@@ -112,6 +112,11 @@ def test_tree_logprobs_equals_per_row_fp64(cpu_megatron, planner):
     for n, p in model.named_parameters():
         assert p.grad.abs().max() > 0
         assert_close(f"grad {n}", p.grad, g_tree[n], atol=1e-10, rtol=1e-10)
+    # the same through Megatron's forward-only schedule (what mopd's tree teacher runs)
+    sched = tree_logprobs(model, ids, lengths, backend="dense", planner=planner, chunk_size=3, forward_only=True)
+    assert not sched.logp.requires_grad
+    assert_close("scheduled logp", lp, sched.logp, atol=1e-10, rtol=1e-10)
+    assert_close("scheduled entropy", ent, sched.entropy, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.timeout(120)
