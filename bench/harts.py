@@ -33,10 +33,10 @@ Sections:
   time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
   peak − (dW, dh in bf16 + their fp32 accumulators).
 
-Run: ``python bench/harts.py`` on a GPU (≈2 min on an H200: providers thdv, treev, treevs, treevl, harts; add
+Run: ``python -m bench.harts`` on a GPU (≈2 min on an H200: providers thdv, treev, treevs, treevl, harts; add
 ``--providers all`` for the FlexAttention ones and ``--fused-head`` for the compiled head kernels,
 each costing compile time; ``--cases rho=0.75 --profile rho=0.75`` adds GPU kernel time by kind
-per provider and chrome traces), ``python bench/harts.py --quick`` for a CPU smoke run (dense
+per provider and chrome traces), ``python -m bench.harts --quick`` for a CPU smoke run (dense
 attention backend, tiny sizes). Writes ``harts.json`` and ``harts.png``
 into ``bench._common.out_dir()`` and prints the tables last.
 """
@@ -47,14 +47,11 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     kernel_profile,
     out_dir,
     peak_memory,
