@@ -108,15 +108,23 @@ def unknown_keys(node: Any, cls: type, prefix: str = "") -> list[UnknownKey]:
 def to_dataclass(node: Any, cls: type, *, error: type[Exception] = ConfigError, where: str = "") -> Any:
     """Build the dataclass ``cls`` from ``node`` (a mapping or OmegaConf/Hydra ``DictConfig``).
 
-    Raises ``error`` listing every key that is no field (see :func:`unknown_keys`), OmegaConf's
-    ``ValidationError`` for a value of the wrong type, and whatever ``cls.__post_init__`` raises.
+    Raises ``error`` listing every key that is no field (see :func:`unknown_keys`), ``error``
+    naming the key for a value OmegaConf refuses (wrong type, not a member of an ``Enum`` field;
+    OmegaConf's ``ValidationError`` is its cause), and whatever ``cls.__post_init__`` raises.
     ``where`` names the source in the message (e.g. the YAML file).
     """
     from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
 
     bad = unknown_keys(node, cls)
     if bad:
         src = f" in {where}" if where else ""
         raise error(f"unknown config key{'s' if len(bad) > 1 else ''}{src}: "
                     + "; ".join(k.describe() for k in bad))
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), node)
+    except ValidationError as e:
+        src = f" in {where}" if where else ""
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise error(f"{e.full_key or cls.__name__}{src}: {first}") from e
+    return OmegaConf.to_object(merged)

@@ -27,7 +27,7 @@ def test_config_reference_is_generated_from_the_current_docstrings():
     from mopd.config import TeacherSpec
 
     docs = docgen.field_docs(TeacherSpec)
-    assert docs["max_retries"].startswith("Retries after a failed request") and set(docs) == {
+    assert docs["max_retries"].startswith("Retries after a failed attempt") and set(docs) == {
         f for f in TeacherSpec.__dataclass_fields__}
 
 
