@@ -300,9 +300,10 @@ def _forward_chunk_triton(h, weight, row_ptr, tok_l, tgt, cfg, lse, ent, a, a_en
     ent[:] = torch.log(se) - es / se
     if a is None:
         return
-    tri.probs_matmul(e, pm, lse, ent, weight, a)
+    cdtype = a.dtype
+    a.copy_(_mm(tri.scale_tiles(e, pm, lse, ent), weight, cdtype))  # A = P W, cuBLAS, fp32 out
     if a_ent is not None:
-        tri.probs_matmul(e, pm, lse, ent, weight, a_ent, entropy=True)
+        a_ent.copy_(_mm(tri.scale_tiles(e, pm, lse, ent, entropy=True), weight, cdtype))
 
 
 class _TreeHead(torch.autograd.Function):

@@ -12,9 +12,11 @@ by parent row); ``tok[c]`` is the child's token as a local id (outside ``[0, V)`
 * :func:`combine_tiles`: ``M = max_t m_t``, ``S = Σ_t e^{m_t − M} S_t``,
   ``Q = Σ_t e^{m_t − M} (Q_t + (m_t − M) S_t)``, so ``lse = M + log S`` and
   ``H = log S − Q / S`` (the entropy).
-* :func:`probs_matmul` (forward GEMM over the vocabulary, scale in its prologue):
-  ``A = P W`` with ``P = E · e^{m_t − lse}`` (the probabilities without the target columns) or,
-  for the entropy gradient, ``P = p (log p + H)``; fp32 out.
+* :func:`scale_tiles` (in place on ``E``, memory-bound): ``P = E · e^{m_t − lse}``, the
+  probabilities without the target columns, or for the entropy gradient ``P (log P + H)``; the
+  caller forms ``A = P W`` with one cuBLAS GEMM (fp32 output). (A Triton GEMM that applied the
+  scale in its prologue, to the A operand in registers before ``wgmma``, ran 17× slower than
+  this pair on an H200 and was dropped.)
 * :func:`hidden_grad`: ``dh_u = (Σ_c coef_c W[tok_c] − G_u A_u − g^H_u A^H_u) / τ`` with
   ``G_u = Σ_c g_c`` and ``coef_c = g_c − G_u p_c − g^H_u p_c (log p_c + H_u)``: the target
   columns enter with their exact fp32 coefficient, so ``1 − p`` never cancels in a rounded sum.
@@ -35,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TILE_N", "logit_tiles", "combine_tiles", "probs_matmul", "hidden_grad", "logit_grad",
-           "logit_tiles_reference", "combine_tiles_reference", "probs_matmul_reference",
-           "hidden_grad_reference", "logit_grad_reference"]
+__all__ = ["TILE_N", "logit_tiles", "combine_tiles", "scale_tiles", "hidden_grad", "logit_grad",
+           "logit_tiles_reference", "combine_tiles_reference", "scale_tiles_reference",
+           "hidden_grad_reference", "logit_grad_reference", "tuned_config"]
 
 TILE_N = 128
 """Vocabulary columns per forward tile: the granularity of the partial softmax statistics."""
@@ -148,44 +150,23 @@ def _combine_kernel(PM, PS, PQ, OM, OS, OQ, n, NT: tl.constexpr, BR: tl.constexp
 
 
 @triton.jit
-def _probs_matmul_kernel(E, PM, LSE, ENT, W, OUT, n, stride_e, stride_w, stride_o,
-                         H: tl.constexpr, V: tl.constexpr, TN: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr,
-                         BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr,
-                         ENTROPY: tl.constexpr, F32: tl.constexpr):
-    nh = tl.cdiv(H, BH)
-    pid = tl.program_id(0)
-    pid_m = pid // nh  # consecutive programs share a band of E rows
-    pid_h = pid % nh
-    rows = pid_m * BM + tl.arange(0, BM)
-    hs = pid_h * BH + tl.arange(0, BH)
-    rc = tl.minimum(rows, n - 1)
-    lse = tl.load(LSE + rc)
+def _scale_tiles_kernel(E, PM, LSE, ENT, n, stride_e, V: tl.constexpr, TN: tl.constexpr, BR: tl.constexpr,
+                        ACC: tl.constexpr, LOW: tl.constexpr, ENTROPY: tl.constexpr):
+    # one row block × one vocabulary tile, in place: e -> p = e · e^{m_t − lse}, or p -> p (log p + H)
+    t = tl.program_id(1)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = t * TN + tl.arange(0, TN)
+    rmask = rows < n
+    msk = rmask[:, None] & (cols < V)[None, :]
+    ptr = E + rows.to(tl.int64)[:, None] * stride_e + cols[None, :]
+    e = tl.load(ptr, mask=msk, other=0.0).to(ACC)
     if ENTROPY:
-        shift = tl.load(ENT + rc) - lse  # log p + H = log e + m_t − lse + H
-    ks = tl.arange(0, BK)
-    ep = E + rc.to(tl.int64)[:, None] * stride_e + ks[None, :]
-    wp = W + ks.to(tl.int64)[:, None] * stride_w + tl.minimum(hs, H - 1)[None, :]
-    acc = tl.zeros([BM, BH], ACC)
-    for k0 in range(0, V, BK):
-        m_t = tl.load(PM + (k0 // TN) * n + rc)  # BK divides TN: one tile per step
-        if V % BK == 0:
-            e = tl.load(ep).to(ACC)
-            w = tl.load(wp)
-        else:
-            km = ks < V - k0
-            e = tl.load(ep, mask=km[None, :], other=0.0).to(ACC)
-            w = tl.load(wp, mask=km[:, None], other=0.0)
-        p = e * tl.exp(m_t - lse)[:, None]
-        if ENTROPY:
-            p = tl.where(e > 0, p * (tl.log(tl.where(e > 0, e, 1.0)) + (m_t + shift)[:, None]), 0.0)
-        p = _cast(p, W.dtype.element_ty, LOW)
-        if F32:
-            p = p.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(p, w, acc, input_precision=PREC, out_dtype=ACC)
-        ep += BK
-        wp += BK * stride_w
-    tl.store(OUT + rows.to(tl.int64)[:, None] * stride_o + hs[None, :], acc, mask=(rows < n)[:, None] & (hs < H)[None, :])
+        ent = tl.load(ENT + rows, mask=rmask, other=0.0)
+        x = tl.where(e > 0, e * (tl.log(tl.where(e > 0, e, 1.0)) + ent[:, None]), 0.0)
+    else:
+        c = tl.exp(tl.load(PM + t * n + rows, mask=rmask, other=0.0) - tl.load(LSE + rows, mask=rmask, other=0.0))
+        x = e * c[:, None]
+    tl.store(ptr, _cast(x, E.dtype.element_ty, LOW), mask=msk)
 
 
 @triton.jit
@@ -263,23 +244,22 @@ def _logit_grad_kernel(X, W, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV
 # ----------------------------------------------------------------------------------------------
 # configurations: explicit (tests, the CPU interpreter) or autotuned on first use per shape (CUDA)
 
-_MM_CONFIGS = {  # (BM, BN-or-BH, BK, num_warps, num_stages)
-    "logit_tiles": [(128, TILE_N, 64, 8, 3), (128, TILE_N, 64, 4, 4), (256, TILE_N, 64, 8, 3), (64, TILE_N, 64, 4, 4)],
-    "logit_grad": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4)],
-    "probs_matmul": [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
+_MM_CONFIGS = {  # (BM, BN, BK, num_warps, num_stages); chosen on an H200 among these on first use
+    "logit_tiles": [(128, TILE_N, 64, 8, 3), (128, TILE_N, 64, 8, 4), (256, TILE_N, 64, 8, 3), (256, TILE_N, 64, 8, 4),
+                    (64, TILE_N, 64, 4, 4)],
+    "logit_grad": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3),
+                   (128, 128, 64, 4, 4)],
 }
-_KERNELS = {"logit_tiles": (_logit_tiles_kernel, "BN"), "logit_grad": (_logit_grad_kernel, "BN"),
-            "probs_matmul": (_probs_matmul_kernel, "BH")}
-_INTERPRET_CONFIG = {"BM": 16, "BN": 16, "BH": 16, "BK": 16}
+_KERNELS = {"logit_tiles": _logit_tiles_kernel, "logit_grad": _logit_grad_kernel}
+_INTERPRET_CONFIG = {"BM": 16, "BN": 16, "BK": 16}
 
 
 @functools.cache
 def _tuned(name: str):
-    fn, n_name = _KERNELS[name]
-    configs = [triton.Config({"BM": bm, "BK": bk} if name == "logit_tiles" else {"BM": bm, n_name: bn, "BK": bk},
+    configs = [triton.Config({"BM": bm, "BK": bk} if name == "logit_tiles" else {"BM": bm, "BN": bn, "BK": bk},
                              num_warps=w, num_stages=s)  # logit_tiles: BN is fixed (the partials' layout)
                for bm, bn, bk, w, s in _MM_CONFIGS[name]]
-    return triton.autotune(configs=configs, key=["H", "V"] if name != "logit_grad" else ["H"])(fn)
+    return triton.autotune(configs=configs, key=["H", "V"] if name == "logit_tiles" else ["H"])(_KERNELS[name])
 
 
 def _interpreting() -> bool:
@@ -289,22 +269,20 @@ def _interpreting() -> bool:
 
 
 def _launch(name: str, grid, args: dict, config: dict | None):
-    """Run kernel ``name`` with ``config`` ({BM, BN|BH, BK, num_warps, num_stages}); ``None``: the
+    """Run kernel ``name`` with ``config`` ({BM, BN, BK, num_warps, num_stages}); ``None``: the
     autotuned kernel on CUDA, the small interpreter tiles elsewhere."""
-    fn, n_name = _KERNELS[name]
     if config is None and not _interpreting():
         _tuned(name)[grid](**args)
         return
-    cfg = dict(config or {k: _INTERPRET_CONFIG[k] for k in ("BM", n_name, "BK")})
+    cfg = dict(config or _INTERPRET_CONFIG)
     if name == "logit_tiles":
         cfg.pop("BN", None)  # fixed: the partials' layout
-    _fn = fn
-    _fn[grid](**args, **cfg)
+    _KERNELS[name][grid](**args, **cfg)
 
 
 def tuned_config(name: str) -> dict | None:
     """The configuration the autotuner chose for kernel ``name`` (None before its first run)."""
-    best = getattr(_tuned(name), "best_config", None) if name in _KERNELS else None
+    best = getattr(_tuned(name), "best_config", None)
     return None if best is None else {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
 
 
@@ -373,17 +351,18 @@ def combine_tiles(pm: torch.Tensor, ps: torch.Tensor, pq: torch.Tensor):
     return out[0], out[1], out[2]
 
 
-def probs_matmul(e: torch.Tensor, pm: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, w: torch.Tensor,
-                 out: torch.Tensor, *, entropy: bool = False, config: dict | None = None) -> torch.Tensor:
-    """``out [n, H] = P W`` (``P``: module docstring) for the tiles of :func:`logit_tiles`."""
+def scale_tiles(e: torch.Tensor, pm: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, *,
+                entropy: bool = False) -> torch.Tensor:
+    """In place on ``E`` of :func:`logit_tiles`: ``E ← E · e^{m_t − lse}`` (the probabilities
+    without the target columns), or with ``entropy=True`` on those probabilities
+    ``P ← P (log P + H)``; computed in the accumulation dtype, rounded to ``E``'s dtype."""
     n, v = e.shape
-    hd = w.shape[1]
-    w = _rows_dense(w)
-    args = dict(E=e, PM=pm, LSE=lse, ENT=ent, W=w, OUT=out, n=n, stride_e=e.stride(0), stride_w=w.stride(0),
-                stride_o=out.stride(0), H=hd, V=v, TN=TILE_N, ACC=_acc(e.dtype), PREC=_prec(e.dtype),
-                LOW=_low(w.dtype), ENTROPY=entropy, F32=_f32_dots(w.dtype))
-    _launch("probs_matmul", lambda meta: (triton.cdiv(n, meta["BM"]) * triton.cdiv(hd, meta["BH"]),), args, config)
-    return out
+    if n == 0:
+        return e
+    br = 16 if _interpreting() else 32
+    _scale_tiles_kernel[(triton.cdiv(n, br), triton.cdiv(v, TILE_N))](
+        e, pm, lse, ent, n, e.stride(0), V=v, TN=TILE_N, BR=br, ACC=_acc(e.dtype), LOW=_low(e.dtype), ENTROPY=entropy)
+    return e
 
 
 def hidden_grad(a: torch.Tensor, a_ent: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor,
@@ -456,15 +435,14 @@ def combine_tiles_reference(pm, ps, pq):
     return big, (ps * wt).sum(0), ((pq + (pm - big) * ps) * wt).sum(0)
 
 
-def probs_matmul_reference(e, pm, lse, ent, w, *, entropy=False):
+def scale_tiles_reference(e, pm, lse, ent, *, entropy=False):
     acc = _acc_dtype(e.dtype)
-    n, v = e.shape
-    mt = pm.T.repeat_interleave(TILE_N, 1)[:, :v]
     ef = e.to(acc)
-    p = ef * torch.exp(mt - lse[:, None])
     if entropy:
-        p = torch.where(ef > 0, p * (torch.log(torch.where(ef > 0, ef, 1.0)) + mt - lse[:, None] + ent[:, None]), 0.0)
-    return p.to(w.dtype).to(acc) @ w.to(acc)
+        x = torch.where(ef > 0, ef * (torch.log(torch.where(ef > 0, ef, 1.0)) + ent[:, None]), 0.0)
+    else:
+        x = ef * torch.exp(pm.T.repeat_interleave(TILE_N, 1)[:, :e.shape[1]] - lse[:, None])
+    return x.to(e.dtype)
 
 
 def hidden_grad_reference(a, a_ent, lse, ent, g_ent, row_ptr, tok, g_edge, tgt, w, inv_t):

@@ -3,7 +3,7 @@ interpreter. Started by ``tests/harts/test_lm_head.py`` in a subprocess with ``T
 (set before Triton is imported); prints one JSON line with, per check, the largest error relative
 to the reference's scale (``max |out − ref| / max(max |ref|, 1e-300)``):
 
-* ``kernel …``: each kernel against its plain-torch reference (same contract, same inputs) in
+* ``kernel …``: each Triton kernel against its plain-torch reference (same contract, same inputs) in
   fp64, fp32 and bf16, on a forest with forks, a vocabulary shard that some targets fall outside of,
   ``H`` and ``V`` that are not multiples of the tiles;
 * ``head …``: :func:`harts.lm_head.tree_lm_head` with ``impl="triton"`` in fp64 against the
@@ -59,10 +59,10 @@ def kernels(dtype: torch.dtype) -> dict[str, float]:
     for name, a, b in zip("MSQ", (m, se, es), tri.combine_tiles_reference(pm, ps, pq), strict=True):
         out[f"kernel combine {name}"] = _err(a, b)
     lse, ent = m + torch.log(se), torch.log(se) - es / se
-    for entropy in (False, True):
-        a = tri.probs_matmul(e, pm, lse, ent, w, torch.empty(t, hd, dtype=acc), entropy=entropy)
-        out[f"kernel probs_matmul entropy={entropy}"] = _err(a, tri.probs_matmul_reference(e, pm, lse, ent, w,
-                                                                                          entropy=entropy))
+    p_ref = tri.scale_tiles_reference(e, pm, lse, ent)
+    out["kernel scale_tiles p"] = _err(tri.scale_tiles(e.clone(), pm, lse, ent), p_ref)
+    out["kernel scale_tiles entropy"] = _err(tri.scale_tiles(p_ref.clone(), pm, lse, ent, entropy=True),
+                                             tri.scale_tiles_reference(p_ref, pm, lse, ent, entropy=True))
     a_, a_ent = torch.randn(2, t, hd, generator=g, dtype=torch.float64).to(acc)
     g_edge, g_ent = torch.randn(tok.numel(), generator=g, dtype=torch.float64).to(acc), torch.randn(
         t, generator=g, dtype=torch.float64).to(acc)
