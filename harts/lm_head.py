@@ -359,7 +359,8 @@ class _TreeHead(torch.autograd.Function):
         group = cfg.group
         tp = group is not None and dist.get_world_size(group) > 1
         g_edge = g_logp[e_child].to(cdtype) if g_logp is not None else torch.zeros_like(tgt)
-        g_ent = g_ent.to(cdtype) if g_ent is not None else None
+        # contiguous: the gradient of ent.sum() arrives expanded (stride 0), and the kernels index it by row
+        g_ent = g_ent.to(cdtype).contiguous() if g_ent is not None else None
         if g_ent is None:
             a_ent = None
         inv_t = torch.full((1,), cfg.inv_temp, dtype=cdtype, device=hidden.device)

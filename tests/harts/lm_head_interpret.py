@@ -81,7 +81,8 @@ def kernels(dtype: torch.dtype) -> dict[str, float]:
     return {f"{k} {str(dtype)[6:]}": val for k, val in out.items()}
 
 
-def _head_case(f, *, v, hd, dtype, chunk, vocab_block, temp, ent_grad, seed=0, tp_group=None, rank=0, world=1):
+def _head_case(f, *, v, hd, dtype, chunk, vocab_block, temp, ent_grad, seed=0, tp_group=None, rank=0, world=1,
+               sum_objective=False):
     """(errors of logp, entropy, dhidden, dweight) of the Triton head against the fp64 full-logits reference."""
     g = torch.Generator().manual_seed(seed)
     t = f.num_nodes
@@ -89,10 +90,15 @@ def _head_case(f, *, v, hd, dtype, chunk, vocab_block, temp, ent_grad, seed=0, t
     w_full = (0.5 * torch.randn(v, hd, generator=g, dtype=torch.float64)).to(dtype)
     vl = v // world
     w = w_full[rank * vl:(rank + 1) * vl].clone().requires_grad_(True)
-    c_lp, c_en = torch.randn(t, generator=g, dtype=torch.float64), torch.randn(t, generator=g, dtype=torch.float64)
+    if sum_objective:  # autograd hands the gradients of .sum() over as expanded (stride-0) tensors
+        c_lp, c_en = (torch.ones(1, dtype=torch.float64).expand(t) for _ in range(2))
+    else:
+        c_lp, c_en = (torch.randn(t, generator=g, dtype=torch.float64) for _ in range(2))
     lp, en = tree_lm_head(hid, w, f.tokens, f.parent, chunk_size=chunk, temperature=temp, entropy_requires_grad=ent_grad,
                           impl="triton", vocab_block=vocab_block, tp_group=tp_group)
     obj = (lp.double() * c_lp).sum() + ((en.double() * c_en).sum() if ent_grad else 0.0)
+    if sum_objective:
+        obj = lp.sum() + (en.sum() if ent_grad else 0.0)
     dh, dw = torch.autograd.grad(obj, [hid, w])
     hr, wr = hid.detach().double().requires_grad_(True), w_full.double().requires_grad_(True)
     lr, er = tree_head_reference(hr, wr, f.tokens, f.parent, temperature=temp)
@@ -110,6 +116,11 @@ def heads() -> dict[str, float]:
         e = _head_case(f, v=301, hd=20, dtype=torch.float64, chunk=chunk, vocab_block=vb, temp=0.7, ent_grad=ent_grad)
         for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
             out[f"head fp64 chunk={chunk} vb={vb} ent_grad={ent_grad} {name}"] = val
+    # H a multiple of the K tile (no masked loads), several chunks, the gradients of .sum()
+    e = _head_case(f, v=301, hd=32, dtype=torch.float64, chunk=8, vocab_block=64, temp=1.0, ent_grad=True,
+                   sum_objective=True)
+    for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
+        out[f"head fp64 sum-objective H=32 {name}"] = val
     e = _head_case(f, v=301, hd=20, dtype=torch.bfloat16, chunk=16, vocab_block=128, temp=1.0, ent_grad=True)
     for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
         out[f"head bf16 {name}"] = val
