@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -352,7 +351,7 @@ def write_record(result) -> None:
     keep = ("harts_default", "liger_flce", "liger_flce_fp32", "torch_full")
     rec = {"header": {**machine_header(), "T": result["T"], "H": result["H"], "dtype": "bfloat16",
                       "objective": "fwd+bwd of the summed token log-prob, chain rows",
-                      "ms": f"minimum over >= 5 interleaved runs",
+                      "ms": "minimum over >= 5 interleaved runs",
                       "peak_GiB": "torch.cuda.max_memory_allocated above the inputs (dW, dh included)",
                       "grad_rel_err": "max over dW, dhidden of ||g - g_fp32|| / ||g_fp32||, fp32 reference "
                                       "(TF32 off) on the same bf16 values"},

@@ -310,7 +310,6 @@ class _TreeHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, e_child, e_parent, e_tok, row_ptr, cfg: _Cfg):
         t, hd = hidden.shape
-        vl = weight.shape[0]
         off, chunk, group = cfg.off, cfg.chunk, cfg.group
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         dev = hidden.device
