@@ -103,7 +103,8 @@ class HeadConfig:
     once per microbatch), ``varlen`` (FlashAttention-2 varlen per trie segment, bf16/fp16 on CUDA)
     or ``dense`` (tests only)."""
     chunk_size: int = 1024
-    """Rows per LM-head chunk; extra memory ≈ 2 · chunk_size · V_local fp32 values."""
+    """Rows per LM-head forward chunk: ``chunk_size · V_local`` values alive (model dtype on the
+    Triton path, fp32 on the torch path), plus the saved fp32 ``[T, H]`` ``A`` (harts.md, "LM head")."""
     temperature: float = 1.0
     """Sampling temperature τ; logits are divided by it."""
     entropy_requires_grad: bool = False
