@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 examples/demo/run.py $(DEMO_ARGS)
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node 2 -m examples.demo.run $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not gpu and not sglang" tests $(PYTEST_ARGS)

@@ -27,16 +27,17 @@ Sections:
   that perfectly efficient kernels would give, padding and prefix duplication included).
   The calibration line reports the crossover: the smallest C at which the forced tree (best
   backend) is at least as fast as the best THD, interpolated between measured cases.
-* ``head``: fwd+bwd of per-row log-probs + entropy at V = 151,936, bf16 weights: full logits
-  (bf16 GEMM, fp32 softmax math, autograd; ``full_fp32``: upcast operands and a TF32 GEMM, the
-  baseline of earlier runs) vs :func:`harts.tree_lm_head` with chunks of 1024 and 4096 rows;
-  time, speed vs full and peak extra memory in chunks of fp32 logits, where extra =
-  peak − (dW, dh in bf16 + their fp32 accumulators).
+* ``head``: :mod:`bench.harts_head` (also runnable alone): fwd+bwd of the summed token log-prob at
+  T = 16,384, H = 2048, V = 151,936 (Qwen3), bf16: :func:`harts.tree_lm_head` in its default
+  configuration against liger-kernel's ``LigerFusedLinearCrossEntropyLoss`` (bf16 and fp32
+  accumulation) and plain torch (full fp32 logits) on chain rows, and the harts head on tree rows
+  (GRPO ρ = 0.75, caterpillar); minimum time over interleaved runs, peak memory, gradient error vs an
+  fp32 reference. Writes ``harts_head_peers.json`` and ``harts_head.png`` too.
 
-Run: ``python bench/harts.py`` on a GPU (≈2 min on an H200: providers thdv, treev, treevs, treevl, harts; add
-``--providers all`` for the FlexAttention ones and ``--fused-head`` for the compiled head kernels,
-each costing compile time; ``--cases rho=0.75 --profile rho=0.75`` adds GPU kernel time by kind
-per provider and chrome traces), ``python bench/harts.py --quick`` for a CPU smoke run (dense
+Run: ``python -m bench.harts`` on a GPU (≈2 min on an H200: providers thdv, treev, treevs, treevl, harts; add
+``--providers all`` for the FlexAttention ones and ``--fused-head`` for the head's compiled torch
+path, each costing compile time; ``--cases rho=0.75 --profile rho=0.75`` adds GPU kernel time by kind
+per provider and chrome traces), ``python -m bench.harts --quick`` for a CPU smoke run (dense
 attention backend, tiny sizes). Writes ``harts.json`` and ``harts.png``
 into ``bench._common.out_dir()`` and prints the tables last.
 """
@@ -47,14 +48,11 @@ import argparse
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     kernel_profile,
     out_dir,
     peak_memory,
@@ -371,65 +369,15 @@ def crossover(points):
 
 
 def bench_head(args, dev, rows):
-    from harts.lm_head import head_edges, tree_lm_head
+    """The head section: :func:`bench.harts_head.run` (its rows, table and target lines)."""
+    from bench import harts_head
 
-    t, h, v = (128, 32, 1000) if args.quick else (8192, 2048, 151936)
-    dtype = torch.float32 if args.quick else torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    hid = torch.randn(t, h, device=dev, generator=g).to(dtype).requires_grad_(True)
-    w = (0.02 * torch.randn(v, h, device=dev, generator=g)).to(dtype).requires_grad_(True)
-    tokens = torch.randint(0, v, (t,), device=dev, generator=g)
-    parent = torch.arange(-1, t - 1, device=dev)  # one packed sequence
-    edges = head_edges(tokens, parent)
-
-    def full():
-        z = (hid @ w.T).float()  # logits in the model dtype, softmax math in fp32 (as Megatron's head + CE)
-        lp = torch.log_softmax(z, -1)
-        logp = lp[1:].gather(-1, tokens[1:, None]).squeeze(-1)  # row v-1 predicts token v
-        ent = -(lp.exp() * lp).sum(-1)
-        (logp.sum() + ent.sum()).backward()
-
-    def full_fp32():  # the previous baseline: fp32 (TF32) GEMM on upcast operands
-        z = hid.float() @ w.float().T
-        lp = torch.log_softmax(z, -1)
-        logp = lp[1:].gather(-1, tokens[1:, None]).squeeze(-1)
-        ent = -(lp.exp() * lp).sum(-1)
-        (logp.sum() + ent.sum()).backward()
-
-    def chunked(c, fused=False):
-        def fn():
-            logp, ent = tree_lm_head(hid, w, tokens, parent, chunk_size=c, entropy_requires_grad=True, edges=edges,
-                                     fused=fused)
-            (logp.sum() + ent.sum()).backward()
-        return fn
-
-    grads = (v * h + t * h) * (torch.finfo(dtype).bits // 8 + 4)  # dW, dh and their fp32 accumulators
-    fns = {"full": (full, None), "full_fp32": (full_fp32, None), "chunk1024": (chunked(1024), 1024),
-           "chunk4096": (chunked(4096), 4096)}
-    if args.fused_head:
-        fns["chunk1024_fused"] = (chunked(1024, fused=True), 1024)
-    samples = {k: [] for k in fns}
-    for fn, _ in fns.values():
-        fn()
-        hid.grad = w.grad = None
-    for _ in range(max(args.iters, 3)):
-        for k, (fn, _) in fns.items():
-            samples[k].append(_timed(fn))
-            hid.grad = w.grad = None
-    table = []
-    base = statistics.median(samples["full"])
-    for name, (fn, chunk) in fns.items():
-        mem = peak_memory(fn)
-        hid.grad = w.grad = None
-        ms = statistics.median(samples[name])
-        chunk_bytes = (chunk or t) * v * 4
-        extra = (mem - grads) / chunk_bytes if dev == "cuda" else float("nan")  # no allocator stats on CPU
-        rows.append({"bench": "harts", "section": "head", "case": f"T{t}-H{h}-V{v}", "provider": name,
-                     "ms_p50": ms, "ms_min": min(samples[name]), "peak_bytes": mem, "chunk_logits_bytes": chunk_bytes,
-                     "grad_bytes": grads, "peak_extra_chunks": extra, "speed_vs_full": base / ms})
-        table.append({"provider": name, "ms": ms, "speed_vs_full": base / ms, "peak_MiB": mem / 2**20,
-                      "extra_chunks": extra})
-    return table
+    res = harts_head.run(argparse.Namespace(quick=args.quick, rows=16384, vocab=151936, iters=args.iters, sweep=False,
+                                            profile=False, fused_head=args.fused_head))
+    harts_head.write_record(res)
+    harts_head.plot(res["rows"], out_dir() / "harts_head.png")
+    rows.extend({"bench": "harts", "section": "head", **r} for r in res["rows"])
+    return res["table"], harts_head.target_lines(res)
 
 
 def _plot(plots, path):
@@ -480,7 +428,7 @@ def main():
     t_start = time.perf_counter()
     rows, plots = [], []
     model_table = bench_model(args, dev, rows, plots) if "model" in args.sections else []
-    head_table = bench_head(args, dev, rows) if "head" in args.sections else []
+    head_table, head_targets = bench_head(args, dev, rows) if "head" in args.sections else ([], [])
     cross = crossover([(c, r) for c, r, _, _ in plots])
     extra = {"cap": args.cap, "fallback": args.fallback, "quick": args.quick, "crossover_compression": cross,
              "wall_s": time.perf_counter() - t_start, "model_table": model_table, "head_table": head_table,
@@ -499,8 +447,9 @@ def main():
                                   "S_flops", "x/S_flops",
                                   "peak_GiB", "peak_thdv_GiB", "peak_treevs_GiB", "plan_ms", "prep_ms", "harts_plan"])
     if head_table:
-        print_table(head_table, ["provider", "ms", "speed_vs_full", "peak_MiB", "extra_chunks"])
-    for line in _target_lines(model_table, head_table):
+        print_table(head_table, ["rows", "provider", "ms", "ms_median", "peak_GiB", "grad_rel_err_dW",
+                                 "grad_rel_err_dhidden", "roofline_3gemm_fraction", "first_call_s"])
+    for line in _target_lines(model_table) + head_targets:
         print(line)
 
 
@@ -518,8 +467,9 @@ def write_xc_min(xc: dict, args) -> object:
     return path
 
 
-def _target_lines(model_table, head_table):
-    """The issue's targets, checked against this run's numbers (x/C: the minimum over the runs)."""
+def _target_lines(model_table):
+    """The issue's x/C targets, checked against this run's numbers (x/C: the minimum over the runs;
+    the head's targets: bench.harts_head)."""
     out = []
     for r in model_table:
         c, x = r["C"], r["x_best_thd"]
@@ -530,10 +480,6 @@ def _target_lines(model_table, head_table):
         elif c < 1.05:
             out.append(f"target C~1 within 3 %  {r['case']}: harts/best THD time = {1 / x:.3f} "
                        f"{'met' if 1 / x <= 1.03 else 'NOT met'}")
-    for r in head_table:
-        if r["provider"].startswith("chunk"):
-            out.append(f"target head {r['provider']}: extra {r['extra_chunks']:.2f} chunks (<= 1), speed "
-                       f"{r['speed_vs_full']:.2f}x full (>= 0.9)")
     return out
 
 

@@ -22,7 +22,7 @@ GPU kernel time, next to the wall-clock ``tree_x``.
 If FLA refuses the backward (Hopper + Triton 3.6 without tilelang) the run times forward only and
 says so in the JSON (``mode``).
 
-Run: ``python bench/harts_gdn.py`` on a GPU; ``python bench/harts_gdn.py --quick`` for a CPU smoke
+Run: ``python -m bench.harts_gdn`` on a GPU; ``python -m bench.harts_gdn --quick`` for a CPU smoke
 run (tiny sizes, torch recurrence). On a fresh H200 box two attempts of the full run did not
 finish within 5.5 min (FLA/TileLang kernel autotuning and compilation come first): split it with
 ``--sections layer`` / ``--sections model`` and ``--cases``, and bound it with ``--budget-s``; every
@@ -34,14 +34,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench._common import (  # noqa: E402
+from bench._common import (
     kernel_profile,
     out_dir,
     peak_memory,

@@ -14,7 +14,7 @@ Cases (forward + backward unless noted):
   (``teacher_tree.enabled``; flex attention, chunked head) vs plain padded ``[B, L]``
   micro-batches (baseline ``plain``). ``--no-teacher`` skips it.
 
-Run: ``python bench/mopd.py`` (H200: ~1 min) or ``python bench/mopd.py --quick`` (CPU smoke).
+Run: ``python -m bench.mopd`` (H200: ~1 min) or ``python -m bench.mopd --quick`` (CPU smoke).
 Writes ``mopd.json`` and ``mopd.png`` into ``$OUT`` (or ``outputs/bench``); prints a table last.
 """
 
@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import out_dir, peak_memory, print_table, time_cpu, time_cuda, write_results  # noqa: E402
-from mopd.config import DivergenceConfig, MOPDLossConfig  # noqa: E402
-from mopd.divergences import full_vocab_divergence, row_divergence, topk_divergence  # noqa: E402
-from mopd.objectives import TokenTargets, mopd_pg_loss  # noqa: E402
-from mopd.routing import TargetAccumulator  # noqa: E402
+from bench._common import out_dir, peak_memory, print_table, time_cpu, time_cuda, write_results
+from mopd.config import DivergenceConfig, MOPDLossConfig
+from mopd.divergences import full_vocab_divergence, row_divergence, topk_divergence
+from mopd.objectives import TokenTargets, mopd_pg_loss
+from mopd.routing import TargetAccumulator
 
 
 def _plain_full(z, t, cfg):

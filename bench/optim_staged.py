@@ -26,7 +26,7 @@ Sections (each row: case, provider, ms p50, ratio vs the case baseline):
   exposed optimizer time. Writes ``optim_peers.json`` (the issue's record), ``optim_staged_peers.json``
   and ``optim_peers.png``. torchao is the ``bench`` extra (CUDA only; imported lazily).
 
-Run: ``python bench/optim_staged.py`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds);
+Run: ``python -m bench.optim_staged`` (H200: ~2 min) or ``--quick`` (CPU/GPU smoke, seconds);
 ``--only adamw|muon|megatron`` runs one section; ``--targets`` runs only the cases behind the
 issue's targets (H200: well under a minute).
 Writes ``optim_staged.json`` / ``optim_staged.png`` into ``$OUT`` (or ``outputs/bench``)."""
@@ -37,16 +37,13 @@ import argparse
 import functools
 import gc
 import os
-import sys
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
-from optim_staged import SlotConfig, StagedAdamW  # noqa: E402
+from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results
+from optim_staged import SlotConfig, StagedAdamW
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

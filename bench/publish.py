@@ -35,8 +35,8 @@ Cases:
   publish, the publisher's phases, ``untimed_ms`` (wall minus the phase
   sum), the converter stream alone (without and with the arena), and a cProfile top list (in-place, kept mapped, shm).
 
-Run: ``python bench/publish.py`` (H200, ~1 min), ``python bench/publish.py --quick`` (CPU smoke:
-shared-memory transport, small set), ``python bench/publish.py --overhead`` (CPU, ~1 min). Writes ``publish.json`` / ``publish.png`` (or
+Run: ``python -m bench.publish`` (H200, ~1 min), ``python -m bench.publish --quick`` (CPU smoke:
+shared-memory transport, small set), ``python -m bench.publish --overhead`` (CPU, ~1 min). Writes ``publish.json`` / ``publish.png`` (or
 ``publish_sglang.*``, ``publish_overhead.*``) into ``$OUT`` (or ``outputs/bench``); prints a table last.
 """
 
@@ -47,21 +47,18 @@ import cProfile
 import math
 import os
 import pstats
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
-from colocate import HFModelSpec, PublishConfig, TensorReceiver  # noqa: E402
-from colocate.buckets import tensor_checksum  # noqa: E402
-from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf  # noqa: E402
-from colocate.publish import Publisher  # noqa: E402
-from colocate.transports import spawn_receiver  # noqa: E402
+from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results
+from colocate import HFModelSpec, PublishConfig, TensorReceiver
+from colocate.buckets import tensor_checksum
+from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf
+from colocate.publish import Publisher
+from colocate.transports import spawn_receiver
 
 GiB = 1 << 30
 QWEN3_8B = HFModelSpec(arch="qwen3", num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8,

@@ -7,7 +7,7 @@ Providers (same run, same teacher, same data):
              feature object and ack per step.
 Store micro-benchmark: put / get bandwidth of ShmStore and FileStore for EAGLE-3-like objects.
 
-Run: ``python bench/shared_teacher.py`` (GPU, well under a minute on one H200 expected; not yet run) or
+Run: ``python -m bench.shared_teacher`` (GPU, well under a minute on one H200 expected; not yet run) or
 ``--quick`` (CPU smoke, ~30 s). The GPU teacher has the Qwen3-0.6B shape with random weights.
 Writes ``shared_teacher.json`` and ``shared_teacher.png`` into ``$OUT`` (or ./outputs/bench).
 """
@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench._common import out_dir, print_table, write_results  # noqa: E402
+from bench._common import out_dir, print_table, write_results
 
 
 def _init(device: str) -> None:

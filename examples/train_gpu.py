@@ -1,8 +1,8 @@
 """MOPD steps on a real architecture built from a Hydra config, on one GPU (or CPU for tiny models).
 
-    python examples/train_gpu.py model=qwen3_dense_0p6b            # GPU
-    python examples/train_gpu.py                                   # CPU default: model=tiny_dense
-    python examples/train_gpu.py model.hf_path=/ckpt/student model.teacher_hf_path=/ckpt/teacher
+    python -m examples.train_gpu model=qwen3_dense_0p6b            # GPU
+    python -m examples.train_gpu                                   # CPU default: model=tiny_dense
+    python -m examples.train_gpu model.hf_path=/ckpt/student model.teacher_hf_path=/ckpt/teacher
 
 Builds a student and a frozen teacher (random init) from ``examples/configs/model/<name>.yaml``,
 or loads them from HF folders (``model.hf_path``: ``mcore_distill.hf.megatron_model_from_hf``),
@@ -15,21 +15,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from examples.train.config import TrainConfig, to_train_config  # noqa: E402
-
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+from examples.train.config import TrainConfig, to_train_config  # noqa: E402 (registers the schema)
 
 
 def setup(device: str) -> bool:

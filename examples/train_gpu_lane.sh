@@ -26,7 +26,7 @@ rc=0
 for m in $models; do
   echo "=== model=$m (limit ${LIMIT:-150}s)"
   # shellcheck disable=SC2086
-  timeout "${LIMIT:-150}" "$PY" examples/train_gpu.py "model=$m" $EXTRA "out_json=$OUT/train_gpu/$m.json" \
+  timeout "${LIMIT:-150}" "$PY" -m examples.train_gpu "model=$m" $EXTRA "out_json=$OUT/train_gpu/$m.json" \
     "hydra.run.dir=/tmp/train_gpu_hydra" > "$OUT/train_gpu/$m.log" 2>&1
   r=$?
   grep -v -e "DEPRECATED" -e "full_param_layout" "$OUT/train_gpu/$m.log" | tail -n 14

@@ -1,10 +1,11 @@
 """Smallest real end-to-end run: a tiny Qwen3-style Megatron GPT learns string reversal on CPU.
 
-Megatron-Core DDP + distributed optimizer over gloo, launched by torchrun (``make demo`` runs it on
-2 ranks). Prints a progress bar, then held-out exact-match accuracy of greedy decoding. Replaced as
-``make demo`` by the full distillation demo once that exists.
+Megatron-Core DDP + distributed optimizer over gloo, launched by torchrun on 2 ranks. Prints a
+progress bar, then held-out exact-match accuracy of greedy decoding. ``make demo`` runs the full
+distillation demo (``examples/demo``); adding mcore-distill to a loop like this one is
+``examples/megatron_integration`` (docs/integration.md).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_tiny_gpt.py
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m examples.train_tiny_gpt
 """
 
 from __future__ import annotations

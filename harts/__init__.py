@@ -1,13 +1,14 @@
 """harts: tree execution of shared-prefix rollouts on Megatron-Core.
 
-Megatron integration (``apply_harts``, ``tree_forward``...) lives in :mod:`harts.megatron`, and
-the Gated DeltaNet layer swap (``TreeGatedDeltaNet``, ``apply_tree_gdn``) in
-:mod:`harts.gdn_megatron`; these two are the only submodules importing ``megatron.core`` and are
+Megatron integration (``apply_harts``, ``tree_forward``, ``tree_logprobs``...) lives in
+:mod:`harts.megatron`, and the Gated DeltaNet layer swap (``TreeGatedDeltaNet``,
+``apply_tree_gdn``) in :mod:`harts.gdn_megatron`; these two are the only submodules importing ``megatron.core`` and are
 not imported here. DP row exchange is in :mod:`harts.exchange`.
 """
 
 from harts.attention import build_block_mask, flex_tree_attention, tree_attention
-from harts.config import CostModelConfig, HartsConfigError, HeadConfig, PlannerConfig
+from harts.batch import TreeBatch, TreeMicrobatch, plan_tree_batch
+from harts.config import AttentionBackend, CostModelConfig, HartsConfigError, HeadConfig, PlannerConfig
 from harts.forest import EmptySequenceError, Forest, TokenOutOfRangeError, build_chain_forest, build_forest
 from harts.gdn import (
     GdnConfigError,
@@ -53,6 +54,7 @@ from harts.reference import (
 from harts.workload import caterpillar, grpo_for_sharing, grpo_groups
 
 __all__ = [
+    "AttentionBackend", "TreeBatch", "TreeMicrobatch", "plan_tree_batch",
     "GdnConfigError", "GdnPlan", "GdnShapeError", "GdnTreeConfig", "ancestor_table", "build_gdn_plan",
     "causal_conv1d_reference", "chain_rounds", "chunk_gated_delta_rule_reference", "l2norm_reference",
     "recurrent_gated_delta_rule_reference", "tree_causal_conv1d", "tree_gated_delta_rule",

@@ -20,17 +20,16 @@ The dense mask itself lives in :mod:`harts.reference` (:func:`~harts.reference.t
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
+from harts.config import AttentionBackend
 from harts.reference import tree_attention_reference
 from harts.varlen import VarlenPlan, build_varlen_plan, varlen_tree_attention
+from mcore_distill.validate import check_choice
 
-__all__ = ["Backend", "VarlenPlan", "build_block_mask", "build_varlen_plan", "tree_attention", "flex_tree_attention",
-           "varlen_tree_attention"]
-
-Backend = Literal["dense", "flex", "varlen"]
+__all__ = ["AttentionBackend", "VarlenPlan", "build_block_mask", "build_varlen_plan", "tree_attention",
+           "flex_tree_attention", "varlen_tree_attention"]
 
 
 def _check_last(last: torch.Tensor) -> None:
@@ -107,7 +106,7 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bl
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, last: torch.Tensor,
-                   scale: float | None = None, backend: Backend = "flex", block_mask=None,
+                   scale: float | None = None, backend: AttentionBackend | str = AttentionBackend.flex, block_mask=None,
                    varlen_plan: VarlenPlan | None = None, context_rows: int = 0) -> torch.Tensor:
     """Softmax attention restricted to ancestors-or-self in the pre-order tree.
 
@@ -119,6 +118,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, last: t
     plan built with the same ``context_rows``.
     """
     _check_last(last)
+    backend = check_choice("backend", backend, AttentionBackend, error=ValueError)
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3:
         raise ValueError(f"expected q [T,Hq,D] and k, v [T,Hkv,D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -138,8 +138,6 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, last: t
         if block_mask is None:
             block_mask = build_block_mask(last)
         return flex_tree_attention(q, k, v, block_mask=block_mask, scale=scale)
-    if backend == "varlen":
-        if varlen_plan is None:
-            raise ValueError("backend='varlen' needs varlen_plan (build_varlen_plan(forest.seg_offsets, forest.seg_parent))")
-        return varlen_tree_attention(q, k, v, plan=varlen_plan, scale=scale)
-    raise ValueError(f"backend must be 'dense', 'flex' or 'varlen', got {backend!r}")
+    if varlen_plan is None:
+        raise ValueError("backend='varlen' needs varlen_plan (build_varlen_plan(forest.seg_offsets, forest.seg_parent))")
+    return varlen_tree_attention(q, k, v, plan=varlen_plan, scale=scale)

@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from harts.errors import HartsConfigError, HartsConfigTypeError
 from mcore_distill.validate import validate_fields
 
-__all__ = ["HartsConfigError", "CostModelConfig", "PlannerConfig", "HeadConfig"]
+__all__ = ["AttentionBackend", "HartsConfigError", "CostModelConfig", "PlannerConfig", "HeadConfig"]
 
 
 def _validate(obj: object) -> None:
     validate_fields(obj, error=HartsConfigError, type_error=HartsConfigTypeError)
+
+
+class AttentionBackend(enum.StrEnum):
+    """Tree attention backend: the one list of names that configs and functions accept (a member
+    compares equal to its name, so ``"flex"`` and ``AttentionBackend.flex`` are interchangeable).
+
+    * ``flex``: FlexAttention with a BlockMask built once per microbatch (forward only on CPU).
+    * ``varlen``: FlashAttention-2 varlen kernels per trie segment (bf16/fp16 on CUDA; plain-torch
+      kernels on CPU).
+    * ``dense``: a ``[T, T]`` mask and SDPA (tests and tiny inputs).
+    """
+
+    flex = "flex"
+    varlen = "varlen"
+    dense = "dense"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,11 +98,13 @@ class PlannerConfig:
 class HeadConfig:
     """Tree-aware chunked LM head and attention options for :func:`harts.megatron.tree_forward`."""
 
-    backend: str = "flex"
-    """Tree attention backend: ``flex`` (FlexAttention, BlockMask once per microbatch), ``varlen``
-    (FlashAttention-2 varlen per trie segment, bf16/fp16 on CUDA) or ``dense`` (tests only)."""
+    backend: AttentionBackend = AttentionBackend.flex
+    """Tree attention backend, an :class:`AttentionBackend` name: ``flex`` (FlexAttention, BlockMask
+    once per microbatch), ``varlen`` (FlashAttention-2 varlen per trie segment, bf16/fp16 on CUDA)
+    or ``dense`` (tests only)."""
     chunk_size: int = 1024
-    """Rows per LM-head chunk; extra memory ≈ 2 · chunk_size · V_local fp32 values."""
+    """Rows per LM-head forward chunk: ``chunk_size · V_local`` values alive (model dtype on the
+    Triton path, fp32 on the torch path), plus the saved fp32 ``[T, H]`` ``A`` (harts.md, "LM head")."""
     temperature: float = 1.0
     """Sampling temperature τ; logits are divided by it."""
     entropy_requires_grad: bool = False
@@ -94,8 +112,6 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
-        if self.backend not in ("flex", "varlen", "dense"):
-            raise HartsConfigError(f"HeadConfig.backend must be 'flex', 'varlen' or 'dense', got {self.backend!r}")
         if self.chunk_size < 1:
             raise HartsConfigError(f"HeadConfig.chunk_size must be >= 1, got {self.chunk_size}")
         if not self.temperature > 0:

@@ -34,18 +34,22 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from harts.attention import Backend, build_block_mask, build_varlen_plan, tree_attention
-from harts.config import HeadConfig
+from harts.attention import build_block_mask, build_varlen_plan, tree_attention
+from harts.batch import TreeBatch, plan_tree_batch
+from harts.config import AttentionBackend, HeadConfig, PlannerConfig
 from harts.errors import TreeIncompatibleError  # noqa: F401 (re-exported)
 from harts.forest import Forest, TokenOutOfRangeError
+from harts.gdn import GdnTreeConfig
 from harts.lm_head import HeadEdges, TreeHeadOutput, head_edges, tree_lm_head
 from harts.prefix import SharedPrefixBatch
 from harts.upload import upload
 from harts.varlen import VarlenMode
+from mcore_distill.errors import ConfigTypeError
+from mcore_distill.validate import check_choice
 
 __all__ = ["TreePackedSeqParams", "TreeIncompatibleError", "check_tree_compatible", "tree_core_attention_class",
            "tree_layer_spec", "apply_harts", "HartsHandle", "make_tree_params", "tree_forward", "PrefixContext",
-           "SharedParams", "make_shared_params", "tree_shared_step"]
+           "SharedParams", "make_shared_params", "tree_shared_step", "TreeScores", "tree_logprobs"]
 
 
 
@@ -58,7 +62,7 @@ class TreePackedSeqParams(PackedSeqParams):
     tree_depth: torch.Tensor | None = None
     """[T] trie depth = RoPE position."""
     tree_backend: str = "flex"
-    """'flex', 'varlen' or 'dense' (tests)."""
+    """An :class:`~harts.config.AttentionBackend` name: 'flex', 'varlen' or 'dense' (tests)."""
     block_mask: object = None
     """FlexAttention BlockMask, built once per microbatch."""
     varlen_plan: object = None
@@ -254,7 +258,8 @@ def _gpt_models(model: torch.nn.Module):
 def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
     """Enable tree execution on a built model (GPTModel, possibly wrapped in DDP/Float16Module).
 
-    Swaps every ``core_attention`` module's class for :func:`tree_core_attention_class` and hooks
+    Swaps every ``core_attention`` module's class for :func:`tree_core_attention_class`, every
+    Megatron ``GatedDeltaNet`` for :class:`harts.gdn_megatron.TreeGatedDeltaNet`, and hooks
     RoPE-by-depth into each ``GPTModel.decoder``. Idempotent; non-tree batches run unchanged.
     """
     handle = HartsHandle()
@@ -273,27 +278,56 @@ def apply_harts(model: torch.nn.Module, *, check: bool = True) -> HartsHandle:
         if isinstance(core, torch.nn.Module) and not getattr(type(core), "_harts_tree", False):
             handle._swapped.append((core, type(core)))
             core.__class__ = tree_core_attention_class(type(core))
+        if _is_plain_gdn(m):
+            from harts.gdn_megatron import TreeGatedDeltaNet
+
+            handle._swapped.append((m, type(m)))
+            m.__class__ = TreeGatedDeltaNet
     return handle
 
 
-def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: int = 128,
-                     varlen_mode: VarlenMode = "auto", save_gathered_kv: bool = False,
-                     context_rows: int = 0) -> TreePackedSeqParams:
+def _is_plain_gdn(m: torch.nn.Module) -> bool:
+    """Megatron's own ``GatedDeltaNet`` (checked by name: importing it here would pull in FLA)."""
+    t = type(m)
+    return t.__name__ == "GatedDeltaNet" and t.__module__.startswith("megatron.core.ssm.gated_delta_net")
+
+
+
+
+def make_tree_params(forest: Forest, *, backend: AttentionBackend | str = AttentionBackend.flex,
+                     block_size: int = 128, varlen_mode: VarlenMode = "auto", save_gathered_kv: bool = False,
+                     context_rows: int = 0, model: torch.nn.Module | None = None,
+                     gdn: GdnTreeConfig | None = None) -> TreePackedSeqParams:
     """Per-microbatch tree metadata, built once (ahead of the step, e.g. in the data loader): the
     flex BlockMask or varlen plan (``varlen_mode``, ``save_gathered_kv``, ``context_rows``: see
     :func:`harts.varlen.build_varlen_plan`; ``context_rows`` > 0 for a part of a shared-prefix
     group, which needs ``backend="varlen"``), the LM head's edge list and host-side sizes, so the
-    forward/backward parts that harts owns need no device-to-host synchronization."""
-    if backend not in ("flex", "varlen", "dense"):
-        raise ValueError(f"backend must be 'flex', 'varlen' or 'dense', got {backend!r}")
-    if context_rows and backend != "varlen":
+    forward/backward parts that harts owns need no device-to-host synchronization.
+
+    With ``model`` given, a model holding tree Gated DeltaNet layers (after :func:`apply_harts`)
+    gets :func:`harts.gdn_megatron.make_gdn_tree_params` (the GDN plan too, with ``gdn`` or by
+    default the layers' conv width and, for fp64 layers, fp64 states), any other model the
+    attention metadata: the caller never picks between the two."""
+    backend = check_choice("backend", backend, AttentionBackend, error=ValueError)
+    if context_rows and backend != AttentionBackend.varlen:
         raise TreeIncompatibleError(f"context_rows={context_rows} (a shared-prefix part) needs backend='varlen', "
-                                    f"got {backend!r}")
+                                    f"got {backend.value!r}")
+    mixers = [] if model is None else [m for m in model.modules() if getattr(type(m), "_harts_tree_gdn", False)]
+    if mixers:
+        if context_rows:
+            raise TreeIncompatibleError("context_rows (shared-prefix groups) is not supported with Gated DeltaNet layers")
+        from harts.gdn_megatron import make_gdn_tree_params
+
+        if gdn is None:
+            fp64 = any(p.dtype == torch.float64 for m in mixers for p in m.parameters())
+            gdn = GdnTreeConfig(conv_width=max(int(m.conv1d.weight.shape[-1]) for m in mixers),
+                                state_dtype="float64" if fp64 else "float32")
+        return make_gdn_tree_params(forest, config=gdn, backend=backend, block_size=block_size)
     h = forest.host
-    bm = build_block_mask(forest.last, block_size=block_size) if backend == "flex" else None
+    bm = build_block_mask(forest.last, block_size=block_size) if backend == AttentionBackend.flex else None
     vp = build_varlen_plan(*((h["seg_offsets"], h["seg_parent"]) if h else (forest.seg_offsets, forest.seg_parent)),
                            mode=varlen_mode, save_gathered_kv=save_gathered_kv, context_rows=context_rows,
-                           device=forest.tokens.device) if backend == "varlen" else None
+                           device=forest.tokens.device) if backend == AttentionBackend.varlen else None
     if h is not None:  # host copies: no device-to-host synchronization at all
         top = [int(h["depth"].max()), int(h["tokens"].max())]
         edges = _head_edges_host(forest.tokens, h["parent"])
@@ -301,9 +335,9 @@ def make_tree_params(forest: Forest, *, backend: Backend = "flex", block_size: i
         top = torch.stack([forest.depth.max(), forest.tokens.max()]).tolist()  # one device-to-host copy
         edges = head_edges(forest.tokens, forest.parent)
     rope_len = top[0] + 1  # the RoPE table only needs positions 0..max depth
-    return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend, block_mask=bm,
-                               varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len, head_edges=edges,
-                               max_token=top[1], context_rows=context_rows)
+    return TreePackedSeqParams(tree_last=forest.last, tree_depth=forest.depth, tree_backend=backend.value,
+                               block_mask=bm, varlen_plan=vp, max_seqlen_q=rope_len, max_seqlen_kv=rope_len,
+                               head_edges=edges, max_token=top[1], context_rows=context_rows)
 
 
 def _head_edges_host(tokens: torch.Tensor, parent: np.ndarray) -> HeadEdges:
@@ -340,13 +374,17 @@ def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, te
 
 
 def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSeqParams | None = None,
-                 backend: Backend = "flex", temperature: float = 1.0, chunk_size: int = 1024,
+                 backend: AttentionBackend | str = AttentionBackend.flex, temperature: float = 1.0,
+                 chunk_size: int = 1024,
                  entropy_requires_grad: bool = False, head: HeadConfig | None = None) -> TreeHeadOutput | torch.Tensor:
     """Run ``model`` (after :func:`apply_harts`) on the compact row of ``forest``.
 
     Returns ``(logp [T], entropy [T])`` on the last pipeline stage (see
     :func:`harts.loss.sequence_logprobs` for per-sequence vectors) and the hidden states on
-    other stages. ``params`` defaults to :func:`make_tree_params` (pass it to reuse a BlockMask).
+    other stages. ``params`` defaults to :func:`make_tree_params` for this model (attention or
+    Gated DeltaNet metadata; pass it to reuse a BlockMask). A model that is not tree-capable yet
+    gets :func:`apply_harts` first (a model run on a packed row without it would attend causally
+    across sequences).
     ``head`` (a :class:`~harts.config.HeadConfig`), when given, overrides the four keyword options.
     """
     if head is not None:
@@ -355,7 +393,9 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     gpts = _gpt_models(model)
     if not gpts:
         raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")
-    params = params or make_tree_params(forest, backend=backend)
+    if not _tree_capable(model):
+        apply_harts(model)
+    params = params or make_tree_params(forest, backend=backend, model=model)
     vocab = getattr(gpts[0], "vocab_size", None)
     top = params.max_token if params.max_token is not None else int(forest.tokens.max())
     if vocab is not None and forest.num_nodes and top >= vocab:
@@ -376,14 +416,14 @@ class SharedParams:
     parts: list[TreePackedSeqParams]
 
 
-def make_shared_params(batch: SharedPrefixBatch, *, backend: Backend = "varlen",
+def make_shared_params(batch: SharedPrefixBatch, *, backend: AttentionBackend | str = AttentionBackend.varlen,
                        save_gathered_kv: bool = False) -> SharedParams:
     """:class:`SharedParams` of a :class:`~harts.prefix.SharedPrefixBatch` (varlen backend: the parts'
     attention reads the prefix's keys as context rows of the key gather). The prefix microbatch
     runs the cascade plan (``levels``): its lookahead rows are siblings below the whole prefix, and
     the key gather would copy the prefix's keys once per lookahead row (16 × 4,800 rows for a
     16-response group with a 4,800-token prompt) where the cascade reads them once."""
-    if backend != "varlen":
+    if backend != AttentionBackend.varlen:
         raise TreeIncompatibleError(f"shared-prefix groups need backend='varlen', got {backend!r}")
     return SharedParams(prefix=make_tree_params(batch.prefix, backend=backend, varlen_mode="levels"),
                         parts=[make_tree_params(p.forest, backend=backend, context_rows=batch.prefix_len,
@@ -446,3 +486,102 @@ def tree_shared_step(model: torch.nn.Module, batch: SharedPrefixBatch, loss_fn, 
     if roots:
         torch.autograd.backward(roots, grads)
     return losses
+
+
+@dataclass(frozen=True, eq=False)
+class TreeScores:
+    """Result of :func:`tree_logprobs`: ``[B, L]`` tensors in the label layout of
+    :mod:`harts.batch` (``logp[b, t]`` scores ``input_ids[b, t+1]``; 0 past ``lengths[b] − 1``)."""
+
+    logp: torch.Tensor
+    """[B, L] log-probs at the temperature, on the model's device (differentiable)."""
+    entropy: torch.Tensor
+    """[B, L] entropies of the predicting rows (differentiable with ``entropy_requires_grad``)."""
+    batch: TreeBatch
+    """The plan: micro-batches, compression C (``batch.compression``), rows."""
+
+
+def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, *,
+                  temperature: float = 1.0, backend: AttentionBackend | str = AttentionBackend.flex,
+                  planner: PlannerConfig | None = None, chunk_size: int = 1024,
+                  entropy_requires_grad: bool = False, gdn: GdnTreeConfig | None = None,
+                  forward_only: bool = False, pg_collection=None) -> TreeScores:
+    """Score ``input_ids [B, L]`` (row ``b`` is ``input_ids[b, :lengths[b]]``) with a Megatron
+    model as prefix trees: plan → tree forward → tree LM head → rows.
+
+    1. :func:`harts.batch.plan_tree_batch`: micro-batches of at most ``planner.token_cap`` compact
+       rows (default: one micro-batch, no padding), shared prefixes computed once;
+    2. :func:`tree_forward` per micro-batch with :func:`make_tree_params` for this model (tree
+       attention with ``backend``, Gated DeltaNet plans for hybrid models, ``gdn`` overriding
+       their defaults; :func:`apply_harts` is applied first if the model is not tree-capable yet);
+    3. :func:`harts.tree_lm_head` at ``temperature`` (chunks of ``chunk_size`` rows);
+    4. every sequence's values written back to its row (label layout).
+
+    Equals scoring each row on its own, up to float reduction order. By default the micro-batches
+    run one after another through ``model(...)`` on this rank (pipeline size 1) and the result is
+    differentiable: call ``backward`` on a loss of ``logp``. ``forward_only=True`` runs them
+    through Megatron's forward-only schedule instead (no gradients; any pipeline size, with
+    ``pg_collection``'s groups or the global ones; every micro-batch padded to the longest one
+    unless the model config has ``variable_seq_lengths``); stages other than the last get zeros.
+    Inside a training ``forward_step_func`` use :func:`~harts.batch.plan_tree_batch`,
+    :func:`tree_forward` and :meth:`~harts.batch.TreeMicrobatch.logprob_rows` per micro-batch.
+    """
+    gpts = _gpt_models(model)
+    if not gpts:
+        raise ConfigTypeError(f"tree_logprobs: model must be (or wrap) a Megatron GPTModel, got {type(model).__name__}")
+    device = next(model.parameters()).device
+    batch = plan_tree_batch(input_ids, lengths, config=planner, device=device)
+    if forward_only:
+        return _scheduled_scores(model, batch, temperature=temperature, backend=backend, chunk_size=chunk_size,
+                                 gdn=gdn, pg_collection=pg_collection)
+    logp, ent = [], []
+    for mb in batch.microbatches:
+        params = make_tree_params(mb.forest, backend=backend, model=model, gdn=gdn)
+        out = tree_forward(model, mb.forest, params=params, temperature=temperature, chunk_size=chunk_size,
+                           entropy_requires_grad=entropy_requires_grad)
+        logp.append(mb.logprob_rows(out.logp))
+        ent.append(mb.entropy_rows(out.entropy))
+    return TreeScores(logp=batch.gather(logp), entropy=batch.gather(ent), batch=batch)
+
+
+@torch.no_grad()
+def _scheduled_scores(model: torch.nn.Module, batch: TreeBatch, *, temperature: float, backend, chunk_size: int,
+                      gdn: GdnTreeConfig | None, pg_collection) -> TreeScores:
+    """:func:`tree_logprobs` through ``get_forward_backward_func(forward_only=True)``."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    pp = pg_collection.pp if pg_collection is not None else parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(pp) > 1 and not getattr(getattr(model, "config", None),
+                                                                 "variable_seq_lengths", False):
+        batch = batch.padded()  # one shape for the pipeline's p2p buffers
+
+    def step(data_iterator, model_):
+        mb = next(data_iterator)
+        params = make_tree_params(mb.forest, backend=backend, model=model_, gdn=gdn)
+        output = tree_forward(model_, mb.forest, params=params, temperature=temperature, chunk_size=chunk_size)
+
+        def collect(output_tensor, non_loss_data=True):
+            return torch.stack([mb.logprob_rows(output_tensor[0]), mb.entropy_rows(output_tensor[1])], 1)
+
+        return output, collect
+
+    kw = {} if pg_collection is None else {"pg_collection": pg_collection}
+    res = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(batch.microbatches), model=model,
+        num_microbatches=len(batch.microbatches), seq_length=max(mb.forest.num_nodes for mb in batch.microbatches),
+        micro_batch_size=1, forward_only=True, collect_non_loss_data=True, **kw)
+    if not res:  # not the last pipeline stage
+        zeros = torch.zeros(batch.shape, dtype=torch.float32, device=next(model.parameters()).device)
+        return TreeScores(logp=zeros, entropy=zeros.clone(), batch=batch)
+    both = batch.gather(res)  # [B, 2, L]
+    return TreeScores(logp=both[:, 0], entropy=both[:, 1], batch=batch)
+
+
+def _tree_capable(model: torch.nn.Module) -> bool:
+    cores = [getattr(m, "core_attention", None) for m in model.modules()]
+    cores = [c for c in cores if isinstance(c, torch.nn.Module)]
+    hooked = all(getattr(g.decoder, "_harts_hooked", False) for g in _gpt_models(model)
+                 if g.position_embedding_type in ("rope", "yarn"))
+    return hooked and all(getattr(type(c), "_harts_tree", False) for c in cores) and not any(
+        _is_plain_gdn(m) for m in model.modules())

@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mcore_distill.atomic import atomic_torch_save
+from mcore_distill.validate import check_type
 from mopd.errors import (
     ConfigError,
     FingerprintMismatchError,
@@ -54,6 +55,9 @@ class TokenBatch:
     score_from: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        check_type("TokenBatch.input_ids", self.input_ids, torch.Tensor)
+        check_type("TokenBatch.lengths", self.lengths, torch.Tensor)
+        check_type("TokenBatch.score_from", self.score_from, torch.Tensor | None)
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(self.input_ids.shape)}")
         b, L = self.input_ids.shape

@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from harts.config import AttentionBackend
 from mcore_distill.validate import validate_fields
 from mopd.errors import ConfigError, ConfigTypeError
 
@@ -72,7 +73,6 @@ AGGREGATIONS = tuple(Aggregation)
 DIVERGENCES = tuple(Divergence)
 TOPK_TAILS = tuple(TopKTail)
 BACKENDS = tuple(TeacherBackend)
-TREE_BACKENDS = ("flex", "varlen", "dense")
 RESERVED_TEACHER_IDS = frozenset({"actor", "student", "rl"})
 ROUTE_KEY = "mopd_route"
 """Reserved sample key holding the stamped route (a ``str``)."""
@@ -91,11 +91,6 @@ def _finite(name: str, value: float, *, positive: bool = False, nonneg: bool = F
         raise ConfigError(f"{name} must be > 0, got {value!r}")
     if nonneg and value < 0:
         raise ConfigError(f"{name} must be >= 0, got {value!r}")
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
 def check_teacher_id(teacher_id: object, *, where: str = "teacher id") -> str:
@@ -297,9 +292,9 @@ class TeacherTreeConfig:
 
     enabled: bool = False
     """Score Megatron teachers with harts tree batches instead of padded ``[B, L]`` micro-batches."""
-    backend: str = "flex"
-    """Tree attention: ``flex`` (FlexAttention), ``varlen`` (FlashAttention-2 per trie segment,
-    bf16/fp16 on CUDA) or ``dense`` (a [T, T] mask; CPU tests)."""
+    backend: AttentionBackend = AttentionBackend.flex
+    """Tree attention, a :class:`harts.AttentionBackend` name: ``flex`` (FlexAttention), ``varlen``
+    (FlashAttention-2 per trie segment, bf16/fp16 on CUDA) or ``dense`` (a [T, T] mask; CPU tests)."""
     chunk_size: int = 1024
     """Rows per chunk of the LM head (extra memory ≈ 2 · chunk_size · V/TP fp32 values)."""
     token_cap: int = 8192
@@ -312,7 +307,6 @@ class TeacherTreeConfig:
 
     def __post_init__(self) -> None:
         _validate(self, name="teacher_tree")
-        _choice("teacher_tree.backend", self.backend, TREE_BACKENDS)
         for name in ("chunk_size", "token_cap", "align"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -27,6 +27,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mcore_distill.validate import check_type
 from mopd.backends import HTTPTeacher, TokenBatch, read_teacher_shard, write_teacher_shard
 from mopd.config import MOPDConfig, MOPDLossConfig, TeacherTreeConfig
 from mopd.errors import TeacherStateError
@@ -281,61 +282,28 @@ class MegatronTeacher:
         return torch.where(batch.label_mask().to(logp.device), logp, torch.zeros_like(logp))
 
     def _score_tree(self, batch: TokenBatch) -> torch.Tensor:
-        """harts tree scoring. Rows ``input_ids[b, :lengths[b]]`` are planned into micro-batches
-        of at most ``token_cap`` compact rows (:func:`harts.plan_step`; sequences sorted, shared
-        prefixes once, THD fallback for micro-batches that barely compress), each run as one
-        packed row through Megatron's forward-only schedule with tree attention and harts'
-        chunked LM head at the teacher temperature. Edge log-probs come back per sequence
-        (:func:`harts.sequence_logprobs`) and are written to their rows:
-        ``logp[b, t] = lp_b[t]`` for ``t < lengths[b] − 1``. Under pipeline parallelism without
-        ``variable_seq_lengths`` every micro-batch is padded to the longest one."""
-        from harts import PlannerConfig, plan_step, sequence_logprobs
-        from harts.megatron import make_tree_params, tree_forward
+        """harts tree scoring (:func:`harts.megatron.tree_logprobs` through Megatron's forward-only
+        schedule): rows ``input_ids[b, :lengths[b]]`` are planned into micro-batches of at most
+        ``token_cap`` compact rows (sequences sorted, shared prefixes once, THD fallback for
+        micro-batches that barely compress), each run as one packed row with tree attention (Gated
+        DeltaNet plans for hybrid teachers) and harts' chunked LM head at the teacher
+        temperature, and written back as label-layout rows (``logp[b, t]`` for
+        ``t < lengths[b] − 1``). Under pipeline parallelism without ``variable_seq_lengths`` every
+        micro-batch is padded to the longest one."""
+        from harts import PlannerConfig
+        from harts.megatron import tree_logprobs
 
         cfg = self.tree
         self.host.enable_tree()
-        model = self.host.chunks[0]
-        dev = self.host.device
-        B, L = batch.input_ids.shape
-        ids_cpu, lens = batch.input_ids.cpu(), batch.lengths.cpu().tolist()
-        seqs = [ids_cpu[b, : lens[b]] for b in range(B)]
-        plan = plan_step(seqs, PlannerConfig(token_cap=cfg.token_cap, align=cfg.align,
-                                             fallback_compression=cfg.fallback_compression, dp_size=1))
-        micro = plan.ranks[0]
-        forests = [mb.build(seqs, device=dev) for mb in micro]  # token ids are checked by tree_forward
-        rows = max(f.num_nodes for f in forests)
-        _, pp_group = _groups(self.host.pg_collection)
-        variable = getattr(getattr(model, "config", None), "variable_seq_lengths", False)
-        if torch.distributed.get_world_size(pp_group) > 1 and not variable:
-            forests = [f.padded(rows) for f in forests]  # 0 < T <= rows: pads to exactly ``rows``
-        self.last_tree_stats = {"compression": plan.stats.compression, "micro_batches": float(len(forests)),
-                                "rows": float(sum(f.num_nodes for f in forests)), "tokens": float(sum(lens))}
-        temperature, backend, chunk = self.temperature, cfg.backend, cfg.chunk_size
-
-        def step(data_iterator, model_):
-            f = next(data_iterator)
-            params = make_tree_params(f, backend=backend)
-            output = tree_forward(model_, f, params=params, temperature=temperature, chunk_size=chunk)
-
-            def collect(output_tensor, non_loss_data=True):
-                return sequence_logprobs(output_tensor[0], f)
-
-            return output, collect
-
-        fb = get_forward_backward_func()
-        kw = {} if self.host.pg_collection is None else {"pg_collection": self.host.pg_collection}
-        res = fb(forward_step_func=step, data_iterator=iter(forests), model=model, num_microbatches=len(forests),
-                 seq_length=rows, micro_batch_size=1, forward_only=True, collect_non_loss_data=True, **kw)
-        if not res:  # not the last pipeline stage
-            return torch.zeros(B, L, dtype=torch.float32, device=batch.input_ids.device)
-        dtype = torch.promote_types(res[0].dtype, torch.float32)
-        out = torch.zeros(B, L, dtype=dtype, device=dev)
-        for mb, f, flat in zip(micro, forests, res):  # sequence k of forest f is row mb.seq_ids[k]
-            n = f.lengths - 1
-            row = torch.repeat_interleave(torch.as_tensor(mb.seq_ids, device=dev), n)
-            col = torch.arange(flat.numel(), device=dev) - torch.repeat_interleave(f.pred_offsets()[:-1], n)
-            out[row, col] = flat.to(dtype)
-        out = out.to(batch.input_ids.device)
+        planner = PlannerConfig(token_cap=cfg.token_cap, align=cfg.align,
+                                fallback_compression=cfg.fallback_compression, dp_size=1)
+        res = tree_logprobs(self.host.chunks[0], batch.input_ids, batch.lengths, temperature=self.temperature,
+                            backend=cfg.backend, planner=planner, chunk_size=cfg.chunk_size, forward_only=True,
+                            pg_collection=self.host.pg_collection)
+        plan = res.batch
+        self.last_tree_stats = {"compression": plan.compression, "micro_batches": float(len(plan.microbatches)),
+                                "rows": float(plan.rows), "tokens": float(batch.lengths.sum())}
+        out = res.logp.to(torch.promote_types(res.logp.dtype, torch.float32)).to(batch.input_ids.device)
         return torch.where(batch.label_mask().to(out.device), out, torch.zeros_like(out))
 
 
@@ -349,6 +317,7 @@ def build_teacher_pool(config: MOPDConfig, *, host: MegatronTeacherHost | None =
     ``config.rollout_temperature``; HTTP teachers take their timeouts, retries, batch size and
     temperature capability from their :class:`~mopd.config.TeacherSpec`.
     """
+    check_type("config", config, MOPDConfig)
     backends = {}
     for tid, spec in config.teachers.items():
         if spec.backend == "http":
@@ -382,6 +351,23 @@ class MOPDMicroBatch:
     rl_advantages: torch.Tensor | None = None
     extra: dict | None = None
 
+    def __post_init__(self) -> None:
+        check_type("MOPDMicroBatch.targets", self.targets, TokenTargets)
+        shape = self.loss_mask.shape if isinstance(self.loss_mask, torch.Tensor) else None
+        for name in ("labels", "loss_mask", "old_logp", "route_ids", "normalization_mask", "rl_advantages"):
+            value = getattr(self, name)
+            optional = name in ("normalization_mask", "rl_advantages")
+            check_type(f"MOPDMicroBatch.{name}", value, torch.Tensor | None if optional else torch.Tensor)
+            if value is not None and value.shape != shape:
+                raise ValueError(f"MOPDMicroBatch.{name} has shape {tuple(value.shape)}, the token tensors have "
+                                 f"{tuple(shape)} (loss_mask): one value per token; route_ids are per token too "
+                                 "(expand a per-sample [b] vector with route_ids[:, None].expand_as(loss_mask))")
+        if self.targets.logp_sum.shape != shape:
+            raise ValueError(f"MOPDMicroBatch.targets has shape {tuple(self.targets.logp_sum.shape)}, the token "
+                             f"tensors have {tuple(shape)} (loss_mask)")
+        if self.route_ids.dtype.is_floating_point or self.route_ids.dtype == torch.bool:
+            raise ValueError(f"MOPDMicroBatch.route_ids must hold integer route indices, got {self.route_ids.dtype}")
+
 
 _ROUTE_METRICS = ("loss", "reward", "is_weight", "is_capped_frac", "adv_clip_frac", "teacher_weight")
 
@@ -401,6 +387,8 @@ def mopd_loss_func(micro: MOPDMicroBatch, output_tensor: torch.Tensor, *, config
     loss, reward (−reverse KL estimate), is_weight, is_capped_frac, adv_clip_frac,
     teacher_weight, plus ``mopd/<route>/tokens`` as ``[tokens, 1]``.
     """
+    check_type("micro", micro, MOPDMicroBatch)
+    check_type("config", config, MOPDLossConfig)
     if logprob_fn is not None:
         student = logprob_fn(output_tensor, micro)
     else:

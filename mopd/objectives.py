@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_distill.validate import check_type
 from mopd.config import MOPDLossConfig
 from mopd.errors import NonFiniteInputError
 
@@ -61,6 +62,22 @@ class TokenTargets:
     logp_sum: torch.Tensor
     weight_sum: torch.Tensor
     mix_lse: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_type("TokenTargets.logp_sum", self.logp_sum, torch.Tensor)
+        check_type("TokenTargets.weight_sum", self.weight_sum, torch.Tensor)
+        check_type("TokenTargets.mix_lse", self.mix_lse, torch.Tensor | None)
+        if self.weight_sum.shape != self.logp_sum.shape or (
+                self.mix_lse is not None and self.mix_lse.shape != self.logp_sum.shape):
+            raise ValueError(f"TokenTargets tensors must share one shape, got logp_sum {tuple(self.logp_sum.shape)}, "
+                             f"weight_sum {tuple(self.weight_sum.shape)}, mix_lse "
+                             f"{None if self.mix_lse is None else tuple(self.mix_lse.shape)}")
+
+    def __getitem__(self, index) -> TokenTargets:
+        """The targets at ``index`` of every tensor: a micro-batch's rows (``targets[rows]``), a
+        column range (``targets[:, :-1]`` for logits that stop one position early), a mask."""
+        return TokenTargets(logp_sum=self.logp_sum[index], weight_sum=self.weight_sum[index],
+                            mix_lse=None if self.mix_lse is None else self.mix_lse[index])
 
     @classmethod
     def from_teachers(cls, teacher_logp: torch.Tensor, weights: torch.Tensor) -> TokenTargets:
@@ -173,6 +190,8 @@ def mopd_pg_loss(student_logp: torch.Tensor, old_logp: torch.Tensor, targets: To
     Raises :class:`NonFiniteInputError` on NaN/inf at an active token of any input, and
     ``ValueError`` if an active token has W ≤ 0 (no teacher scored it).
     """
+    check_type("config", config, MOPDLossConfig)
+    check_type("targets", targets, TokenTargets)
     mask = loss_mask.bool()
     if student_logp.shape != mask.shape or old_logp.shape != mask.shape:
         raise ValueError(f"shape mismatch: student_logp {tuple(student_logp.shape)}, old_logp "

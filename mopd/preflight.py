@@ -1,5 +1,5 @@
-"""Pre-flight checks: model compatibility fingerprints and a ``--dry-run`` that resolves the
-configuration and exits non-zero on any mismatch, before any GPU is allocated.
+"""Pre-flight checks before any GPU is allocated: the configuration resolves, teacher checkpoints
+exist and are readable, models are compatible (fingerprints), the topology divides.
 
 Fingerprint of an HF model folder: SHA-256 of its architecture, of the vocabulary file
 (``tokenizer.json``, ``vocab.json`` or ``tokenizer.model``) and of the added tokens
@@ -10,14 +10,19 @@ alike); for a model it does not support, ``config.json`` without the keys that d
 computation (names, versions, dtype, caching, labels, initialisation) is hashed instead, and a
 Megatron teacher whose weights are that HF folder is reported as a problem.
 
-Rules (for teachers some route uses; unused ones are listed, never loaded): every teacher must share the student's vocabulary and added tokens (its log-probs are
-read at the student's token ids); Megatron-backend teachers share one resident model, so they
-must share one architecture (the student may differ); a config ``vocab_size`` that differs
-from the student's is reported as a problem too (full-vocabulary divergences need equal rows).
+Rules (for teachers some route uses; unused ones are listed, never loaded): every teacher must
+share the student's vocabulary and added tokens (its log-probs are read at the student's token
+ids); Megatron-backend teachers share one resident model, so they must share one architecture
+(the student may differ); a config ``vocab_size`` that differs from the student's is reported as
+a problem too (full-vocabulary divergences need equal rows); a Megatron teacher's ``checkpoint``
+must be a readable folder holding a ``dist_checkpointing`` checkpoint (``metadata.json``) or
+teacher shards (``shard_*.pt``).
 
 CLI: ``python -m mopd.preflight config.yaml [key=value ...] [--tp N] [--pp N] [--world-size N]
---dry-run`` prints resolved routes, teachers, fingerprints and topology; exit code 0 when
-everything is consistent, 1 on a mismatch, 2 on an invalid configuration.
+[--dry-run]`` prints resolved routes, teachers, checkpoints, fingerprints and topology; exit code
+0 when everything is consistent, 1 on a problem, 2 on an invalid configuration (a key that is no
+field is named with the valid keys). ``--dry-run`` only resolves the configuration and the
+topology: no checkpoint, model folder or server is read (for a machine without them).
 """
 
 from __future__ import annotations
@@ -26,15 +31,19 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mcore_distill.hf import HFCheckpointError, hf_arch, read_hf_config
+from mcore_distill.structured import to_dataclass
+from mcore_distill.validate import check_type
 from mopd.config import MOPDConfig
 from mopd.errors import ConfigError, FingerprintMismatchError
 
-__all__ = ["ModelFingerprint", "PreflightReport", "fingerprint_hf", "main", "run_preflight"]
+__all__ = ["ModelFingerprint", "PreflightReport", "check_checkpoint", "fingerprint_hf", "load_config", "main",
+           "run_preflight"]
 
 NON_ARCHITECTURE_KEYS = frozenset({
     "_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "output_attentions",
@@ -115,9 +124,41 @@ class PreflightReport:
         return "\n".join(self.lines + tail)
 
 
-def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: int | None = None) -> PreflightReport:
-    """Resolve routes and teachers, fingerprint models, check topology; never raises on a
-    mismatch (see :meth:`PreflightReport.raise_if_failed`)."""
+def check_checkpoint(path: str | os.PathLike) -> str | None:
+    """Why a Megatron teacher checkpoint folder cannot be loaded, or None when it can: it must be
+    a directory we may list, holding ``metadata.json`` (``dist_checkpointing``), ``shard_*.pt``
+    teacher shards or an HF checkpoint (``config.json`` + ``*.safetensors``), whose first file
+    opens and reads."""
+    p = Path(path)
+    if not p.exists():
+        return f"checkpoint {str(p)!r} does not exist"
+    if not p.is_dir():
+        return f"checkpoint {str(p)!r} is not a folder"
+    if not os.access(p, os.R_OK | os.X_OK):
+        return f"checkpoint {str(p)!r} is not readable (permissions)"
+    if (p / "metadata.json").is_file():
+        files = [p / "metadata.json"]
+    elif (p / "config.json").is_file():
+        files = sorted(p.glob("*.safetensors"))
+    else:
+        files = sorted(p.glob("shard_*.pt"))
+    if not files:
+        return (f"checkpoint {str(p)!r} holds no dist_checkpointing checkpoint (metadata.json), teacher "
+                "shards (shard_*.pt) or HF checkpoint (config.json + *.safetensors)")
+    try:
+        with open(files[0], "rb") as f:
+            f.read(1)
+    except OSError as err:
+        return f"checkpoint {str(p)!r}: cannot read {files[0].name}: {err}"
+    return None
+
+
+def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: int | None = None,
+                  read_files: bool = True) -> PreflightReport:
+    """Resolve routes and teachers, check checkpoints, fingerprint models, check topology; never
+    raises on a mismatch (see :meth:`PreflightReport.raise_if_failed`). ``read_files=False``
+    (``--dry-run``) skips everything that reads a checkpoint or model folder."""
+    check_type("config", config, MOPDConfig)
     rep = PreflightReport()
     rep.lines.append(f"routing field: {config.routing.field!r} (strict={config.routing.strict}, "
                      f"default_route={config.routing.default_route!r})")
@@ -127,6 +168,25 @@ def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: i
         parts = ", ".join(f"{t}: w={w:g} (ŵ={w / total:.3f})" for t, w in sorted(pos.items()))
         rep.lines.append(f"route {route!r} -> {parts}")
     used = set(config.routing.teacher_ids())
+    for tid, spec in sorted(config.teachers.items()):
+        where = spec.weights_path if spec.backend == "megatron" else spec.url
+        status = "used" if tid in used else "unused (never loaded)"
+        rep.lines.append(f"teacher {tid!r}: backend={spec.backend} source={where} hf_path={spec.hf_path} [{status}]")
+        if read_files and spec.backend == "megatron" and tid in used:
+            why = ("neither checkpoint nor hf_path is set" if not spec.weights_path
+                   else check_checkpoint(spec.weights_path))
+            if why:
+                rep.problems.append(f"teacher {tid!r}: {why}")
+    if read_files:
+        _check_fingerprints(config, used, rep)
+    else:
+        rep.lines.append("dry run: no checkpoint or model folder was read")
+    _check_topology(config, tp, pp, world_size, rep)
+    return rep
+
+
+def _check_fingerprints(config: MOPDConfig, used: set[str], rep: PreflightReport) -> None:
+    """Student and teacher fingerprints; vocabulary, added tokens, vocab size, one Megatron architecture."""
     fps: dict[str, ModelFingerprint] = {}
     student = None
     if config.student_hf_path:
@@ -138,9 +198,6 @@ def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: i
     else:
         rep.problems.append("student_hf_path is not set: cannot check teacher vocabularies against the student")
     for tid, spec in sorted(config.teachers.items()):
-        where = spec.weights_path if spec.backend == "megatron" else spec.url
-        status = "used" if tid in used else "unused (never loaded)"
-        rep.lines.append(f"teacher {tid!r}: backend={spec.backend} source={where} hf_path={spec.hf_path} [{status}]")
         if spec.hf_path is None:
             rep.problems.append(f"teacher {tid!r}: hf_path is not set (needed for its fingerprint)")
             continue
@@ -149,7 +206,7 @@ def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: i
         except FingerprintMismatchError as err:
             rep.problems.append(f"teacher {tid!r}: {err}")
             continue
-        rep.lines.append(f"  fingerprint: {fp.short()}")
+        rep.lines.append(f"teacher {tid!r} fingerprint: {fp.short()}")
         if spec.backend == "megatron" and not spec.checkpoint and fp.unsupported:
             rep.problems.append(f"teacher {tid!r}: its weights are the HF folder {spec.hf_path}, which cannot be "
                                 f"loaded into Megatron: {fp.unsupported}")
@@ -167,6 +224,9 @@ def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: i
     if len(archs) > 1:
         groups = {a[:12]: sorted(t for t, fp in megatron.items() if fp.architecture == a) for a in archs}
         rep.problems.append(f"megatron teachers must share one architecture (one resident model): {groups}")
+
+
+def _check_topology(config: MOPDConfig, tp: int, pp: int, world_size: int | None, rep: PreflightReport) -> None:
     if world_size is None:
         world_size = tp * pp
     if tp < 1 or pp < 1 or world_size % (tp * pp):
@@ -176,19 +236,18 @@ def run_preflight(config: MOPDConfig, *, tp: int = 1, pp: int = 1, world_size: i
         dp = world_size // (tp * pp)
     rep.lines.append(f"topology: world_size={world_size} tp={tp} pp={pp} dp={dp}; megatron teachers use the "
                      f"trainer's layout; rollout_temperature={config.rollout_temperature}")
-    return rep
 
 
 def load_config(path: str | None, overrides: list[str]) -> MOPDConfig:
-    """Compose ``MOPDConfig`` from a YAML file and ``key=value`` overrides (OmegaConf)."""
+    """Compose ``MOPDConfig`` from a YAML file and ``key=value`` overrides (OmegaConf). A key that
+    is no field raises :class:`ConfigError` naming it, the closest field and the valid keys."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.structured(MOPDConfig)
-    if path:
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+    node = OmegaConf.load(path) if path else OmegaConf.create({})
     if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    return OmegaConf.to_object(cfg)
+        node = OmegaConf.merge(node, OmegaConf.from_dotlist(overrides))
+    where = f"{path}{' + overrides' if overrides else ''}" if path else "overrides"
+    return to_dataclass(node, MOPDConfig, error=ConfigError, where=where)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--world-size", type=int, default=None)
-    ap.add_argument("--dry-run", action="store_true", help="print the resolved setup and exit (0 ok, 1 mismatch)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="resolve the configuration and topology only; read no checkpoint, model folder or server")
     args = ap.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
@@ -208,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - OmegaConf type errors name the key
         print(f"invalid configuration: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
-    report = run_preflight(config, tp=args.tp, pp=args.pp, world_size=args.world_size)
+    report = run_preflight(config, tp=args.tp, pp=args.pp, world_size=args.world_size, read_files=not args.dry_run)
     print(report.text())
     return 0 if report.ok else 1
 

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from mcore_distill.errors import ConfigTypeError
+from mcore_distill.validate import check_type
 from mopd.backends import TeacherBackend, TokenBatch
 from mopd.config import TeacherPoolConfig
 from mopd.errors import DrainError, TeacherBrokenError, TeacherStateError, TeacherTimeoutError
@@ -139,8 +141,11 @@ class TeacherPool:
 
     def __init__(self, backends: Mapping[str, TeacherBackend], *, config: TeacherPoolConfig,
                  on_event: Callable[[str, str], None] | None = None) -> None:
+        if not isinstance(backends, Mapping):
+            raise ConfigTypeError(f"TeacherPool backends must be a mapping {{teacher_id: backend}}, got "
+                                  f"{type(backends).__name__} (e.g. {{b.teacher_id: b for b in backends}})")
+        self.config = check_type("TeacherPool config", config, TeacherPoolConfig)
         self._backends = dict(backends)
-        self.config = config
         self._state = {tid: TeacherState.EMPTY for tid in self._backends}
         self._errors: dict[str, BaseException] = {}
         self._cond = threading.Condition()

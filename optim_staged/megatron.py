@@ -25,6 +25,8 @@ import torch
 from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from mcore_distill.errors import ConfigTypeError
+from mcore_distill.validate import check_type
 from optim_staged.adamw import StagedAdamW
 from optim_staged.config import StagedOptimizerConfig, UnsupportedMegatronConfigError
 from optim_staged.muon import StagedMuon
@@ -177,6 +179,19 @@ def staged_leaves(optimizer: Any) -> list[StagedDistributedOptimizer]:
     return [x for x in leaves if isinstance(x, StagedDistributedOptimizer)]
 
 
+def _check_arguments(config: Any, model_chunks: Any) -> None:
+    check_type("config", config, StagedOptimizerConfig)
+    if not isinstance(model_chunks, list | tuple):
+        raise ConfigTypeError(f"model_chunks must be a list of DDP-wrapped model chunks, got "
+                              f"{type(model_chunks).__name__} (pass [ddp_model])")
+    for i, chunk in enumerate(model_chunks):
+        if not hasattr(chunk, "ddp_config"):
+            raise ConfigTypeError(
+                f"model_chunks[{i}] is an unwrapped {type(chunk).__name__}: wrap it first, e.g. "
+                "DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), "
+                "model) from megatron.core.distributed")
+
+
 def get_staged_optimizer(config: StagedOptimizerConfig, model_chunks: list[Any], *,
                          megatron_config: OptimizerConfig | None = None, config_overrides: Any = None,
                          pg_collection: Any = None, use_gloo_process_groups: bool = True):
@@ -190,10 +205,12 @@ def get_staged_optimizer(config: StagedOptimizerConfig, model_chunks: list[Any],
         pg_collection: explicit process groups, passed to ``get_megatron_optimizer``.
 
     Returns the Megatron optimizer (``ChainedOptimizer`` of :class:`StagedDistributedOptimizer`
-    leaves). ``residency='gpu'`` returns the stock Megatron optimizer unchanged. With
+    leaves). ``residency='gpu'`` returns the stock Megatron optimizer unchanged. A plain dict for
+    ``config`` or a model chunk that is not DDP-wrapped raises ``ConfigTypeError`` naming it. With
     ``config.memory_snapshot.output_dir`` set, a CUDA allocator snapshot of training iteration
     ``config.memory_snapshot.step`` is written there (:class:`optim_staged.memory.AllocatorSnapshot`).
     """
+    _check_arguments(config, model_chunks)
     if config.algorithm == "muon":
         opt = _get_staged_muon(config, model_chunks, megatron_config=megatron_config,
                                config_overrides=config_overrides, pg_collection=pg_collection,

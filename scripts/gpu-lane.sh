@@ -56,8 +56,8 @@ run_tests() {
 }
 run_bench() {
   local name=$1; shift
-  echo "=== bench/$name.py $*"
-  "$PY" "bench/$name.py" "$@" 2>&1 | tee "$WORK/bench-$name.log"
+  echo "=== python -m bench.$name $*"
+  "$PY" -m "bench.$name" "$@" 2>&1 | tee "$WORK/bench-$name.log"
   local r=${PIPESTATUS[0]}
   [ "$r" -eq 0 ] || { echo "bench $name failed with exit $r"; rc=$r; }
 }

@@ -1,18 +1,14 @@
 """Print the agent workload's trees per step: episodes, checker reward, harts sharing statistics.
 
-    python examples/agent/run.py [--steps 5] [--tasks 8] [--group-size 8] [--p-error 0.2] [--seed 0]
+    python -m examples.agent.run [--steps 5] [--tasks 8] [--group-size 8] [--p-error 0.2] [--seed 0]
 
 No model: this shows the trees harts would pack. Training on them:
-``python examples/train_gpu.py workload.kind=agent`` (see docs/demo.md).
+``python -m examples.train_gpu workload.kind=agent`` (see docs/demo.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

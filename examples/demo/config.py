@@ -1,9 +1,20 @@
-"""Structured (Hydra) config of the demo: kw_only dataclasses, a docstring under every field."""
+"""Structured (Hydra) config of the demo: kw_only dataclasses, a docstring under every field.
+
+Importing this module registers :class:`DemoConfig` in Hydra's ConfigStore as ``demo_schema``
+(the first entry of ``conf/demo.yaml``'s defaults list), so Hydra's compose API works::
+
+    from hydra import compose, initialize_config_dir
+    from examples.demo.config import to_demo_config
+
+    with initialize_config_dir(config_dir=".../examples/demo/conf", version_base="1.3"):
+        cfg = to_demo_config(compose(config_name="demo", overrides=["mopd.steps=10"]))
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harts.config import AttentionBackend
 from mcore_distill.errors import ConfigError, ConfigTypeError
 from mcore_distill.validate import validate_fields
 
@@ -177,5 +188,29 @@ class DemoConfig:
         _check(0.0 <= self.teacher.min_accuracy <= 1.0, "teacher.min_accuracy", self.teacher.min_accuracy,
                "must be in [0, 1]")
         _check(self.mopd.forward in ("tree", "plain"), "mopd.forward", self.mopd.forward, "one of tree|plain")
-        _check(self.mopd.attention_backend in ("dense", "flex", "varlen"), "mopd.attention_backend",
-               self.mopd.attention_backend, "one of dense|flex|varlen")
+        _check(self.mopd.attention_backend in list(AttentionBackend), "mopd.attention_backend",
+               self.mopd.attention_backend, f"one of {'|'.join(AttentionBackend)}")
+
+
+SCHEMA_NAME = "demo_schema"
+
+
+def register_schema() -> None:
+    """Store :class:`DemoConfig` in Hydra's ConfigStore as ``demo_schema`` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=DemoConfig)
+
+
+def to_demo_config(dcfg) -> DemoConfig:
+    """A composed Hydra config as a validated :class:`DemoConfig`. A key that is no field (one
+    appended with ``+key=...`` passes Hydra's composition) raises :class:`DemoConfigError` naming
+    it and the valid keys."""
+    from mcore_distill.structured import to_dataclass
+
+    cfg = to_dataclass(dcfg, DemoConfig, error=DemoConfigError)
+    cfg.validate()
+    return cfg
+
+
+register_schema()

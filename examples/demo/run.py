@@ -1,6 +1,6 @@
 """CPU end-to-end multi-teacher on-policy distillation (MOPD) demo.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/demo/run.py [key=value ...]
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m examples.demo.run [key=value ...]
 
 Two tiny Megatron teachers are trained on their own domain (string reversal, Caesar shift); a
 smaller student is warm-started on their greedy outputs, then trained on-policy: the embedded
@@ -14,28 +14,21 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU-only demo: its tensors are created on the host (docs/demo.md)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from examples.demo.config import DemoConfig  # noqa: E402
-
-ConfigStore.instance().store(name="demo_schema", node=DemoConfig)
+from examples.demo.config import to_demo_config  # noqa: E402 (registers the schema)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="demo")
 def main(dcfg: DictConfig) -> None:
-    cfg: DemoConfig = OmegaConf.to_object(dcfg)
-    cfg.validate()
+    cfg = to_demo_config(dcfg)
     logging.getLogger().setLevel(logging.WARNING)  # Megatron / publisher INFO lines would break the bar
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")

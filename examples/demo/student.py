@@ -137,26 +137,25 @@ def warm_start(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, *, b
 
 
 def student_logprobs(st: Student, ids: torch.Tensor, cfg: DemoConfig) -> tuple[torch.Tensor, float]:
-    """``[B, S-1]`` log π_θ(ids[:, t+1] | ids[:, :t+1]) at ``mopd.temperature`` (with grad), and the
-    compression C = ΣL / T of the packed batch (1.0 in ``plain`` mode)."""
-    B, S = ids.shape
+    """``[B, S]`` log π_θ(ids[:, t+1] | ids[:, :t+1]) at ``mopd.temperature`` (with grad) in the label
+    layout of the teachers' targets (last column 0), and the compression C = ΣL / T of the packed
+    batch (1.0 in ``plain`` mode)."""
     tau = cfg.mopd.temperature
     if cfg.mopd.forward == "tree":
-        from harts import build_forest, sequence_logprobs
-        from harts.megatron import tree_forward
+        from harts.megatron import tree_logprobs
 
-        forest = build_forest(list(ids))
-        node_logp, _ = tree_forward(st.ddp, forest, backend=cfg.mopd.attention_backend, temperature=tau)
-        return sequence_logprobs(node_logp, forest).view(B, S - 1), forest.compression
-    pos = torch.arange(S).expand_as(ids)
+        res = tree_logprobs(st.ddp, ids, backend=cfg.mopd.attention_backend, temperature=tau)
+        return res.logp, res.batch.compression
+    pos = torch.arange(ids.shape[1]).expand_as(ids)
     logits = st.ddp(ids, pos, None).float() / tau
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0], 1.0
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.nn.functional.pad(lp, (0, 1)), 1.0
 
 
 def mopd_step(st: Student, cfg: DemoConfig, data: TaskData, pool, step: int, g: torch.Generator) -> dict:
     """One on-policy step on this rank's prompts; returns per-step metrics (rank-local)."""
     from mopd import MOPDLossConfig, TokenBatch
-    from mopd.objectives import TokenTargets, mopd_pg_loss
+    from mopd.objectives import mopd_pg_loss
     from mopd.routing import score_routed, stamp_routes
 
     m = cfg.mopd
@@ -186,29 +185,25 @@ def mopd_step(st: Student, cfg: DemoConfig, data: TaskData, pool, step: int, g: 
     st.ddp.zero_grad_buffer()
     st.opt.zero_grad()
     _set_lr(st.opt, cosine_lr(step, m.steps, m.lr, 0.1))
-    lp, compression = student_logprobs(st, ids, cfg)
-    cut = TokenTargets(logp_sum=targets.logp_sum[:, :-1], weight_sum=targets.weight_sum[:, :-1],
-                       mix_lse=None if targets.mix_lse is None else targets.mix_lse[:, :-1])
-    out = mopd_pg_loss(lp, old[:, :-1], cut, mask[:, :-1],
-                       config=MOPDLossConfig(is_cap=m.is_cap, adv_clip=m.adv_clip))
+    lp, compression = student_logprobs(st, ids, cfg)                  # [B, S], the targets' layout
+    out = mopd_pg_loss(lp, old, targets, mask, config=MOPDLossConfig(is_cap=m.is_cap, adv_clip=m.adv_clip))
     gnorm = _train_update(st, out.loss)
     t_train = time.perf_counter()
     publish(st)
     t_pub = time.perf_counter()
 
-    mk = mask[:, :-1]
-    kl_tok = (old[:, :-1] - cut.logp_sum) * mk                       # sampled reverse-KL estimate per token
+    kl_tok = (old - targets.logp_sum) * mask                          # sampled reverse-KL estimate per token
     seq_task = torch.tensor([DOMAINS.index(t) for t in tasks]).repeat_interleave(m.group_size)
     ok = torch.stack([data.correct(t, x[None].expand(m.group_size, -1), gen[i * m.group_size:(i + 1) * m.group_size])
                       for i, (t, x) in enumerate(zip(tasks, xs, strict=True))]).reshape(-1)
     metrics = {"tokens": float(B * S), "compact_tokens": float(B * S / compression), "gnorm": gnorm,
-               "engine_trainer_max_abs": float(((lp.detach() - old[:, :-1]) * mk).abs().max()),
+               "engine_trainer_max_abs": float(((lp.detach() - old) * mask).abs().max()),
                "time_rollout": t_roll - t0, "time_score": t_score - t_roll, "time_train": t_train - t_score,
                "time_publish": t_pub - t_train}
     for k, t in enumerate(DOMAINS):
         rows = seq_task == k
         metrics[f"{t}/kl_sum"] = float(kl_tok[rows].sum())
-        metrics[f"{t}/tokens"] = float(mk[rows].sum())
+        metrics[f"{t}/tokens"] = float(mask[rows].sum())
         metrics[f"{t}/correct"] = float(ok[rows].sum())
         metrics[f"{t}/samples"] = float(rows.sum())
     return metrics

@@ -1,14 +1,17 @@
 """Structured (Hydra) config of the real-architecture MOPD runner: kw_only dataclasses, a
-docstring under every field, validation raising :class:`TrainConfigError` naming field and value."""
+docstring under every field, validation raising :class:`TrainConfigError` naming field and value.
+Importing this module registers :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harts.config import AttentionBackend
 from mcore_distill.errors import ConfigError, ConfigTypeError
 from mcore_distill.validate import validate_fields
 
-__all__ = ["ArchConfig", "WorkloadConfig", "RunConfig", "TrainConfig", "TrainConfigError", "to_train_config"]
+__all__ = ["ArchConfig", "WorkloadConfig", "RunConfig", "TrainConfig", "TrainConfigError", "register_schema",
+           "to_train_config"]
 
 _DTYPES = ("float32", "bfloat16", "float64")
 
@@ -193,8 +196,8 @@ class RunConfig:
         _check(self.lr > 0, f"{name}.lr", self.lr, "must be > 0")
         _check(self.temperature > 0, f"{name}.temperature", self.temperature, "must be > 0")
         _check(self.residency in ("staged", "gpu"), f"{name}.residency", self.residency, "one of staged|gpu")
-        _check(self.attention_backend in ("auto", "flex", "varlen", "dense"), f"{name}.attention_backend",
-               self.attention_backend, "one of auto|flex|varlen|dense")
+        _check(self.attention_backend in ["auto", *AttentionBackend], f"{name}.attention_backend",
+               self.attention_backend, f"one of auto|{'|'.join(AttentionBackend)}")
         _check(self.device in ("auto", "cuda", "cpu"), f"{name}.device", self.device, "one of auto|cuda|cpu")
         _check(self.slot_numel >= 1, f"{name}.slot_numel", self.slot_numel, "must be >= 1")
         _check(self.head_chunk_size >= 1, f"{name}.head_chunk_size", self.head_chunk_size, "must be >= 1")
@@ -231,28 +234,23 @@ class TrainConfig:
                f"shorter than prompt_len + response_len + jitter = {need}")
 
 
-def _unknown_keys(node, cls, prefix: str) -> list[str]:
-    import dataclasses
+def register_schema() -> None:
+    """Store :class:`TrainConfig` in Hydra's ConfigStore as ``train_schema`` (the first entry of
+    ``examples/configs/train.yaml``'s defaults list; idempotent)."""
+    from hydra.core.config_store import ConfigStore
 
-    out = []
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k in node.keys():
-        if k not in fields:
-            out.append(f"{prefix}{k}")
-        else:
-            sub = cls.__dataclass_fields__[k].default_factory
-            if dataclasses.is_dataclass(sub) and hasattr(node[k], "keys"):
-                out += _unknown_keys(node[k], sub, f"{prefix}{k}.")
-    return out
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def to_train_config(dcfg) -> TrainConfig:
     """A composed Hydra config as a validated :class:`TrainConfig`. Keys added with ``+key=...``
-    pass Hydra's composition; they are refused here by name (:class:`TrainConfigError`)."""
-    from omegaconf import OmegaConf
+    pass Hydra's composition; they are refused here by name with the valid keys
+    (:class:`TrainConfigError`)."""
+    from mcore_distill.structured import to_dataclass
 
-    bad = _unknown_keys(dcfg, TrainConfig, "")
-    _check(not bad, "config keys", bad, "not fields of examples/train/config.py:TrainConfig")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), dcfg))
+    cfg = to_dataclass(dcfg, TrainConfig, error=TrainConfigError)
     cfg.validate()
     return cfg
+
+
+register_schema()

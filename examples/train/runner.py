@@ -189,16 +189,6 @@ def _backend(cfg: TrainConfig, device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "dense"
 
 
-def _tree_params(cfg: TrainConfig, forest, backend: str):
-    if cfg.model.hybrid:
-        from harts.gdn_megatron import make_gdn_tree_params
-
-        return make_gdn_tree_params(forest, backend=backend)
-    from harts.megatron import make_tree_params
-
-    return make_tree_params(forest, backend=backend)
-
-
 def run(cfg: TrainConfig) -> dict:
     """Build student (DDP + optimizer) and teacher, run ``run.steps`` MOPD steps; return metrics.
 
@@ -207,7 +197,7 @@ def run(cfg: TrainConfig) -> dict:
     from megatron.core.transformer.module import Float16Module
 
     from harts import build_forest, sequence_logprobs, sharing_stats
-    from harts.megatron import tree_forward
+    from harts.megatron import make_tree_params, tree_forward
     from mopd import MOPDLossConfig
     from mopd.objectives import TokenTargets, mopd_pg_loss
     from optim_staged.config import AdamWConfig, SlotConfig, StagedOptimizerConfig
@@ -250,7 +240,7 @@ def run(cfg: TrainConfig) -> dict:
         sync()
         t_start = time.perf_counter()
         forest = build_forest(seqs).to(device)
-        params = _tree_params(cfg, forest, backend)
+        params = make_tree_params(forest, backend=backend, model=student)  # GDN plans for hybrid stacks
         with torch.no_grad():
             t_node, _ = tree_forward(teacher, forest, params=params, temperature=r.temperature,
                                      chunk_size=r.head_chunk_size)

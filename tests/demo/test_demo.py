@@ -22,11 +22,10 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "examples" / "demo" / "conf
 
 
 def _compose(overrides: list[str]):
+    """Hydra's compose API as a user calls it: importing examples.demo.config registered the schema."""
     from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
 
-    ConfigStore.instance().store(name="demo_schema", node=DemoConfig)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="demo", overrides=overrides)
@@ -45,6 +44,19 @@ def test_hydra_names_a_wrong_key():
 
     with pytest.raises(ConfigCompositionException, match="stepz"):
         _compose(["mopd.stepz=3"])
+
+
+def test_appended_unknown_key_is_refused_with_the_valid_keys():
+    """``+mopd.stepz=1`` passes Hydra's composition; building the config refuses it by name."""
+    from examples.demo.config import to_demo_config
+
+    cfg = to_demo_config(_compose(["mopd.steps=7"]))
+    assert isinstance(cfg, DemoConfig) and cfg.mopd.steps == 7
+    with pytest.raises(DemoConfigError, match=r"'mopd.stepz': MOPDStageConfig has no field 'stepz' "
+                                              r"\(did you mean 'steps'\?\); valid keys: adv_clip, "):
+        to_demo_config(_compose(["+mopd.stepz=1"]))
+    with pytest.raises(DemoConfigError, match="'seeed': DemoConfig has no field"):
+        to_demo_config(_compose(["+seeed=1"]))
 
 
 @pytest.mark.parametrize("field,value,kw", [

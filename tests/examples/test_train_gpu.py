@@ -27,7 +27,7 @@ def test_runner_on_cuda(tmp_path, overrides):
     out = tmp_path / "res.json"
     # head dim 64 (tiny configs: 16): a fp32 hybrid test with head dim 16 and T = 120 failed inside
     # torch.compile'd flex_attention on the H200 lane; this test is about the runner, not that case
-    cmd = [sys.executable, str(ROOT / "examples" / "train_gpu.py"), *overrides, "model.params_dtype=bfloat16",
+    cmd = [sys.executable, "-m", "examples.train_gpu", *overrides, "model.params_dtype=bfloat16",
            "model.kv_channels=64",
            "run.steps=3", "run.device=cuda", f"out_json={out}", f"hydra.run.dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

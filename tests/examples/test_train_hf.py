@@ -14,9 +14,9 @@ from tests.hf.models import hf_model
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("kind", ["dense", "qwen3.5"])
 def test_runner_starts_from_hf_folders(cpu_megatron, tmp_path, kind):
-    from examples.train.runner import _tree_params, arch_from_hf, build_model, param_count, run
+    from examples.train.runner import arch_from_hf, build_model, param_count, run
     from harts import build_forest, sequence_logprobs
-    from harts.megatron import tree_forward
+    from harts.megatron import make_tree_params, tree_forward
 
     student, teacher = hf_model(kind, seed=0), hf_model(kind, seed=1)
     student.save_pretrained(tmp_path / "student")
@@ -34,7 +34,7 @@ def test_runner_starts_from_hf_folders(cpu_megatron, tmp_path, kind):
     forest = build_forest(seqs)
     cfg.model = arch
     with torch.no_grad():
-        tree = sequence_logprobs(tree_forward(model, forest, params=_tree_params(cfg, forest, "dense"))[0], forest)
+        tree = sequence_logprobs(tree_forward(model, forest, params=make_tree_params(forest, backend="dense", model=model))[0], forest)
         ref = torch.cat([torch.log_softmax(teacher(input_ids=torch.tensor([s])).logits[0, :-1], -1)
                          .gather(-1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs])
     torch.testing.assert_close(tree, ref, atol=2e-5, rtol=0)  # the teacher's log-probs, over the HF vocabulary

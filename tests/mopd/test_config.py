@@ -17,8 +17,9 @@ BASE = ["teachers.math.checkpoint=/ck/math", "teachers.code.backend=http", "teac
 
 
 def _compose(extra=()):
-    cfg = OmegaConf.merge(OmegaConf.structured(MOPDConfig), OmegaConf.from_dotlist(BASE + list(extra)))
-    return OmegaConf.to_object(cfg)
+    from mcore_distill.structured import to_dataclass
+
+    return to_dataclass(OmegaConf.from_dotlist(BASE + list(extra)), MOPDConfig, error=ConfigError)
 
 
 def test_structured_config_round_trip():

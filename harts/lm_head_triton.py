@@ -1,0 +1,477 @@
+"""Triton kernels of :func:`harts.lm_head.tree_lm_head` (``impl="triton"``), each with a
+plain-torch reference of the same contract (``*_reference``) that the tests compare it with.
+
+Rows ``u`` of ``h [n, H]``, a vocabulary shard ``W [V, H]`` (local ids), ``s = h Wᵀ / τ``.
+The children ``c`` of row ``u`` are the edges ``row_ptr[u] <= c < row_ptr[u + 1]`` (a CSR sorted
+by parent row); ``tok[c]`` is the child's token as a local id (outside ``[0, V)``: another shard).
+
+* :func:`logit_tiles` (forward GEMM, statistics in its epilogue): per row and vocabulary tile
+  ``t`` of ``BN`` columns, ``m_t = max s``, ``S_t = Σ e`` and ``Q_t = Σ e (s − m_t)`` with
+  ``e = exp(s − m_t)``; the target logits ``s[u, tok[c]]``; and ``E = e`` in the model dtype with
+  the target columns set to 0. No fp32 logits leave the chip.
+* :func:`combine_tiles`: ``M = max_t m_t``, ``S = Σ_t e^{m_t − M} S_t``,
+  ``Q = Σ_t e^{m_t − M} (Q_t + (m_t − M) S_t)``, so ``lse = M + log S`` and
+  ``H = log S − Q / S`` (the entropy).
+* :func:`scale_tiles` (in place on ``E``, memory-bound): ``P = E · e^{m_t − lse}``, the
+  probabilities without the target columns, or for the entropy gradient ``P (log P + H)``; the
+  caller forms ``A = P W`` with one cuBLAS GEMM (fp32 output). (A Triton GEMM that applied the
+  scale in its prologue, to the A operand in registers before ``wgmma``, ran 17× slower than
+  this pair on an H200 and was dropped.)
+* :func:`hidden_grad`: ``dh_u = (Σ_c coef_c W[tok_c] − G_u A_u − g^H_u A^H_u) / τ`` with
+  ``G_u = Σ_c g_c`` and ``coef_c = g_c − G_u p_c − g^H_u p_c (log p_c + H_u)``: the target
+  columns enter with their exact fp32 coefficient, so ``1 − p`` never cancels in a rounded sum.
+* :func:`logit_grad` (backward GEMM, gradient in its epilogue), for one vocabulary block:
+  ``dz = (Σ_c g_c [v = tok_c] − p (G + g^H (log p + H))) / τ`` rounded once to the model dtype;
+  the caller forms ``dW_block = dzᵀ h`` as one GEMM over all rows.
+
+Accumulation is fp32 for 16/32-bit inputs and fp64 for fp64 (the CPU interpreter tests). The GEMM
+loop bounds ``H`` and ``V`` are compile-time constants (one compilation per head shape); on CUDA
+the tile shapes are autotuned on first use per shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["TILE_N", "logit_tiles", "combine_tiles", "scale_tiles", "hidden_grad", "logit_grad",
+           "logit_tiles_reference", "combine_tiles_reference", "scale_tiles_reference",
+           "hidden_grad_reference", "logit_grad_reference", "tuned_config"]
+
+TILE_N = 128
+"""Vocabulary columns per forward tile: the granularity of the partial softmax statistics."""
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, low: tl.constexpr):
+    if low:  # round to nearest even, also under the CPU interpreter (which truncates by default)
+        return x.to(dtype, fp_downcast_rounding="rtne")
+    return x.to(dtype)
+
+
+@triton.jit
+def _x_wt(X, W, rows, cols, stride_x, stride_w, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr):
+    """``X[rows] @ W[cols]ᵀ`` as a ``[BM, BN]`` accumulator (rows, cols already clamped in range)."""
+    ks = tl.arange(0, BK)
+    xp = X + rows.to(tl.int64)[:, None] * stride_x + ks[None, :]
+    wp = W + cols.to(tl.int64)[:, None] * stride_w + ks[None, :]
+    acc = tl.zeros([BM, BN], ACC)
+    for k0 in range(0, H, BK):
+        if H % BK == 0:
+            x = tl.load(xp)
+            w = tl.load(wp)
+        else:
+            km = ks[None, :] < H - k0
+            x = tl.load(xp, mask=km, other=0.0)
+            w = tl.load(wp, mask=km, other=0.0)
+        if F32:  # the CPU interpreter multiplies 16-bit floats as integers: exact fp32 products instead
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC, out_dtype=ACC)
+        xp += BK
+        wp += BK
+    return acc
+
+
+@triton.jit
+def _logit_tiles_kernel(X, W, E, PM, PS, PQ, TGT, PTR, TOK, n, INV, stride_x, stride_w, stride_e,
+                        H: tl.constexpr, V: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr,
+                        F32: tl.constexpr):
+    # axis 0 over row tiles: consecutive programs share one tile of W (the large operand)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < n
+    cmask = cols < V
+    acc = _x_wt(X, W, tl.minimum(rows, n - 1), tl.minimum(cols, V - 1), stride_x, stride_w, H, BM, BN, BK, ACC,
+                PREC, F32)
+    s = tl.where(cmask[None, :], acc * tl.load(INV), float("-inf"))
+    m = tl.max(s, 1)
+    sm = s - m[:, None]
+    e = tl.exp(sm)
+    tot = tl.sum(e, 1)
+    q = tl.sum(tl.where(cmask[None, :], e * sm, 0.0), 1)
+    # targets: store their logits and drop them from E (their gradient is formed exactly elsewhere)
+    start = tl.load(PTR + rows, mask=rmask, other=0)
+    cnt = tl.load(PTR + rows + 1, mask=rmask, other=0) - start
+    kmax = tl.max(cnt, 0)
+    i = 0
+    while i < kmax:
+        has = i < cnt
+        tok = tl.load(TOK + start + i, mask=has, other=-1)
+        hit = cols[None, :] == tok[:, None]
+        mine = has & (tok >= pid_n * BN) & (tok < pid_n * BN + BN) & (tok < V)
+        tl.store(TGT + start + i, tl.sum(tl.where(hit, s, 0.0), 1), mask=mine)
+        e = tl.where(hit, 0.0, e)
+        i += 1
+    if STORE_E:
+        tl.store(E + rows.to(tl.int64)[:, None] * stride_e + cols[None, :], _cast(e, E.dtype.element_ty, LOW),
+                 mask=rmask[:, None] & cmask[None, :])
+    po = pid_n * n + rows  # partials are [tiles, n]: one contiguous vector per tile
+    tl.store(PM + po, m, mask=rmask)
+    tl.store(PS + po, tot, mask=rmask)
+    tl.store(PQ + po, q, mask=rmask)
+
+
+@triton.jit
+def _combine_kernel(PM, PS, PQ, OM, OS, OQ, n, NT: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < n
+    ts = tl.arange(0, BT)
+    big = tl.full([BR], float("-inf"), PM.dtype.element_ty)
+    for t0 in range(0, NT, BT):
+        msk = ((t0 + ts) < NT)[:, None] & rmask[None, :]
+        m = tl.load(PM + (t0 + ts)[:, None] * n + rows[None, :], mask=msk, other=float("-inf"))
+        big = tl.maximum(big, tl.max(m, 0))
+    big = tl.where(rmask, big, 0.0)
+    tot = tl.zeros([BR], PM.dtype.element_ty)
+    q = tl.zeros([BR], PM.dtype.element_ty)
+    for t0 in range(0, NT, BT):
+        msk = ((t0 + ts) < NT)[:, None] & rmask[None, :]
+        off = (t0 + ts)[:, None] * n + rows[None, :]
+        m = tl.load(PM + off, mask=msk, other=0.0)
+        w = tl.where(msk, tl.exp(m - big[None, :]), 0.0)
+        st = tl.load(PS + off, mask=msk, other=0.0)
+        tot += tl.sum(st * w, 0)
+        q += tl.sum((tl.load(PQ + off, mask=msk, other=0.0) + (m - big[None, :]) * st) * w, 0)
+    tl.store(OM + rows, big, mask=rmask)
+    tl.store(OS + rows, tot, mask=rmask)
+    tl.store(OQ + rows, q, mask=rmask)
+
+
+@triton.jit
+def _scale_tiles_kernel(E, PM, LSE, ENT, n, stride_e, V: tl.constexpr, TN: tl.constexpr, BR: tl.constexpr,
+                        ACC: tl.constexpr, LOW: tl.constexpr, ENTROPY: tl.constexpr):
+    # one row block × one vocabulary tile, in place: e -> p = e · e^{m_t − lse}, or p -> p (log p + H)
+    t = tl.program_id(1)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = t * TN + tl.arange(0, TN)
+    rmask = rows < n
+    msk = rmask[:, None] & (cols < V)[None, :]
+    ptr = E + rows.to(tl.int64)[:, None] * stride_e + cols[None, :]
+    e = tl.load(ptr, mask=msk, other=0.0).to(ACC)
+    if ENTROPY:
+        ent = tl.load(ENT + rows, mask=rmask, other=0.0)
+        x = tl.where(e > 0, e * (tl.log(tl.where(e > 0, e, 1.0)) + ent[:, None]), 0.0)
+    else:
+        c = tl.exp(tl.load(PM + t * n + rows, mask=rmask, other=0.0) - tl.load(LSE + rows, mask=rmask, other=0.0))
+        x = e * c[:, None]
+    tl.store(ptr, _cast(x, E.dtype.element_ty, LOW), mask=msk)
+
+
+@triton.jit
+def _hidden_grad_kernel(A, AH, LSE, ENT, GH, PTR, TOK, EG, TGT, W, OUT, GOUT, INV, stride_a, stride_ah, stride_w,
+                        stride_o, H: tl.constexpr, V: tl.constexpr, BH: tl.constexpr, HAS_ENT: tl.constexpr,
+                        LOW: tl.constexpr):
+    u = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    hs = hb * BH + tl.arange(0, BH)
+    hm = hs < H
+    start = tl.load(PTR + u)
+    end = tl.load(PTR + u + 1)
+    lse = tl.load(LSE + u)
+    a = tl.load(A + u * stride_a + hs, mask=hm, other=0.0)
+    gsum = tl.zeros([1], a.dtype)
+    i = start
+    while i < end:
+        gsum += tl.load(EG + i)
+        i += 1
+    acc = -gsum * a
+    if HAS_ENT:
+        gh = tl.load(GH + u)
+        ent = tl.load(ENT + u)
+        acc -= gh * tl.load(AH + u * stride_ah + hs, mask=hm, other=0.0)
+    i = start
+    while i < end:
+        tok = tl.load(TOK + i)
+        lp = tl.load(TGT + i) - lse
+        p = tl.exp(lp)
+        coef = tl.load(EG + i) - gsum * p
+        if HAS_ENT:
+            coef -= gh * p * (lp + ent)
+        own = (tok >= 0) & (tok < V)
+        w = tl.load(W + tl.minimum(tl.maximum(tok, 0), V - 1).to(tl.int64) * stride_w + hs, mask=hm & own, other=0.0)
+        acc += coef * w.to(a.dtype)
+        i += 1
+    tl.store(OUT + u * stride_o + hs, _cast(acc * tl.load(INV), OUT.dtype.element_ty, LOW), mask=hm)
+    if hb == 0:
+        tl.store(GOUT + u + tl.arange(0, 1), gsum)
+
+
+@triton.jit
+def _logit_grad_kernel(X, W, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w, stride_dz,
+                       H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
+                       PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr, F32: tl.constexpr):
+    # axis 0 over the block's column tiles: consecutive programs share a tile of X rows
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    rmask = rows < T
+    rc = tl.minimum(rows, T - 1)
+    acc = _x_wt(X, W, rc, tl.minimum(cols, nb - 1), stride_x, stride_w, H, BM, BN, BK, ACC, PREC, F32)
+    inv_t = tl.load(INV)
+    lp = acc * inv_t - tl.load(LSE + rc)[:, None]
+    p = tl.exp(lp)
+    g = tl.load(G + rc)
+    if HAS_ENT:
+        d = -p * (g[:, None] + tl.load(GH + rc)[:, None] * (lp + tl.load(ENT + rc)[:, None]))
+    else:
+        d = -p * g[:, None]
+    start = tl.load(PTR + rows, mask=rmask, other=0)
+    cnt = tl.load(PTR + rows + 1, mask=rmask, other=0) - start
+    kmax = tl.max(cnt, 0)
+    i = 0
+    while i < kmax:
+        has = i < cnt
+        tok = tl.load(TOK + start + i, mask=has, other=-1) - col0
+        d += tl.where(cols[None, :] == tok[:, None], tl.load(EG + start + i, mask=has, other=0.0)[:, None], 0.0)
+        i += 1
+    tl.store(DZ + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :], _cast(d * inv_t, DZ.dtype.element_ty, LOW),
+             mask=rmask[:, None] & (cols < nb)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# configurations: explicit (tests, the CPU interpreter) or autotuned on first use per shape (CUDA)
+
+_MM_CONFIGS = {  # (BM, BN, BK, num_warps, num_stages); chosen on an H200 among these on first use
+    "logit_tiles": [(128, TILE_N, 64, 8, 3), (128, TILE_N, 64, 8, 4), (256, TILE_N, 64, 8, 3), (256, TILE_N, 64, 8, 4),
+                    (64, TILE_N, 64, 4, 4)],
+    "logit_grad": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3),
+                   (128, 128, 64, 4, 4)],
+}
+_KERNELS = {"logit_tiles": _logit_tiles_kernel, "logit_grad": _logit_grad_kernel}
+_INTERPRET_CONFIG = {"BM": 16, "BN": 16, "BK": 16}
+
+
+@functools.cache
+def _tuned(name: str):
+    configs = [triton.Config({"BM": bm, "BK": bk} if name == "logit_tiles" else {"BM": bm, "BN": bn, "BK": bk},
+                             num_warps=w, num_stages=s)  # logit_tiles: BN is fixed (the partials' layout)
+               for bm, bn, bk, w, s in _MM_CONFIGS[name]]
+    return triton.autotune(configs=configs, key=["H", "V"] if name == "logit_tiles" else ["H"])(_KERNELS[name])
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch(name: str, grid, args: dict, config: dict | None):
+    """Run kernel ``name`` with ``config`` ({BM, BN, BK, num_warps, num_stages}); ``None``: the
+    autotuned kernel on CUDA, the small interpreter tiles elsewhere."""
+    if config is None and not _interpreting():
+        _tuned(name)[grid](**args)
+        return
+    cfg = dict(config or _INTERPRET_CONFIG)
+    if name == "logit_tiles":
+        cfg.pop("BN", None)  # fixed: the partials' layout
+    _KERNELS[name][grid](**args, **cfg)
+
+
+def tuned_config(name: str) -> dict | None:
+    """The configuration the autotuner chose for kernel ``name`` (None before its first run)."""
+    best = getattr(_tuned(name), "best_config", None)
+    return None if best is None else {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+
+
+def _acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _prec(dtype: torch.dtype):
+    return "ieee" if dtype in (torch.float32, torch.float64) or _f32_dots(dtype) else None
+
+
+def _f32_dots(dtype: torch.dtype) -> bool:
+    """16-bit operands are multiplied as exact fp32 products under the CPU interpreter (its dot
+    treats them as integers); on the GPU they go to the tensor cores as they are."""
+    return _low(dtype) and _interpreting()
+
+
+def _low(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows_dense(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# wrappers
+
+
+def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: torch.Tensor, tgt: torch.Tensor,
+                inv_t: torch.Tensor, *, store_e: bool = True, config: dict | None = None):
+    """Forward tiles of the rows ``h [n, H]`` (see the module docstring); ``inv_t``: ``1/τ`` as a
+    one-element tensor of the accumulation dtype (fp64 stays exact; a Python float would pass as fp32).
+
+    ``row_ptr [n + 1]`` (global edge indices), ``tok [E]`` (local ids), ``tgt [E]`` (written at the
+    edges whose token lies in this shard). Returns ``E [n, V]`` (``w``'s dtype) and the partials
+    ``m, S, Q`` as ``[ceil(V / TILE_N), n]`` each (fp32; fp64 for fp64 inputs); ``E`` is None
+    when ``store_e`` is False (statistics only).
+    """
+    n, hd = h.shape
+    v = w.shape[0]
+    h, w = _rows_dense(h), _rows_dense(w)
+    nt = triton.cdiv(v, TILE_N)
+    acc = _acc_dtype(h.dtype)
+    pm, ps, pq = torch.empty(3, nt, n, dtype=acc, device=h.device)
+    # rows padded to a multiple of 64 elements: aligned rows let the GEMM loads pipeline (cp.async)
+    e = torch.empty(n, -(-v // 64) * 64, dtype=w.dtype, device=h.device)[:, :v] if store_e else None
+    args = dict(X=h, W=w, E=pm if e is None else e, PM=pm, PS=ps, PQ=pq, TGT=tgt, PTR=row_ptr, TOK=tok, n=n,
+                INV=inv_t, stride_x=h.stride(0), stride_w=w.stride(0), stride_e=0 if e is None else e.stride(0), H=hd,
+                V=v, BN=TILE_N, ACC=_acc(h.dtype), PREC=_prec(h.dtype), LOW=_low(w.dtype), STORE_E=store_e,
+                F32=_f32_dots(h.dtype))
+    _launch("logit_tiles", lambda meta: (triton.cdiv(n, meta["BM"]), nt), args, config)
+    return e, pm, ps, pq
+
+
+def combine_tiles(pm: torch.Tensor, ps: torch.Tensor, pq: torch.Tensor):
+    """``(M, S, Q) [n]`` of the tile partials ``[tiles, n]`` (module docstring)."""
+    nt, n = pm.shape
+    out = torch.empty(3, n, dtype=pm.dtype, device=pm.device)
+    br, bt = (16, 16) if _interpreting() else (32, 64)
+    _combine_kernel[(triton.cdiv(n, br),)](pm, ps, pq, out[0], out[1], out[2], n, NT=nt, BR=br, BT=bt)
+    return out[0], out[1], out[2]
+
+
+def scale_tiles(e: torch.Tensor, pm: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, *,
+                entropy: bool = False) -> torch.Tensor:
+    """In place on ``E`` of :func:`logit_tiles`: ``E ← E · e^{m_t − lse}`` (the probabilities
+    without the target columns), or with ``entropy=True`` on those probabilities
+    ``P ← P (log P + H)``; computed in the accumulation dtype, rounded to ``E``'s dtype."""
+    n, v = e.shape
+    if n == 0:
+        return e
+    br = 16 if _interpreting() else 32
+    _scale_tiles_kernel[(triton.cdiv(n, br), triton.cdiv(v, TILE_N))](
+        e, pm, lse, ent, n, e.stride(0), V=v, TN=TILE_N, BR=br, ACC=_acc(e.dtype), LOW=_low(e.dtype), ENTROPY=entropy)
+    return e
+
+
+def hidden_grad(a: torch.Tensor, a_ent: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor,
+                g_ent: torch.Tensor | None, row_ptr: torch.Tensor, tok: torch.Tensor, g_edge: torch.Tensor,
+                tgt: torch.Tensor, w: torch.Tensor, inv_t: torch.Tensor, out: torch.Tensor, gsum: torch.Tensor) -> None:
+    """``out [T, H] = dh`` (before any tensor-parallel sum; may alias ``a``) and ``gsum [T] = G``."""
+    t, hd = a.shape
+    if t == 0:
+        return
+    w = _rows_dense(w)
+    bh = min(1024, triton.next_power_of_2(hd)) if not _interpreting() else 16
+    has_ent = a_ent is not None and g_ent is not None
+    _hidden_grad_kernel[(t, triton.cdiv(hd, bh))](
+        a, a_ent if has_ent else a, lse, ent, g_ent if has_ent else lse, row_ptr, tok, g_edge, tgt, w, out, gsum,
+        inv_t, a.stride(0), (a_ent if has_ent else a).stride(0), w.stride(0), out.stride(0), H=hd, V=w.shape[0],
+        BH=bh, HAS_ENT=has_ent, LOW=_low(out.dtype))
+
+
+def logit_grad(h: torch.Tensor, w_block: torch.Tensor, col0: int, lse: torch.Tensor, gsum: torch.Tensor,
+               g_ent: torch.Tensor | None, ent: torch.Tensor, row_ptr: torch.Tensor, tok: torch.Tensor,
+               g_edge: torch.Tensor, inv_t: torch.Tensor, out: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """``out [T, nb] = dz`` of the vocabulary block ``w_block = W[col0 : col0 + nb]`` (module docstring)."""
+    t, hd = h.shape
+    nb = w_block.shape[0]
+    h, w_block = _rows_dense(h), _rows_dense(w_block)
+    has_ent = g_ent is not None
+    args = dict(X=h, W=w_block, DZ=out, LSE=lse, G=gsum, GH=g_ent if has_ent else lse, ENT=ent, PTR=row_ptr, TOK=tok,
+                EG=g_edge, T=t, nb=nb, col0=col0, INV=inv_t, stride_x=h.stride(0), stride_w=w_block.stride(0),
+                stride_dz=out.stride(0), H=hd, ACC=_acc(h.dtype), PREC=_prec(h.dtype), LOW=_low(out.dtype),
+                HAS_ENT=has_ent, F32=_f32_dots(h.dtype))
+    _launch("logit_grad", lambda meta: (triton.cdiv(nb, meta["BN"]), triton.cdiv(t, meta["BM"])), args, config)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# plain-torch references (same contracts; dense [n, V] tensors: small sizes only)
+
+
+def _edge_rows(row_ptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global edge indices, their row) of the CSR ``row_ptr``."""
+    cnt = row_ptr.diff()
+    rows = torch.repeat_interleave(torch.arange(cnt.numel(), device=row_ptr.device), cnt)
+    return torch.arange(int(row_ptr[0]), int(row_ptr[-1]), device=row_ptr.device), rows
+
+
+def logit_tiles_reference(h, w, row_ptr, tok, tgt, inv_t):
+    acc = _acc_dtype(h.dtype)
+    s = (h.to(acc) @ w.to(acc).T) * inv_t
+    n, v = s.shape
+    nt = -(-v // TILE_N)
+    sp = torch.full((n, nt * TILE_N), float("-inf"), dtype=acc, device=s.device)
+    sp[:, :v] = s
+    sp = sp.view(n, nt, TILE_N)
+    m = sp.amax(-1)
+    e = torch.exp(sp - m[..., None])
+    tot = e.sum(-1)
+    q = torch.where(e > 0, e * (sp - m[..., None]), 0.0).sum(-1)
+    e = e.reshape(n, -1)[:, :v].clone()
+    idx, rows = _edge_rows(row_ptr)
+    t = tok[idx]
+    own = (t >= 0) & (t < v)
+    tgt[idx[own]] = s[rows[own], t[own]]
+    e[rows[own], t[own]] = 0.0
+    return e.to(w.dtype), m.T.contiguous(), tot.T.contiguous(), q.T.contiguous()
+
+
+def combine_tiles_reference(pm, ps, pq):
+    big = pm.amax(0)
+    wt = torch.exp(pm - big)
+    return big, (ps * wt).sum(0), ((pq + (pm - big) * ps) * wt).sum(0)
+
+
+def scale_tiles_reference(e, pm, lse, ent, *, entropy=False):
+    acc = _acc_dtype(e.dtype)
+    ef = e.to(acc)
+    if entropy:
+        x = torch.where(ef > 0, ef * (torch.log(torch.where(ef > 0, ef, 1.0)) + ent[:, None]), 0.0)
+    else:
+        x = ef * torch.exp(pm.T.repeat_interleave(TILE_N, 1)[:, :e.shape[1]] - lse[:, None])
+    return x.to(e.dtype)
+
+
+def hidden_grad_reference(a, a_ent, lse, ent, g_ent, row_ptr, tok, g_edge, tgt, w, inv_t):
+    t, _ = a.shape
+    v = w.shape[0]
+    idx, rows = _edge_rows(row_ptr)
+    gsum = torch.zeros(t, dtype=a.dtype, device=a.device).index_add_(0, rows, g_edge[idx])
+    out = -gsum[:, None] * a
+    lp = tgt[idx] - lse[rows]
+    p = torch.exp(lp)
+    coef = g_edge[idx] - gsum[rows] * p
+    if a_ent is not None and g_ent is not None:
+        out -= g_ent[:, None] * a_ent
+        coef -= g_ent[rows] * p * (lp + ent[rows])
+    tk = tok[idx]
+    own = (tk >= 0) & (tk < v)
+    out.index_add_(0, rows, torch.where(own, coef, 0.0)[:, None] * w[tk.clamp(0, v - 1)].to(a.dtype))
+    return out * inv_t, gsum
+
+
+def logit_grad_reference(h, w_block, col0, lse, gsum, g_ent, ent, row_ptr, tok, g_edge, inv_t):
+    acc = _acc_dtype(h.dtype)
+    lp = (h.to(acc) @ w_block.to(acc).T) * inv_t - lse[:, None]
+    p = torch.exp(lp)
+    d = -p * gsum[:, None]
+    if g_ent is not None:
+        d -= p * g_ent[:, None] * (lp + ent[:, None])
+    idx, rows = _edge_rows(row_ptr)
+    t = tok[idx] - col0
+    inb = (t >= 0) & (t < w_block.shape[0])
+    d[rows[inb], t[inb]] += g_edge[idx[inb]]
+    return (d * inv_t).to(h.dtype)

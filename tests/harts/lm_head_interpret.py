@@ -1,0 +1,153 @@
+"""Runs the Triton kernels of the LM head (:mod:`harts.lm_head_triton`) under Triton's CPU
+interpreter. Started by ``tests/harts/test_lm_head.py`` in a subprocess with ``TRITON_INTERPRET=1``
+(set before Triton is imported); prints one JSON line with, per check, the largest error relative
+to the reference's scale (``max |out − ref| / max(max |ref|, 1e-300)``):
+
+* ``kernel …``: each Triton kernel against its plain-torch reference (same contract, same inputs) in
+  fp64, fp32 and bf16, on a forest with forks, a vocabulary shard that some targets fall outside of,
+  ``H`` and ``V`` that are not multiples of the tiles;
+* ``head …``: :func:`harts.lm_head.tree_lm_head` with ``impl="triton"`` in fp64 against the
+  full-logits reference (forward and backward), with and without a differentiable entropy, several
+  chunk sizes and vocabulary blocks, a temperature; and in bf16 (relative Frobenius errors);
+* ``tp2 …``: the same at TP = 2 on two gloo ranks (vocabulary shards, all-reduced statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from harts import lm_head_triton as tri
+from harts.forest import build_forest
+from harts.lm_head import tree_lm_head
+from harts.reference import tree_head_reference
+
+SEQS = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [5, 6, 7, 13], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 8, 10],
+        [1, 2, 12], [3, 4, 5, 6], [3, 4, 5, 6], [9, 3, 4, 5], [4, 4, 4, 4], [2, 5], [250, 251, 1, 299, 298]]
+
+
+def _err(out, ref) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).abs().max() / max(float(ref.abs().max()), 1e-300)) if ref.numel() else 0.0
+
+
+def _frob(out, ref) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def kernels(dtype: torch.dtype) -> dict[str, float]:
+    f = build_forest([[t * 37 % 500 for t in s] for s in SEQS])
+    g = torch.Generator().manual_seed(0)
+    t, hd, v, v0 = f.num_nodes, 24, 300, 100  # shard [100, 400) of a 500-token vocabulary
+    h = torch.randn(t, hd, generator=g, dtype=torch.float64).to(dtype)
+    w = (0.7 * torch.randn(v, hd, generator=g, dtype=torch.float64)).to(dtype)
+    from harts.lm_head import head_edges
+
+    ed = head_edges(f.tokens, f.parent)
+    row_ptr, tok = ed.row_ptr, (ed.token - v0).to(torch.int32)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    inv = torch.full((1,), 1 / 0.7, dtype=acc)
+    out = {}
+    tgt, tgt_r = torch.zeros(tok.numel(), dtype=acc), torch.zeros(tok.numel(), dtype=acc)
+    e, pm, ps, pq = tri.logit_tiles(h, w, row_ptr, tok, tgt, inv)
+    er, pmr, psr, pqr = tri.logit_tiles_reference(h, w, row_ptr, tok, tgt_r, inv)
+    for name, a, b in (("E", e, er), ("m", pm, pmr), ("S", ps, psr), ("Q", pq, pqr), ("tgt", tgt, tgt_r)):
+        out[f"kernel logit_tiles {name}"] = _err(a, b)
+    m, se, es = tri.combine_tiles(pm, ps, pq)
+    for name, a, b in zip("MSQ", (m, se, es), tri.combine_tiles_reference(pm, ps, pq), strict=True):
+        out[f"kernel combine {name}"] = _err(a, b)
+    lse, ent = m + torch.log(se), torch.log(se) - es / se
+    p_ref = tri.scale_tiles_reference(e, pm, lse, ent)
+    out["kernel scale_tiles p"] = _err(tri.scale_tiles(e.clone(), pm, lse, ent), p_ref)
+    out["kernel scale_tiles entropy"] = _err(tri.scale_tiles(p_ref.clone(), pm, lse, ent, entropy=True),
+                                             tri.scale_tiles_reference(p_ref, pm, lse, ent, entropy=True))
+    a_, a_ent = torch.randn(2, t, hd, generator=g, dtype=torch.float64).to(acc)
+    g_edge, g_ent = torch.randn(tok.numel(), generator=g, dtype=torch.float64).to(acc), torch.randn(
+        t, generator=g, dtype=torch.float64).to(acc)
+    for with_ent in (False, True):
+        dh, gs = torch.empty(t, hd, dtype=dtype), torch.empty(t, dtype=acc)
+        ae, ge = (a_ent, g_ent) if with_ent else (None, None)
+        tri.hidden_grad(a_, ae, lse, ent, ge, row_ptr, tok, g_edge, tgt, w, inv, dh, gs)
+        dh_r, gs_r = tri.hidden_grad_reference(a_, ae, lse, ent, ge, row_ptr, tok, g_edge, tgt, w, inv)
+        out[f"kernel hidden_grad ent={with_ent}"] = _err(dh, dh_r)
+        out[f"kernel hidden_grad G ent={with_ent}"] = _err(gs, gs_r)
+        for c0, nb in ((0, 128), (128, 100), (250, 50)):
+            dz = tri.logit_grad(h, w[c0:c0 + nb], c0, lse, gs, ge, ent, row_ptr, tok, g_edge, inv,
+                                torch.empty(t, nb, dtype=dtype))
+            ref = tri.logit_grad_reference(h, w[c0:c0 + nb], c0, lse, gs_r, ge, ent, row_ptr, tok, g_edge, inv)
+            out[f"kernel logit_grad ent={with_ent} cols {c0}+{nb}"] = _err(dz, ref)
+    return {f"{k} {str(dtype)[6:]}": val for k, val in out.items()}
+
+
+def _head_case(f, *, v, hd, dtype, chunk, vocab_block, temp, ent_grad, seed=0, tp_group=None, rank=0, world=1,
+               sum_objective=False):
+    """(errors of logp, entropy, dhidden, dweight) of the Triton head against the fp64 full-logits reference."""
+    g = torch.Generator().manual_seed(seed)
+    t = f.num_nodes
+    hid = torch.randn(t, hd, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+    w_full = (0.5 * torch.randn(v, hd, generator=g, dtype=torch.float64)).to(dtype)
+    vl = v // world
+    w = w_full[rank * vl:(rank + 1) * vl].clone().requires_grad_(True)
+    if sum_objective:  # autograd hands the gradients of .sum() over as expanded (stride-0) tensors
+        c_lp, c_en = (torch.ones(1, dtype=torch.float64).expand(t) for _ in range(2))
+    else:
+        c_lp, c_en = (torch.randn(t, generator=g, dtype=torch.float64) for _ in range(2))
+    lp, en = tree_lm_head(hid, w, f.tokens, f.parent, chunk_size=chunk, temperature=temp, entropy_requires_grad=ent_grad,
+                          impl="triton", vocab_block=vocab_block, tp_group=tp_group)
+    obj = (lp.double() * c_lp).sum() + ((en.double() * c_en).sum() if ent_grad else 0.0)
+    if sum_objective:
+        obj = lp.sum() + (en.sum() if ent_grad else 0.0)
+    dh, dw = torch.autograd.grad(obj, [hid, w])
+    hr, wr = hid.detach().double().requires_grad_(True), w_full.double().requires_grad_(True)
+    lr, er = tree_head_reference(hr, wr, f.tokens, f.parent, temperature=temp)
+    obj_r = (lr * c_lp).sum() + ((er * c_en).sum() if ent_grad else 0.0)
+    dh_r, dw_r = torch.autograd.grad(obj_r, [hr, wr])
+    dw_r = dw_r[rank * vl:(rank + 1) * vl]
+    err = _err if dtype == torch.float64 else _frob
+    return err(lp, lr), err(en, er), err(dh, dh_r), err(dw, dw_r)
+
+
+def heads() -> dict[str, float]:
+    out = {}
+    f = build_forest(SEQS)
+    for chunk, vb, ent_grad in ((7, 16, True), (4096, 128, True), (1, None, False), (16, 48, False)):
+        e = _head_case(f, v=301, hd=20, dtype=torch.float64, chunk=chunk, vocab_block=vb, temp=0.7, ent_grad=ent_grad)
+        for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
+            out[f"head fp64 chunk={chunk} vb={vb} ent_grad={ent_grad} {name}"] = val
+    # H a multiple of the K tile (no masked loads), several chunks, the gradients of .sum()
+    e = _head_case(f, v=301, hd=32, dtype=torch.float64, chunk=8, vocab_block=64, temp=1.0, ent_grad=True,
+                   sum_objective=True)
+    for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
+        out[f"head fp64 sum-objective H=32 {name}"] = val
+    e = _head_case(f, v=301, hd=20, dtype=torch.bfloat16, chunk=16, vocab_block=128, temp=1.0, ent_grad=True)
+    for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
+        out[f"head bf16 {name}"] = val
+    return out
+
+
+def _tp_body(rank, world):
+    import torch.distributed as dist
+
+    f = build_forest(SEQS)
+    return _head_case(f, v=302, hd=20, dtype=torch.float64, chunk=8, vocab_block=64, temp=0.9, ent_grad=True,
+                      tp_group=dist.group.WORLD, rank=rank, world=world)
+
+
+def main(payload: dict) -> dict[str, float]:
+    out = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        out.update(kernels(dtype))
+    out.update(heads())
+    if payload.get("tp2", True):
+        from mcore_distill.testing import run_ranks
+
+        for rank, e in enumerate(run_ranks(_tp_body, 2, timeout=500)):
+            for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
+                out[f"tp2 rank{rank} {name}"] = val
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]) if len(sys.argv) > 1 else {})))
