@@ -119,7 +119,11 @@ def test_configs_are_hydra_structured():
     cfg = OmegaConf.merge(OmegaConf.structured(PlannerConfig), {"token_cap": 4096, "cost": {"c_attn": 1e-6}})
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, PlannerConfig) and obj.token_cap == 4096 and obj.cost.c_attn == 1e-6
+    from mcore_distill.structured import to_dataclass
+
     with pytest.raises(HartsConfigError, match="HeadConfig.backend must be .* got 'flash'"):
-        OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HeadConfig), {"backend": "flash"}))
+        HeadConfig(backend="flash")
+    with pytest.raises(HartsConfigError, match=r"backend: Invalid value 'flash', expected one of \[flex, varlen, dense\]"):
+        to_dataclass({"backend": "flash"}, HeadConfig, error=HartsConfigError)
     with pytest.raises(HartsConfigError, match="CostModelConfig.c_token must be >= 0, got -1.0"):
         CostModelConfig(c_token=-1.0)
