@@ -57,10 +57,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
-from colocate import HFModelSpec, PublishConfig, TensorReceiver  # noqa: E402
+from colocate import HFModelSpec, PublishConfig, Publisher  # noqa: E402
 from colocate.buckets import tensor_checksum  # noqa: E402
 from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf  # noqa: E402
-from colocate.publish import Publisher  # noqa: E402
+from colocate.receivers import TensorReceiver  # noqa: E402
 from colocate.transports import spawn_receiver  # noqa: E402
 
 GiB = 1 << 30
@@ -341,7 +341,7 @@ def bench_sglang() -> tuple[list[dict], dict]:
     rows: list[dict] = []
     sums = {}
     try:
-        e = eng.engine
+        e = eng.client.engine  # the sglang.Engine itself, for the baselines
         initial = eng.checksum()
 
         def naive_loop():

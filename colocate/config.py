@@ -2,20 +2,18 @@
 
 Choice fields are plain ``str`` (OmegaConf 2.3 has no ``Literal``); the allowed values are
 listed in each docstring and checked in ``__post_init__``. Every bad value raises
-:class:`ConfigError` (a ``ValueError``) naming the field and the value.
+:class:`~colocate.errors.ConfigError` (a ``ValueError``) naming the field and the value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from colocate.errors import ConfigError
+
 __all__ = ["ConfigError", "HFModelSpec", "PublishConfig", "EngineConfig", "WorkerSpec"]
 
 MiB = 1 << 20
-
-
-class ConfigError(ValueError):
-    """A config field holds a value that cannot work; the message names field and value."""
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -106,7 +104,10 @@ class PublishConfig:
     sample_count: int = 64
     """Elements compared per tensor in ``sampled`` mode."""
     timeout_s: float = 600.0
-    """Upper bound on any wait for the receiver (ack, load, verification)."""
+    """Upper bound on each wait of a publish for a receiver in another process (specs,
+    ``begin_update``, every acknowledgement, the load and commit in ``end_update``, the
+    read-back, abort and unmapping), whatever the proxy's own default. An in-process receiver is
+    called directly; its own timeouts apply (an SGLang HTTP client's ``timeout_s``)."""
     disk_dir: str | None = None
     """Folder for the disk transport; a fresh temp folder when None."""
 
@@ -157,8 +158,11 @@ class WorkerSpec:
     """argv of the worker process."""
     env: dict[str, str] = field(default_factory=dict)
     """Per-role overrides merged over the owner's environment (a value of ``""`` removes the key)."""
-    scheduler: str = "local"
-    """Where to start it: ``local`` (a subprocess) or ``slurm`` (a step in the owner's job)."""
+    scheduler: str | None = None
+    """The scheduler that must start it: ``local`` (a subprocess), ``slurm`` (a step in the
+    owner's job) or ``ray`` (an actor on the owner's node); a scheduler of another kind refuses
+    the spec (:class:`~colocate.errors.WorkerError`), and :func:`colocate.workers.scheduler_for`
+    builds the one named. None: any scheduler may start it."""
     devices: list[int] | None = None
     """The owner's logical GPU indices this worker gets (mapped to physical ids through the
     owner's ``CUDA_VISIBLE_DEVICES``); None gives it all of the owner's devices."""
@@ -166,14 +170,16 @@ class WorkerSpec:
     """How long ``start`` waits for the worker's ready line."""
     kill_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when stopping."""
+    log_path: str | None = None
+    """File that receives the worker's stdout and stderr (appended); None: the owner's."""
 
     def __post_init__(self) -> None:
         if not self.role or not self.role.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"WorkerSpec.role must be a non-empty identifier, got {self.role!r}")
         if not self.command or not all(isinstance(a, str) for a in self.command):
             raise ConfigError(f"WorkerSpec.command must be a non-empty list of str, got {self.command!r}")
-        if self.scheduler not in ("local", "slurm", "ray"):
-            raise ConfigError(f"WorkerSpec.scheduler must be 'local', 'slurm' or 'ray', got {self.scheduler!r}")
+        if self.scheduler not in (None, "local", "slurm", "ray"):
+            raise ConfigError(f"WorkerSpec.scheduler must be None, 'local', 'slurm' or 'ray', got {self.scheduler!r}")
         if self.devices is not None and (not self.devices or any(not isinstance(d, int) or d < 0 for d in self.devices)):
             raise ConfigError(f"WorkerSpec.devices must be None or non-negative ints, got {self.devices!r}")
         bad = {k: v for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)}

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import HFModelSpec, ParamMismatchError, PublishConfig
+from colocate import HFModelSpec, PublishConfig
 from colocate.buckets import tensor_checksum
+from colocate.convert import ParamMismatchError
 from colocate.engines import HFEngine, UpdateError, build_hf_model, hf_checkpoint_views
 from colocate.publish import PoisonedVersionError, Publisher, PublishError
 from colocate.transports import ReceiverDied, ReceiverTimeout, TransportError, spawn_receiver

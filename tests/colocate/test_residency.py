@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import BusyError, NotResidentError, Residency, TensorOffload
+from colocate import BusyError, NotResidentError, Residency
+from colocate.residency import TensorOffload
 
 
 def _machine(log, syncs):
@@ -128,3 +129,4 @@ def test_megatron_trainer_cycle_restores_training_exactly(cpu_megatron, optim):
         assert freed["optimizer"] > 0  # on CPU the staged optimizer holds no accelerator state
     for n in ref:
         assert torch.equal(ref[n], out[n]), n
+

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import HFModelSpec, NotResidentError, PublishConfig
+from colocate import HFModelSpec, NotResidentError, PublishConfig, SGLangEngine
 from colocate.buckets import plan_buckets
-from colocate.engines import UpdateError
+from colocate.errors import TransportError, UpdateError
 from colocate.publish import Publisher
-from colocate.sglang_engine import SGLangEngine
-from colocate.transports import TransportError
+from colocate.sglang_clients import EngineClient
 
 SPEC = HFModelSpec(arch="qwen3", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
                    head_dim=4, ffn_hidden_size=16, vocab_size=32)
@@ -75,7 +74,7 @@ class RuleEngine:
 def test_bracket_detection_versions_and_residency(bracket):
     eng = RuleEngine(bracket=bracket)
     sums = iter(range(100))
-    ad = SGLangEngine(eng, spec=SPEC, checksum_fn=lambda e: f"sum{next(sums)}")
+    ad = SGLangEngine(EngineClient(eng, checksum_fn=lambda e: f"sum{next(sums)}"), spec=SPEC)
     assert ad.has_bracket is bracket and ad.capabilities() == {"cuda_ipc"}
     if not torch.cuda.is_available():  # the probe refuses: SGLang takes CUDA tensors only
         with pytest.raises(TransportError, match="no common transport"):

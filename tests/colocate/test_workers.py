@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import ConfigError, WorkerSpec
+from colocate import WorkerSpec
+from colocate.errors import ConfigError
 from colocate.workers import (
     LocalScheduler,
     SlurmScheduler,
