@@ -164,7 +164,9 @@ class HFEngine:
         return dict(self._specs)
 
     def weight_version(self) -> int | None:
-        return self._version
+        """The version served; None before the first commit, and from a release of ``weights``
+        (their contents are gone) until the next commit."""
+        return self._version if self._valid else None
 
     def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, int]:
         with self._lock:

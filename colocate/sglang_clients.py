@@ -243,10 +243,13 @@ class HTTPClient:
         limit = timeout or self.timeout_s
         deadline = time.monotonic() + limit
         conn = self._conn_cls(self._host, self._port, timeout=limit)
-        cut = threading.Timer(limit, _shut, (conn,))
-        cut.daemon = True
+        cut = None
         data = None if body is None else json.dumps(body).encode()
         try:
+            conn.connect()
+            # the response may detach the socket from conn (HTTP/1.0): keep our own reference
+            cut = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (conn.sock,))
+            cut.daemon = True
             cut.start()
             conn.request(method, self._prefix + path, body=data, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -262,7 +265,8 @@ class HTTPClient:
                                       f"{limit:.1f}s") from e
             raise ReceiverDied(f"SGLang server {self.base_url} unreachable for {method} {path}: {e!r}") from e
         finally:
-            cut.cancel()
+            if cut is not None:
+                cut.cancel()
             conn.close()
         try:
             return status, json.loads(raw) if raw else None
@@ -392,11 +396,10 @@ class HTTPClient:
             raise
 
 
-def _shut(conn: http.client.HTTPConnection) -> None:
-    """Shut the connection's socket down: a read blocked on it returns at once (the deadline)."""
+def _shut(sock: socket.socket) -> None:
+    """Shut a socket down: a read blocked on it returns at once (the request's deadline)."""
     try:
-        if conn.sock is not None:
-            conn.sock.shutdown(socket.SHUT_RDWR)
+        sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass  # already closed
 

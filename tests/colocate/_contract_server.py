@@ -4,7 +4,9 @@ idle-only release, errors for resuming an unreleased tag, optional 0.5.21 bracke
 ``transformers`` model. In process (:class:`ContractServer`) or as ``sglang.launch_server``'s
 stand-in: ``python -m tests.colocate._contract_server --host H --port P --model-path DIR [flags]``
 loads the HF checkpoint at ``DIR`` and serves until killed (``GET /probe`` reports its pid, argv
-and environment, and whether Megatron imports)."""
+and environment, and whether Megatron imports). CPU tensors cross as file descriptors, which the
+owner's multiprocessing resource sharer hands only to processes with its authkey: pass it as
+``MCD_MP_AUTHKEY`` (hex). The real server takes CUDA tensors (IPC handles) and needs none."""
 
 from __future__ import annotations
 
@@ -23,6 +25,24 @@ import torch
 
 from colocate import HFModelSpec
 from colocate.engines import build_hf_model, hf_checkpoint_views
+
+SPEC = HFModelSpec(arch="qwen3", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                   head_dim=8, ffn_hidden_size=48, vocab_size=64, rope_theta=10000.0)
+"""The model the adapter tests publish into."""
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """Random HF-named weights of :data:`SPEC` (a config-built model's init under ``seed``)."""
+    torch.manual_seed(seed)
+    return {n: v.detach().clone() for n, v in hf_checkpoint_views(build_hf_model(SPEC)).items()}
+
+
+def sha(w: dict[str, torch.Tensor]) -> str:
+    """What :meth:`ContractServer.checksum` returns for a model holding ``w``."""
+    h = hashlib.sha256()
+    for n in sorted(w):
+        h.update(w[n].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def probe() -> dict:
@@ -202,6 +222,10 @@ def main() -> None:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--bracket", action="store_true")
     args, _ = ap.parse_known_args()  # the other sglang flags (tp-size, base-gpu-id, ...) are ignored
+    if os.environ.get("MCD_MP_AUTHKEY"):  # shared-memory CPU tensors (file descriptors) come from the owner:
+        import multiprocessing  # its resource sharer accepts processes with its authkey only
+
+        multiprocessing.current_process().authkey = bytes.fromhex(os.environ["MCD_MP_AUTHKEY"])
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="eager")

@@ -234,3 +234,20 @@ def test_sglang_process_env_puts_the_stand_in_first(tmp_path):
     assert "PYTHONPATH" not in sglang_process_env({"PYTHONPATH": None}, hide_megatron=False)
     out = subprocess.run([sys.executable, "-c", "import megatron.core"], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "megatron is hidden from this SGLang process" in out.stderr
+
+
+def test_abort_of_a_committed_version_leaves_no_valid_version():
+    """SGLang loads in place, so a version the publisher gives up on after ``end_update`` (a
+    read-back that failed, an acknowledgement that came too late) cannot be rolled back: the
+    adapter stops reporting it, and an older abort does not touch a newer version."""
+    eng = RuleEngine(bracket=True)
+    ad = SGLangEngine(EngineClient(eng, checksum_fn=lambda e: "c"), spec=SPEC)
+    ad.begin_update(1)
+    ad.end_update(1)
+    assert ad.weight_version() == 1
+    ad.abort_update(1)
+    assert ad.weight_version() is None and not eng.in_bracket
+    ad.begin_update(2)
+    ad.end_update(2)
+    ad.abort_update(1)
+    assert ad.weight_version() == 2

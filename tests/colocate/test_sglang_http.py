@@ -6,8 +6,8 @@ unreleased tag, optional 0.5.21 bracket) over a real ``transformers`` model; and
 
 from __future__ import annotations
 
-import hashlib
 import os
+import time
 
 import pytest
 import torch
@@ -19,16 +19,9 @@ from colocate.publish import Publisher, PublishError
 from colocate.sglang_clients import server_args_to_cli
 from colocate.sglang_engine import write_hf_checkpoint
 
-from ._contract_server import ContractServer
+from ._contract_server import SPEC, ContractServer, sha, weights
 
-SPEC = HFModelSpec(arch="qwen3", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                   head_dim=8, ffn_hidden_size=48, vocab_size=64, rope_theta=10000.0)
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 2, 7]
-
-
-def _weights(seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return {n: v.detach().clone() for n, v in hf_checkpoint_views(build_hf_model(SPEC)).items()}
 
 
 def _reference_logprobs(w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -41,13 +34,6 @@ def _reference_logprobs(w: dict[str, torch.Tensor]) -> torch.Tensor:
     return lp.gather(-1, torch.tensor(PROMPT[1:])[:, None])[:, 0]
 
 
-def _sha(w: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for n in sorted(w):
-        h.update(w[n].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bracket", [False, True], ids=["0.5.17-no-bracket", "0.5.21-bracket"])
 def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
@@ -57,18 +43,18 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
         assert eng.has_bracket is bracket and eng.client.tp_size == 1 and eng.client.health()
         pub = Publisher(eng, PublishConfig(bucket_bytes=16 << 10), share_min_bytes=None)
         assert pub.transport == "shm"
-        w1 = _weights(1)
+        w1 = weights(1)
         rep = pub.publish(w1, version=1)
         assert rep.num_buckets > 2 and rep.verify == "version-only"
         assert eng.weight_version() == 1 and server.version == "1"  # stamped on the server, read back
-        assert eng.last_checksum == server.checksum() == _sha(w1)  # bit-exact in the server's model
+        assert eng.last_checksum == server.checksum() == sha(w1)  # bit-exact in the server's model
         got = torch.tensor(eng.prompt_logprobs(PROMPT), dtype=torch.float64)
         assert (got - _reference_logprobs(w1)).abs().max().item() <= 1e-5
         n_updates = server.log.count("/update_weights_from_tensor")
         assert n_updates == rep.num_buckets
 
         # in place: the tensors are views of one shared-memory storage, handed over unpacked
-        w2 = _weights(2)
+        w2 = weights(2)
         flat = torch.empty(sum(t.numel() for t in w2.values())).share_memory_()
         inplace, off = {}, 0
         for n, t in w2.items():
@@ -78,7 +64,7 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
         direct.last_good = 1
         rep = direct.publish(inplace, version=2)
         assert rep.num_shared == 1 and rep.num_buckets == 0
-        assert server.checksum() == _sha(w2) and eng.weight_version() == 2
+        assert server.checksum() == sha(w2) and eng.weight_version() == 2
         assert server.log.count("/update_weights_from_tensor") == n_updates + 1
 
         # residency: release refused while generating, idempotent here, weights re-published after resume
@@ -95,12 +81,12 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
             pub.publish(w1, version=3)
         assert isinstance(ei.value.cause, NotResidentError) and ei.value.phase == "begin"
         eng.resume_memory(["weights"])
-        assert server.checksum() != _sha(w2)  # contents lost with the release
+        assert server.checksum() != sha(w2)  # contents lost with the release
         direct.last_good = 3
         direct.publish(inplace, version=4)
         eng.resume_memory()
         assert not server.released and eng.resume_memory() == {}
-        assert server.checksum() == _sha(w2)
+        assert server.checksum() == sha(w2)
         out = eng.generate([PROMPT, PROMPT[:4]], max_new_tokens=3)
         assert [len(o["output_ids"]) for o in out] == [3, 3]
 
@@ -114,7 +100,7 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
         with pytest.raises(UpdateError, match="no checkpoint"):
             eng.restore_from_disk(str(tmp_path / "missing"), version=6)
         eng.restore_from_disk(str(tmp_path / "ckpt"), version=6)
-        assert eng.weight_version() == 6 and server.checksum() == _sha(w1)
+        assert eng.weight_version() == 6 and server.checksum() == sha(w1)
 
         server.delay_s = 0.5
         eng.client.timeout_s = 0.1
@@ -125,6 +111,24 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
         server.close()
     with pytest.raises(ReceiverDied):
         eng.weight_version()
+
+
+@pytest.mark.timeout(60)
+def test_one_deadline_covers_a_trickling_answer():
+    """A server that answers one byte every 0.3 s keeps each socket read short: the client's
+    deadline bounds the whole request, so the call fails in time with ``ReceiverTimeout``."""
+    server = ContractServer(SPEC, bracket=False)
+    try:
+        eng = SGLangEngine.connect(server.url, spec=SPEC, dtype=torch.float32, ipc="cpu", timeout_s=30)
+        server.trickle_s, eng.client.timeout_s = 0.3, 1.0  # /model_info's ~30-byte answer would take ~9 s
+        t0 = time.monotonic()
+        with pytest.raises(ReceiverTimeout):
+            eng.weight_version()
+        assert time.monotonic() - t0 < 4.0
+        server.trickle_s, eng.client.timeout_s = 0.0, 30
+        assert eng.weight_version() is None and server.version == "default"
+    finally:
+        server.close()
 
 
 def test_server_args_to_cli():
