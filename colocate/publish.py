@@ -103,6 +103,23 @@ class PhaseClock:
         self._cur = self._stack.pop()
         self._mark = now
 
+    def timed(self, items: Iterator, phase: str) -> Iterator:
+        """``items``, each pull timed as ``phase`` (the enclosing phase does not count it): the
+        per-item form of ``with clock(phase): next(items)``, for a hot loop."""
+        times, now = self.times, time.perf_counter
+        while True:
+            t0 = now()
+            item = next(items, _END)
+            dt = now() - t0
+            times[phase] += dt
+            self._mark += dt
+            if item is _END:
+                return
+            yield item
+
+
+_END = object()
+
 
 def _equal(a: Mapping, b: Mapping) -> bool:
     """``a == b``, False where the comparison itself fails (odd values in a caller's meta)."""
@@ -410,18 +427,6 @@ class Publisher:
         return rep
 
     # ----- hand-over ------------------------------------------------------------------------------
-    def _shareable(self, t: torch.Tensor, s: torch.UntypedStorage) -> bool:
-        """True when ``t`` (with storage ``s``) is sent in place: a contiguous view into a storage
-        of at least ``share_min_bytes`` that the transport can hand over as it is (no packing copy).
-        Callers check that sharing is on (``share_min_bytes`` set, transport not ``disk``) first."""
-        if s.nbytes() < self.share_min_bytes or not t.is_contiguous():
-            return False
-        if self.transport == "cuda_ipc":
-            return t.is_cuda
-        if self.transport == "shm":
-            return s.device.type == "cpu" and s.is_shared()  # what Tensor.is_shared() asks, minus its wrapper
-        return True  # inprocess: handed over by reference
-
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._staging[slot]
         if buf is None or buf.numel() < nbytes:
@@ -520,6 +525,9 @@ class _Stream:
         cfg = pub.config
         self.pub, self.plan, self.version, self.clock = pub, plan, version, clock
         self.sharing = pub.share_min_bytes is not None and pub.transport != "disk"
+        # read once per tensor below: kept here (the loop runs ~400 times per publish of an 8B model)
+        self.entry, self.sizes, self.limit = plan.entry, plan.sizes, cfg.bucket_bytes
+        self.min_bytes, self.transport = pub.share_min_bytes, pub.transport
         self.sent = _Sent(checksums={} if cfg.verify == "checksum" and pub._verifies else None,
                           samples={} if cfg.verify == "sampled" else None)
         self.gen = torch.Generator().manual_seed(version) if cfg.verify == "sampled" else None
@@ -531,66 +539,72 @@ class _Stream:
 
     def run(self, items: Iterator) -> _Sent:
         """Pull, check and route every tensor; hand the rest over and wait for every ack."""
-        clock = self.clock
-        while True:
-            with clock("convert"):
-                item = next(items, None)
-            if item is None:
-                break
-            name, t = item
-            self._check(name, t)
+        meta, seen, sent = self.plan.meta, self.seen, self.sent
+        fingerprint = self.sent.checksums is not None or self.sent.samples is not None
+        for name, t in self.clock.timed(items, "convert"):
+            want = meta.get(name)
+            if want is None or name in seen or t.dtype != want[1] or t.shape != want[0]:  # Size == tuple
+                self._refuse(name, t, want)
+            seen.add(name)
+            if fingerprint:
+                self._fingerprint(name, t)
             if not (self.sharing and self._share(name, t)):
                 self._pack(name, t)
         self._flush_bucket()
         for key in list(self.open):
             self._flush_group(key)
-        self.pub._wait(clock, 1)
-        if len(self.seen) != len(self.plan.meta):  # seen ⊆ meta
-            missing = [n for n in self.plan.meta if n not in self.seen]
+        self.pub._wait(self.clock, 1)
+        if len(seen) != len(meta):  # seen ⊆ meta
+            missing = [n for n in meta if n not in seen]
             raise ValueError(f"weights ended before {len(missing)} planned tensor(s): {missing[:10]}")
         if self.pub._fresh:
-            self.sent.handles = len(self.sent.fresh) + self.sent.shared
-        return self.sent
+            sent.handles = len(sent.fresh) + sent.shared
+        return sent
 
-    def _check(self, name: str, t: torch.Tensor) -> None:
-        want = self.plan.meta.get(name)
+    def _refuse(self, name: str, t: torch.Tensor, want) -> None:
         if want is None:
             raise ValueError(f"weights yielded {name!r}, which is not in meta")
         if name in self.seen:
             raise ValueError(f"weights yielded {name!r} twice")
-        self.seen.add(name)
-        shape, dtype = want
-        if t.dtype != dtype or t.shape != shape:  # torch.Size == tuple: compared as tuples
-            raise ValueError(f"weights yielded {name!r} as {tuple(t.shape)} {t.dtype}, meta says {shape} {dtype}")
+        raise ValueError(f"weights yielded {name!r} as {tuple(t.shape)} {t.dtype}, meta says {want[0]} {want[1]}")
+
+    def _fingerprint(self, name: str, t: torch.Tensor) -> None:
+        """Checksum / sample ``t`` when yielded, so a later change of the tensor is caught."""
         sent = self.sent
-        if sent.checksums is not None or sent.samples is not None:
-            with self.clock("bucket"):  # taken when yielded: a later change of the tensor is caught
-                if sent.checksums is not None:
-                    sent.checksums[name] = tensor_checksum(t)
-                if sent.samples is not None:
-                    n = t.numel()
-                    idx = torch.randint(0, n, (min(self.pub.config.sample_count, n),), generator=self.gen)
-                    sent.samples[name] = (idx, t.reshape(-1)[idx.to(t.device)].cpu())
+        with self.clock("bucket"):
+            if sent.checksums is not None:
+                sent.checksums[name] = tensor_checksum(t)
+            if sent.samples is not None:
+                n = t.numel()
+                idx = torch.randint(0, n, (min(self.pub.config.sample_count, n),), generator=self.gen)
+                sent.samples[name] = (idx, t.reshape(-1)[idx.to(t.device)].cpu())
 
     def _share(self, name: str, t: torch.Tensor) -> bool:
-        """Collect ``t`` under its storage if it goes in place (see :meth:`Publisher._shareable`)."""
+        """Collect ``t`` under its storage if it goes in place: a contiguous view into a storage of
+        at least ``share_min_bytes`` that the transport hands over as it is (CUDA for
+        ``cuda_ipc``, CPU shared memory for ``shm``, anything in process)."""
         s = t.untyped_storage()
-        if not self.pub._shareable(t, s):
+        size, transport = s.nbytes(), self.transport
+        if size < self.min_bytes or not t.is_contiguous():
             return False
-        key = (s.data_ptr(), s.nbytes())
+        if transport == "cuda_ipc" and not t.is_cuda:
+            return False
+        if transport == "shm" and not (s.device.type == "cpu" and s.is_shared()):  # Tensor.is_shared() minus its wrapper
+            return False
+        key = (s.data_ptr(), size)
         group = self.open.get(key)
         if group is None:
             if len(self.open) >= Publisher.OPEN_STORAGES:
                 self._flush_group(next(iter(self.open)))
             group = self.open[key] = (torch.empty(0, dtype=torch.uint8, device=t.device).set_(s), [])
-        group[1].append(self.plan.entry(name, t.storage_offset() * t.dtype.itemsize))
+        group[1].append(self.entry(name, t.storage_offset() * t.dtype.itemsize))
         return True
 
     def _pack(self, name: str, t: torch.Tensor) -> None:
-        size = self.plan.sizes[name]
-        if self.bucket and self.used + size > self.pub.config.bucket_bytes:
+        size = self.sizes[name]
+        if self.bucket and self.used + size > self.limit:
             self._flush_bucket()
-        self.bucket.append(self.plan.entry(name, self.used))
+        self.bucket.append(self.entry(name, self.used))
         self.tensors[name] = t
         self.used += size
 
