@@ -231,6 +231,7 @@ class HTTPClient:
         self._conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         self._host, self._port, self._prefix = url.hostname, url.port, url.path
         self.timeout_s, self.ipc, self.worker = timeout_s, ipc, worker
+        self.scheduler = None
         self.allocator = allocator or "unknown (server process)"
         self.tp_size = int(self.get("/server_info").get("tp_size", 1))
         self.has_bracket = {"/begin_weight_update", "/end_weight_update"} <= self._routes()
@@ -389,8 +390,10 @@ class HTTPClient:
         try:
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, worker, start_timeout_s, log_path)
-            return cls(url, timeout_s=timeout_s, ipc=ipc, worker=worker,
-                       allocator=allocator_config(merge_env(scheduler.owner_env, overrides)))
+            client = cls(url, timeout_s=timeout_s, ipc=ipc, worker=worker,
+                         allocator=allocator_config(merge_env(scheduler.owner_env, overrides)))
+            client.scheduler = scheduler  # kept alive: its exit hook also stops the server at owner exit
+            return client
         except BaseException:
             worker.kill()
             raise
