@@ -521,6 +521,9 @@ class _Stream:
     collected under its storage (sent in place) or packed into the current bucket; buckets and
     storages are handed over as they fill, at most ``max_in_flight`` unacknowledged."""
 
+    __slots__ = ("pub", "plan", "version", "clock", "sharing", "entry", "sizes", "limit", "min_bytes", "transport",
+                 "sent", "gen", "seen", "bucket", "tensors", "used", "open")
+
     def __init__(self, pub: Publisher, plan: _Plan, version: int, clock: PhaseClock):
         cfg = pub.config
         self.pub, self.plan, self.version, self.clock = pub, plan, version, clock
@@ -539,17 +542,18 @@ class _Stream:
 
     def run(self, items: Iterator) -> _Sent:
         """Pull, check and route every tensor; hand the rest over and wait for every ack."""
-        meta, seen, sent = self.plan.meta, self.seen, self.sent
-        fingerprint = self.sent.checksums is not None or self.sent.samples is not None
+        meta, seen, sent, pack = self.plan.meta, self.seen, self.sent, self._pack
+        share = self._share if self.sharing else None
+        fingerprint = self._fingerprint if sent.checksums is not None or sent.samples is not None else None
         for name, t in self.clock.timed(items, "convert"):
             want = meta.get(name)
             if want is None or name in seen or t.dtype != want[1] or t.shape != want[0]:  # Size == tuple
                 self._refuse(name, t, want)
             seen.add(name)
-            if fingerprint:
-                self._fingerprint(name, t)
-            if not (self.sharing and self._share(name, t)):
-                self._pack(name, t)
+            if fingerprint is not None:
+                fingerprint(name, t)
+            if share is None or not share(name, t):
+                pack(name, t)
         self._flush_bucket()
         for key in list(self.open):
             self._flush_group(key)
