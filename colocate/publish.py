@@ -174,12 +174,14 @@ def _key(storage: torch.UntypedStorage) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class _Group:
-    """One storage handed over in place: its receiver slot, entries, the storage as bytes, key."""
+    """One storage handed over in place: its receiver slot, entries, the storage as bytes, key,
+    and the bytes its entries cover."""
 
     slot: tuple
     entries: list[Entry]
     storage: torch.Tensor
     key: tuple[int, int]
+    nbytes: int
 
 
 @dataclass
@@ -333,7 +335,7 @@ class Publisher:
             replayed = recipe is not None
             with clock("plan", stage="transfer"):
                 if replayed:
-                    sent = self._replay(recipe, version, clock)
+                    sent = self._replay(recipe, clock)
                 else:
                     sent, recipe = self._send(iter(items), plan, version, clock, record=meta is not None)
             with clock("load", stage="load"):
@@ -443,14 +445,17 @@ class Publisher:
             self._link.wait(below=below, timeout=self.config.timeout_s)
 
     def _hand_over(self, slot, entries: list[Entry], buf: torch.Tensor, size: int, version: int, sent: _Sent,
-                   clock: PhaseClock) -> None:
-        """Give the receiver ``entries`` of ``buf[:size]`` (a bucket or a storage shared in place)."""
+                   clock: PhaseClock) -> int:
+        """Give the receiver ``entries`` of ``buf[:size]`` (a bucket or a storage shared in place);
+        returns the bytes they cover."""
         with clock("transfer"):
             if self.transport == "disk":
                 self._send_file(entries, buf, size, version, sent)
             else:
                 sent.handles += self._link.send(slot, entries, buf, size, timeout=self.config.timeout_s)
-        sent.nbytes += sum(e.nbytes for e in entries)
+        covered = sum(e.nbytes for e in entries)
+        sent.nbytes += covered
+        return covered
 
     def _send_file(self, entries: list[Entry], buf: torch.Tensor, size: int, version: int, sent: _Sent) -> None:
         self._link.wait(below=1, timeout=self.config.timeout_s)
@@ -499,20 +504,22 @@ class Publisher:
             return None  # an arena fill read a temporary: re-running it would copy stale bytes
         return _Recipe(plan, sent.groups, [op for op, _ in ops or ()])
 
-    def _replay(self, recipe: _Recipe, version: int, clock: PhaseClock) -> _Sent:
+    def _replay(self, recipe: _Recipe, clock: PhaseClock) -> _Sent:
         """Re-run the arena's recorded fills, then hand the same storages over with the same entries."""
         with clock("convert"):
             for op in recipe.ops:
                 op()
             for dev in {g.storage.device for g in recipe.groups if g.storage.is_cuda}:
                 torch.cuda.current_stream(dev).synchronize()  # the fills (and the trainer's writes) are done
-        sent = _Sent(groups=recipe.groups)
-        for g in recipe.groups:
-            self._wait(clock, self.config.max_in_flight)
-            self._shared_slots.add(g.slot)
-            self._hand_over(g.slot, g.entries, g.storage, g.storage.numel(), version, sent, clock)
-            sent.shared += 1
-        self._wait(clock, 1)
+        sent, t = _Sent(groups=recipe.groups), self.config.timeout_s
+        with clock("transfer"):  # never the disk transport: a recipe holds storages sent in place
+            for g in recipe.groups:
+                self._link.wait(below=self.config.max_in_flight, timeout=t)
+                self._shared_slots.add(g.slot)
+                sent.handles += self._link.send(g.slot, g.entries, g.storage, g.storage.numel(), timeout=t)
+                sent.nbytes += g.nbytes
+                sent.shared += 1
+            self._link.wait(below=1, timeout=t)
         return sent
 
 
@@ -643,6 +650,6 @@ class _Stream:
             torch.cuda.current_stream(storage.device).synchronize()  # producer writes done
         slot = ("shared", *key)
         self.pub._shared_slots.add(slot)
-        self.pub._hand_over(slot, entries, storage, storage.numel(), self.version, self.sent, self.clock)
+        covered = self.pub._hand_over(slot, entries, storage, storage.numel(), self.version, self.sent, self.clock)
         self.sent.shared += 1
-        self.sent.groups.append(_Group(slot, entries, storage, key))
+        self.sent.groups.append(_Group(slot, entries, storage, key, covered))
