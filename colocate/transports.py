@@ -9,6 +9,9 @@
 
 A transport is chosen by probing (:func:`choose_transport`): what the receiver reports in
 ``capabilities()`` intersected with what this process can do (CUDA present, receiver local).
+The publisher reaches the receiver through a :class:`~colocate.protocol.ReceiverLink`:
+:class:`RemoteReceiver` for a receiver in another process (:func:`spawn_receiver`),
+:class:`LocalLink` for one in this process (:func:`link_to` picks).
 """
 
 from __future__ import annotations
