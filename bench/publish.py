@@ -32,7 +32,8 @@ Cases:
   in process and over shared memory to a receiver process, packed / in place / in place kept
   mapped / in place with a conversion arena, kept mapped / the same with replay (``share_min_bytes`` lowered to the
   arena's size there: the tiny arena is smaller than the 1 MiB used otherwise); reports ms per
-  publish, the publisher's phases, ``untimed_ms`` (wall minus the phase
+  publish (wall, and ``cpu_ms``: the publishing thread's CPU time, which other processes on a
+  shared machine do not inflate), the publisher's phases, ``untimed_ms`` (wall minus the phase
   sum), the converter stream alone (without and with the arena), and a cProfile top list (in-place, kept mapped, shm).
 
 Run: ``python -m bench.publish`` (H200, ~1 min), ``python -m bench.publish --quick`` (CPU smoke:
@@ -54,10 +55,10 @@ from pathlib import Path
 import torch
 
 from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results
-from colocate import HFModelSpec, PublishConfig, TensorReceiver
+from colocate import HFModelSpec, PublishConfig, Publisher
 from colocate.buckets import tensor_checksum
 from colocate.convert import ConversionArena, hf_param_specs, megatron_to_hf
-from colocate.publish import Publisher
+from colocate.receivers import TensorReceiver
 from colocate.transports import spawn_receiver
 
 GiB = 1 << 30
@@ -195,11 +196,14 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-            reports = []
+            reports, cpus = [], []
 
-            def once(pub=pub, reports=reports, arn=arn):
+            def once(pub=pub, reports=reports, cpus=cpus, arn=arn):
+                c0 = time.thread_time()
                 reports.append(pub.publish(hf_stream(params, spec, arn), version=next(version), meta=meta))
+                cpus.append(time.thread_time() - c0)
             t = time_cpu(once, warmup=1, iters=5 if cuda else 3)
+            cpu_ms = _median(cpus[1:]) * 1e3  # this thread's CPU time: robust on a shared box
             _check_received(recv, params, spec, checked)
             if pub.arena is not None:  # a replay after a trainer step carries the new values
                 flat.neg_()
@@ -215,7 +219,7 @@ def bench_ipc(quick: bool) -> tuple[list[dict], dict]:
                          "shared_storages": last.num_shared,
                          "trainer_peak_extra_MiB": ((torch.cuda.max_memory_allocated() - base) / 2**20) if cuda else 0.0,
                          "arena_MiB": arena.capacity / 2**20 if arn is not None else 0.0,
-                         "replayed": sum(r.replayed for r in reports),
+                         "replayed": sum(r.replayed for r in reports), "cpu_ms": cpu_ms,
                          **{f"{k}_ms": v for k, v in phases.items()}})
             pub.release_staging()
             if cuda:
@@ -288,15 +292,17 @@ def bench_overhead(iters: int = 50) -> tuple[list[dict], dict]:
                 pub = Publisher(recv, PublishConfig(transport=transport, bucket_bytes=1 * GiB, max_in_flight=2,
                                                     verify="none"), **kw)
                 walls: list[float] = []
+                cpus: list[float] = []
                 reports = []
 
-                def once(pub=pub, walls=walls, reports=reports, arn=arn):
-                    t0 = time.perf_counter()
+                def once(pub=pub, walls=walls, cpus=cpus, reports=reports, arn=arn):
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     reports.append(pub.publish(hf_stream(params, spec, arn), version=next(version), meta=meta))
                     walls.append(time.perf_counter() - t0)
+                    cpus.append(time.thread_time() - c0)
                 for _ in range(5):  # warm-up (first handles, staging buffers, caches)
                     once()
-                del walls[:], reports[:]
+                del walls[:], cpus[:], reports[:]
                 for _ in range(iters):
                     once()
                 phases = {k: _median([r.timings[k] for r in reports]) * 1e3 for k in reports[-1].timings}
@@ -304,7 +310,7 @@ def bench_overhead(iters: int = 50) -> tuple[list[dict], dict]:
                 provider = f"publisher_{variant}_{transport}"
                 extra["phases_ms_median"][provider] = phases
                 rows.append({"case": "overhead", "provider": provider, "ms": _median(walls) * 1e3,
-                             "untimed_ms": untimed, "buckets": reports[-1].num_buckets,
+                             "cpu_ms": _median(cpus) * 1e3, "untimed_ms": untimed, "buckets": reports[-1].num_buckets,
                              "shared_storages": reports[-1].num_shared, **{f"{k}_ms": v for k, v in phases.items()}})
                 if variant == "inplace_keep_mapped" and transport == "shm":
                     extra["profile_top"] = _profile_top(once, max(iters // 2, 1))
@@ -338,7 +344,7 @@ def bench_sglang() -> tuple[list[dict], dict]:
     rows: list[dict] = []
     sums = {}
     try:
-        e = eng.engine
+        e = eng.client.engine  # the sglang.Engine itself, for the baselines
         initial = eng.checksum()
 
         def naive_loop():
@@ -409,14 +415,14 @@ def main() -> None:
     t0 = time.time()
     if args.overhead:
         rows, extra = bench_overhead(args.iters)
-        name, cols = "publish_overhead", ["case", "provider", "ms", "untimed_ms", "convert_ms", "begin_ms", "plan_ms", "bucket_ms",
+        name, cols = "publish_overhead", ["case", "provider", "ms", "cpu_ms", "untimed_ms", "convert_ms", "begin_ms", "plan_ms", "bucket_ms",
                                           "transfer_ms", "load_ms", "verify_ms", "buckets", "shared_storages"]
     elif args.sglang:
         rows, extra = bench_sglang()
         name, cols = "publish_sglang", ["case", "provider", "ms", "GBps", "speedup_vs_naive"]
     else:
         rows, extra = bench_ipc(args.quick)
-        name, cols = "publish", ["case", "provider", "ms", "GBps", "x_vs_d2d_flat", "handles_first", "handles_later",
+        name, cols = "publish", ["case", "provider", "ms", "cpu_ms", "GBps", "x_vs_d2d_flat", "handles_first", "handles_later",
                                  "shared_storages", "buckets", "trainer_peak_extra_MiB", "arena_MiB"]
     extra["wall_s"] = time.time() - t0
     path = write_results(name, rows, extra)

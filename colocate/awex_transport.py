@@ -33,15 +33,13 @@ from collections.abc import Callable
 
 import torch
 
+from colocate.errors import AwexUnavailable
+
 __all__ = ["AwexUnavailable", "awex_capabilities", "resident_megatron_engine", "bounded_reader_class",
            "install_bounded_reader", "AWEX_MEMORY_TAGS"]
 
 AWEX_MEMORY_TAGS = ("optimizer", "weights")
 """The tags AWEX's engine API passes to ``release/resume_memory_occupation``."""
-
-
-class AwexUnavailable(RuntimeError):
-    """A required AWEX feature is missing; names the feature and what was probed."""
 
 
 def _attr(module: str, name: str):

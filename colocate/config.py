@@ -2,7 +2,7 @@
 
 Choice fields are plain ``str`` (OmegaConf 2.3 has no ``Literal``); the allowed values are
 listed in each docstring and checked in ``__post_init__``. Every bad value raises
-:class:`ConfigError` (a ``ValueError``) naming the field and the value.
+:class:`~colocate.errors.ConfigError` (a ``ValueError``) naming the field and the value.
 """
 
 from __future__ import annotations
@@ -10,21 +10,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from mcore_distill import errors as _base
+from colocate.errors import ConfigError, ConfigTypeError
 from mcore_distill.validate import validate_fields
 
 __all__ = ["ConfigError", "ConfigTypeError", "HFModelSpec", "PublishConfig", "EngineConfig", "WorkerSpec",
            "Transport", "Verify"]
 
 MiB = 1 << 20
-
-
-class ConfigError(_base.ConfigError):
-    """A config field holds a value that cannot work; the message names field and value."""
-
-
-class ConfigTypeError(ConfigError, _base.ConfigTypeError):
-    """A config field holds a value of the wrong type; the message names field and value."""
 
 
 class Transport(enum.StrEnum):
@@ -138,7 +130,10 @@ class PublishConfig:
     sample_count: int = 64
     """Elements compared per tensor in ``sampled`` mode."""
     timeout_s: float = 600.0
-    """Upper bound on any wait for the receiver (ack, load, verification)."""
+    """Upper bound on each wait of a publish for a receiver in another process (specs,
+    ``begin_update``, every acknowledgement, the load and commit in ``end_update``, the
+    read-back, abort and unmapping), whatever the proxy's own default. An in-process receiver is
+    called directly; its own timeouts apply (an SGLang HTTP client's ``timeout_s``)."""
     disk_dir: str | None = None
     """Folder for the disk transport; a fresh temp folder when None."""
 
@@ -187,8 +182,11 @@ class WorkerSpec:
     """argv of the worker process."""
     env: dict[str, str] = field(default_factory=dict)
     """Per-role overrides merged over the owner's environment (a value of ``""`` removes the key)."""
-    scheduler: str = "local"
-    """Where to start it: ``local`` (a subprocess) or ``slurm`` (a step in the owner's job)."""
+    scheduler: str | None = None
+    """The scheduler that must start it: ``local`` (a subprocess), ``slurm`` (a step in the
+    owner's job) or ``ray`` (an actor on the owner's node); a scheduler of another kind refuses
+    the spec (:class:`~colocate.errors.WorkerError`), and :func:`colocate.workers.scheduler_for`
+    builds the one named. None: any scheduler may start it."""
     devices: list[int] | None = None
     """The owner's logical GPU indices this worker gets (mapped to physical ids through the
     owner's ``CUDA_VISIBLE_DEVICES``); None gives it all of the owner's devices."""
@@ -196,6 +194,8 @@ class WorkerSpec:
     """How long ``start`` waits for the worker's ready line."""
     kill_grace_s: float = 5.0
     """Seconds between SIGTERM and SIGKILL when stopping."""
+    log_path: str | None = None
+    """File that receives the worker's stdout and stderr (appended); None: the owner's."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -203,8 +203,8 @@ class WorkerSpec:
             raise ConfigError(f"WorkerSpec.role must be a non-empty identifier, got {self.role!r}")
         if not self.command or not all(isinstance(a, str) for a in self.command):
             raise ConfigError(f"WorkerSpec.command must be a non-empty list of str, got {self.command!r}")
-        if self.scheduler not in ("local", "slurm", "ray"):
-            raise ConfigError(f"WorkerSpec.scheduler must be 'local', 'slurm' or 'ray', got {self.scheduler!r}")
+        if self.scheduler not in (None, "local", "slurm", "ray"):
+            raise ConfigError(f"WorkerSpec.scheduler must be None, 'local', 'slurm' or 'ray', got {self.scheduler!r}")
         if self.devices is not None and (not self.devices or any(not isinstance(d, int) or d < 0 for d in self.devices)):
             raise ConfigError(f"WorkerSpec.devices must be None or non-negative ints, got {self.devices!r}")
         bad = {k: v for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str)}

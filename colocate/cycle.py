@@ -19,40 +19,49 @@ engine from disk) before rollout; the failed version stays poisoned.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
-import torch
+from colocate.errors import ConfigError
+from colocate.protocol import RolloutEngine
+from colocate.publish import Meta, Publisher, PublishReport, Weights
+from colocate.residency import TRAINER_TAGS, Residency
 
-from colocate.publish import Publisher, PublishReport
-from colocate.residency import Residency
+__all__ = ["ColocatedCycle", "Handover"]
 
-__all__ = ["ColocatedCycle"]
+
+@dataclass(frozen=True)
+class Handover:
+    """Bytes per tag that :meth:`ColocatedCycle.to_training` moved."""
+
+    engine_released: dict[str, int]
+    trainer_resumed: dict[str, int]
 
 
 class ColocatedCycle:
     """Orders residency transitions between a trainer and an engine around each publish.
 
     ``trainer``: a :class:`~colocate.residency.Residency` with tags ``optimizer``, ``grads``,
-    ``weights`` (e.g. from :func:`colocate.megatron.megatron_residency_hooks`); ``engine``: an
-    object with ``release_memory`` / ``resume_memory`` over ``kv_cache``, ``weights``,
-    ``cuda_graph``; ``publisher``: a :class:`~colocate.publish.Publisher` to that engine.
+    ``weights`` (e.g. from :func:`colocate.megatron.megatron_residency_hooks`); ``engine``: a
+    :class:`~colocate.protocol.RolloutEngine` (``release_memory`` / ``resume_memory`` over
+    ``kv_cache``, ``weights``, ``cuda_graph``); ``publisher``: a :class:`~colocate.publish.Publisher`
+    to that engine.
     """
 
-    def __init__(self, trainer: Residency, engine, publisher: Publisher):
-        missing = {"optimizer", "grads", "weights"} - set(trainer.tags)
+    def __init__(self, trainer: Residency, engine: RolloutEngine, publisher: Publisher):
+        missing = set(TRAINER_TAGS) - set(trainer.tags)
         if missing:
-            raise ValueError(f"ColocatedCycle: trainer residency lacks tags {sorted(missing)}")
+            raise ConfigError(f"ColocatedCycle: trainer residency lacks tags {sorted(missing)}")
         self.trainer, self.engine, self.publisher = trainer, engine, publisher
 
-    def to_training(self) -> dict[str, dict[str, int]]:
+    def to_training(self) -> Handover:
         """Engine gives up its memory (raises ``BusyError`` if it is generating), trainer resumes."""
         freed = self.engine.release_memory(["kv_cache", "weights", "cuda_graph"])
-        restored = self.trainer.resume()
-        return {"engine_released": freed, "trainer_resumed": restored}
+        return Handover(engine_released=freed, trainer_resumed=self.trainer.resume())
 
-    def publish(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *, version: int,
-                meta: Mapping | None = None) -> PublishReport:
-        """Run the publish half of the cycle (see module docstring) and return the report."""
+    def publish(self, weights: Weights, *, version: int, meta: Meta | None = None) -> PublishReport:
+        """Run the publish half of the cycle (see module docstring) and return the report. On
+        :class:`~colocate.errors.PublishError` it stops there: trainer weights resident, engine
+        ``kv_cache``/``cuda_graph`` released."""
         self.trainer.release(["optimizer", "grads"])
         self.engine.resume_memory(["weights"])
         report = self.publisher.publish(weights, version=version, meta=meta)

@@ -1,10 +1,7 @@
 """Rollout engines behind one protocol; the embedded ``transformers`` engine.
 
-:class:`WeightReceiver` is what the publisher talks to: it names the parameters it expects,
-stages a versioned update (``begin_update`` → ``load_bucket``… → ``end_update``), verifies,
-then commits atomically, or drops it (``abort_update``) and keeps the previous weights.
-
-:class:`HFEngine` is a real receiver and sampler on a ``transformers`` Qwen3 / Qwen3-MoE model
+The protocols (:class:`~colocate.protocol.WeightReceiver`, :class:`~colocate.protocol.RolloutEngine`)
+live in :mod:`colocate.protocol`. :class:`HFEngine` is a real receiver and sampler on a ``transformers`` Qwen3 / Qwen3-MoE model
 built from an :class:`~colocate.config.HFModelSpec` (CPU or GPU). Commit swaps parameter
 storage with a staged shadow copy (so the shadow doubles the engine's weight memory) and a
 failed post-commit check can swap back. The SGLang adapter lives in
@@ -20,68 +17,27 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from colocate.buckets import Entry, tensor_checksum, unpack_bucket
 from colocate.config import EngineConfig, HFModelSpec
 from colocate.convert import check_params, hf_param_specs
-from colocate.residency import ENGINE_TAGS, NotResidentError, Residency, TensorOffload
+from colocate.errors import (
+    ControlTimeoutError,
+    EngineDestroyedError,
+    GenerationAbortedError,
+    NotResidentError,
+    UpdateError,
+)
+from colocate.protocol import RolloutEngine, WeightReceiver
+from colocate.residency import ENGINE_TAGS, Residency, TensorOffload
 
-__all__ = ["WeightReceiver", "UpdateError", "HFEngine", "GenerateResult", "hf_config", "build_hf_model",
-           "hf_checkpoint_views", "ControlTimeoutError", "GenerationAbortedError", "EngineDestroyedError",
-           "AsyncEngine", "off_loop"]
+__all__ = ["WeightReceiver", "RolloutEngine", "UpdateError", "HFEngine", "GenerateResult", "hf_config",
+           "build_hf_model", "hf_checkpoint_views", "ControlTimeoutError", "GenerationAbortedError",
+           "EngineDestroyedError", "AsyncEngine", "off_loop"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UpdateError(RuntimeError):
-    """A weight update was refused or failed on the receiver; the previous weights stay."""
-
-
-class ControlTimeoutError(TimeoutError):
-    """A control request (pause / abort / destroy) did not take effect within its timeout."""
-
-    def __init__(self, op: str, timeout: float, detail: str = ""):
-        super().__init__(f"{op}: not done within timeout={timeout}s{': ' + detail if detail else ''}")
-        self.op, self.timeout = op, timeout
-
-
-class GenerationAbortedError(RuntimeError):
-    """``generate`` was stopped by :meth:`HFEngine.abort` / :meth:`HFEngine.destroy`; ``partial``
-    holds the tokens and log-probs sampled before the stop (full rows of finished chunks)."""
-
-    def __init__(self, msg: str, partial: GenerateResult):
-        super().__init__(msg)
-        self.partial = partial
-
-
-class EngineDestroyedError(RuntimeError):
-    """The engine was destroyed; build a new one."""
-
-
-@runtime_checkable
-class WeightReceiver(Protocol):
-    """The receiving side of a publish (an engine, or a proxy to one in another process)."""
-
-    def capabilities(self) -> frozenset[str]:
-        """Transports it accepts: subset of ``{"inprocess", "shm", "cuda_ipc", "disk"}``."""
-
-    def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """HF name → (shape, dtype) of every parameter it holds."""
-
-    def begin_update(self, version: int) -> None: ...
-
-    def load_bucket(self, entries: list[Entry], buffer: torch.Tensor) -> None: ...
-
-    def end_update(self, version: int, checksums: dict[str, int] | None) -> None: ...
-
-    def abort_update(self, version: int) -> None: ...
-
-    def weight_version(self) -> int | None: ...
-
-    def checksums(self, names: Iterable[str] | None = None) -> dict[str, int]: ...
 
 
 def hf_config(spec: HFModelSpec, *, dtype: torch.dtype = torch.float32):
@@ -153,6 +109,10 @@ class HFEngine:
     graphs between calls, so those two release 0 bytes; ``weights`` frees parameter storage and
     its contents (as SGLang does without a CPU backup) and the staging shadow: generation is
     refused until a publish after resume.
+
+    Versions: a commit keeps the previous weights (and their version) in the shadow until the next
+    ``begin_update``; :meth:`rollback`, or an ``abort_update`` of the version just committed,
+    swaps them back, and :meth:`weight_version` then reports the version served again.
     """
 
     def __init__(self, spec: HFModelSpec, config: EngineConfig | None = None):
@@ -170,6 +130,7 @@ class HFEngine:
         self._shadow_views: dict[str, torch.Tensor] | None = None
         self._pending: tuple[int, set[str]] | None = None
         self._version: int | None = None
+        self._previous: tuple[int | None] | None = None  # (version in the shadow,) while a rollback is possible
         self._valid = True
         self._lock = threading.RLock()
         # control plane: flags are set without the lock; generation checks them between decode steps
@@ -185,7 +146,7 @@ class HFEngine:
         def release_weights() -> int:
             self._valid = False
             shadow = sum(t.untyped_storage().nbytes() for t in self._shadow or [])
-            self._shadow = self._shadow_views = None  # the staging copy goes too (no rollback after)
+            self._shadow = self._shadow_views = self._previous = None  # the staging copy goes too: no rollback
             return weights.release() + shadow
 
         self.residency = Residency({"kv_cache": (lambda: 0, lambda: 0), "weights": (release_weights, weights.resume),
@@ -203,7 +164,9 @@ class HFEngine:
         return dict(self._specs)
 
     def weight_version(self) -> int | None:
-        return self._version
+        """The version served; None before the first commit, and from a release of ``weights``
+        (their contents are gone) until the next commit."""
+        return self._version if self._valid else None
 
     def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, int]:
         with self._lock:
@@ -224,6 +187,7 @@ class HFEngine:
             if self._shadow is None:
                 self._shadow = [torch.empty_like(p) for p in self._params]
                 self._shadow_views = self._views_of(self._shadow)
+            self._previous = None  # the shadow is overwritten: no rollback past this point
             for s, p in zip(self._shadow, self._params):
                 s.copy_(p.data)
             self._pending = (version, set())
@@ -268,28 +232,38 @@ class HFEngine:
                     self.abort_update(version)
                     raise UpdateError(f"update {version}: {len(bad)} checksum mismatch(es) {bad[:10]}, "
                                       f"{len(missing)} tensor(s) never received {missing[:10]}")
-            for p, s in zip(self._params, self._shadow):
-                p.data, s.data = s.data, p.data
-            # the shadow now holds the previous weights: re-point its views
-            self._shadow_views = self._views_of(self._shadow)
+            self._swap()  # the shadow now holds the previous weights
+            self._previous = (self._version,) if self._valid else None  # released weights: nothing to go back to
             self._version = version
             self._valid = True
             self._pending = None
 
+    def _swap(self) -> None:
+        for p, s in zip(self._params, self._shadow):
+            p.data, s.data = s.data, p.data
+        self._shadow_views = self._views_of(self._shadow)
+
     def rollback(self) -> None:
-        """Swap back to the weights before the last commit (valid until the next begin_update)."""
+        """Swap back to the weights before the last commit (once; valid until the next
+        ``begin_update``); :meth:`weight_version` reports their version again."""
         with self._lock:
-            if self._shadow is None or self._pending is not None:
+            if self._previous is None or self._pending is not None:
                 raise UpdateError("rollback: nothing committed to roll back")
-            for p, s in zip(self._params, self._shadow):
-                p.data, s.data = s.data, p.data
-            self._shadow_views = self._views_of(self._shadow)
-            self._version = None
+            self._swap()
+            (self._version,), self._previous = self._previous, None
 
     def abort_update(self, version: int) -> None:
+        """Drop the open update to ``version``; if ``version`` was committed already (a publisher
+        that timed out waiting for ``end_update`` aborts after the commit), roll back to the
+        previous weights, or serve none when they are gone: a poisoned version is never served."""
         with self._lock:
             if self._pending is not None and self._pending[0] == version:
                 self._pending = None
+            elif self._version == version:
+                if self._previous is not None:
+                    self.rollback()
+                else:
+                    self._version, self._valid = None, False
 
     def checksums(self, names: Iterable[str] | None = None) -> dict[str, int]:
         with self._lock:

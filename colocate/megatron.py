@@ -291,63 +291,114 @@ def publish_megatron(model_chunks, publish, *, version: int, spec: HFModelSpec, 
     return publish(stream, version=version, meta=meta)
 
 
+def _staged_state(leaf):
+    """The object that stages ``leaf``'s state on the host (``optim_staged``: it has
+    ``gpu_state_bytes`` and ``offload_to_cpu`` or ``drain``), looking through Megatron's
+    ``FP32Optimizer`` / ``Float16Optimizer`` wrappers (``.optimizer``); None for a plain optimizer."""
+    x = leaf
+    while x is not None:
+        if hasattr(x, "gpu_state_bytes") and (hasattr(x, "offload_to_cpu") or hasattr(x, "drain")):
+            return x
+        x = getattr(x, "optimizer", None)
+    return None
+
+
+def _inner(leaf):
+    """The ``torch.optim.Optimizer`` under Megatron's wrappers (None for a stub leaf)."""
+    x = leaf
+    while x is not None and not isinstance(x, torch.optim.Optimizer):
+        x = getattr(x, "optimizer", None)
+    return x
+
+
+class _TrainerMemory:
+    """What :func:`megatron_residency_hooks` moves: the DDP buffers, and what the optimizer holds
+    outside them (see there)."""
+
+    def __init__(self, ddp_models: list[torch.nn.Module], optimizer) -> None:
+        from colocate.residency import TensorOffload
+
+        self.ddps = ddp_models
+        leaves = [] if optimizer is None else list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        self.staged = [x for x in map(_staged_state, leaves) if x is not None]
+        self.inners = [x for x in map(_inner, leaves) if x is not None]
+        self.plain = [_inner(x) for x in leaves if _staged_state(x) is None and _inner(x) is not None]
+        self.grads = TensorOffload(lambda: self.buffers("grad_data"), keep_contents=False)
+        self.weights = TensorOffload(self.weight_tensors, keep_contents=True)
+        self.optim = TensorOffload(self.optimizer_tensors, keep_contents=True)
+
+    def buffers(self, attr: str) -> list[torch.Tensor]:
+        return [t for d in self.ddps
+                for b in list(getattr(d, "buffers", [])) + list(getattr(d, "expert_parallel_buffers", []))
+                if (t := getattr(b, attr, None)) is not None]
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The DDP param buffers, and the parameters outside them (Megatron allocates the buffer
+        only for its distributed optimizer; without it, e.g. under Muon, each parameter keeps its
+        own storage)."""
+        flat = self.buffers("param_data")
+        inside = {t.untyped_storage().data_ptr() for t in flat}
+        return flat + [p for d in self.ddps for p in d.parameters() if p.untyped_storage().data_ptr() not in inside]
+
+    def ddp_storages(self) -> set[int]:
+        """Storages of the model's weights and gradients (not the optimizer's)."""
+        return {t.untyped_storage().data_ptr() for t in self.weight_tensors() + self.buffers("grad_data")}
+
+    def main_params(self) -> list[torch.Tensor]:
+        """Parameters the optimizer steps that are not views of a DDP buffer (fp32 masters)."""
+        ddp = self.ddp_storages()
+        return [p for o in self.inners for g in o.param_groups for p in g["params"]
+                if p.untyped_storage().data_ptr() not in ddp]
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        states = [v for o in self.plain for st in o.state.values() for v in st.values()
+                  if torch.is_tensor(v) and v.numel() > 1]
+        return states + self.main_params()
+
+    def release_optimizer(self) -> int:
+        freed, ddp = 0, self.ddp_storages()
+        for x in self.staged:
+            before = x.gpu_state_bytes
+            if hasattr(x, "offload_to_cpu"):
+                x.offload_to_cpu()
+            else:
+                x.drain(release=True)
+            freed += before - x.gpu_state_bytes
+        for p in self.main_params():  # main grads: made again from the grad buffer by the next step
+            if p.grad is not None:
+                st = p.grad.untyped_storage()
+                freed += 0 if st.data_ptr() in ddp else st.nbytes()  # an fp32 grad may be a buffer view
+                p.grad = None
+        return freed + self.optim.release()
+
+    def resume_optimizer(self) -> int:
+        for x in self.staged:
+            if hasattr(x, "restore_from_cpu"):
+                x.restore_from_cpu()  # staged state never left the host; slots return on the next step
+        return self.optim.resume()
+
+
 def megatron_residency_hooks(ddp_models: list[torch.nn.Module], optimizer=None) -> dict:
     """Release/resume callables for a :class:`colocate.residency.Residency` over Megatron DDP.
 
     Tags: ``optimizer``, ``grads`` (DDP flat grad buffers: storage resized to 0, re-created
-    zeroed), ``weights`` (DDP flat param buffers: copied to a CPU mirror, storage resized to 0,
-    then restored in place, so parameters and optimizer shards stay views of the buffer).
-    Optimizer leaves that stage their state on the host (``optim_staged``, recognised by
-    ``gpu_state_bytes``) use their own ``offload_to_cpu``/``restore_from_cpu``; other leaves get
-    their state tensors offloaded like the buffers (Megatron's own ``offload_to_cpu`` replaces
-    ``p.data`` and would break the aliasing with the param buffer). Callables return bytes moved.
+    zeroed), ``weights`` (DDP flat param buffers, and parameters outside them when Megatron
+    allocated none, as without its distributed optimizer: copied to a CPU mirror, storage resized
+    to 0, then restored in place, so parameters and optimizer shards stay views of the buffer).
+
+    ``optimizer`` covers everything the optimizer owns outside the DDP buffers: the state tensors
+    of plain optimizers (Adam moments), and the main parameters that are not views of the param
+    buffer (the fp32 master copies of a bf16 model, in Megatron's distributed optimizer and its
+    ``Float16Optimizer``), offloaded like the buffers; their gradients (made again by the next
+    step) are dropped. Optimizers that stage their state on the host (``optim_staged``, found
+    through Megatron's ``FP32Optimizer`` / ``Float16Optimizer`` wrappers) are drained with their
+    own ``offload_to_cpu`` / ``drain``: their host slabs stay as they are and only their device
+    slots are freed. (Megatron's own ``offload_to_cpu`` replaces ``p.data`` and would break the
+    aliasing with the param buffer.) Callables return bytes moved.
     """
-    from colocate.residency import TensorOffload
-
-    ddps = ddp_models if isinstance(ddp_models, list | tuple) else [ddp_models]
-
-    def buffers(attr: str) -> list[torch.Tensor]:
-        out = []
-        for d in ddps:
-            for b in list(getattr(d, "buffers", [])) + list(getattr(d, "expert_parallel_buffers", [])):
-                t = getattr(b, attr, None)
-                if t is not None:
-                    out.append(t)
-        return out
-
-    leaves = [] if optimizer is None else list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    staged = [x for x in leaves if hasattr(x, "gpu_state_bytes") and hasattr(x, "offload_to_cpu")]
-    plain = [x for x in leaves if x not in staged]
-
-    def opt_states() -> list[torch.Tensor]:
-        out = []
-        for o in plain:
-            inner = getattr(o, "optimizer", o)
-            if inner is None:
-                continue
-            for st in inner.state.values():
-                out += [v for v in st.values() if torch.is_tensor(v) and v.numel() > 1]
-        return out
-
-    grads = TensorOffload(lambda: buffers("grad_data"), keep_contents=False)
-    weights = TensorOffload(lambda: buffers("param_data"), keep_contents=True)
-    optim = TensorOffload(opt_states, keep_contents=True)
-
-    def release_optimizer() -> int:
-        freed = 0
-        for x in staged:
-            before = x.gpu_state_bytes
-            x.offload_to_cpu()
-            freed += before - x.gpu_state_bytes
-        return freed + optim.release()
-
-    def resume_optimizer() -> int:
-        for x in staged:
-            x.restore_from_cpu()  # staged state never left the host; slots return on the next step
-        return optim.resume()
-
-    return {"optimizer": (release_optimizer, resume_optimizer), "grads": (grads.release, grads.resume),
-            "weights": (weights.release, weights.resume)}
+    m = _TrainerMemory(list(ddp_models) if isinstance(ddp_models, list | tuple) else [ddp_models], optimizer)
+    return {"optimizer": (m.release_optimizer, m.resume_optimizer), "grads": (m.grads.release, m.grads.resume),
+            "weights": (m.weights.release, m.weights.resume)}
 
 
 def awex_megatron_engine(config: dict, hf_config, model, *, residency):

@@ -54,7 +54,8 @@ class TensorReceiver:
         self.version = version
 
     def abort_update(self, version: int) -> None:
-        pass
+        if self.version == version:  # committed before the publisher gave up: not a valid version
+            self.version = None
 
     def weight_version(self) -> int | None:
         return self.version

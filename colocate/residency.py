@@ -8,7 +8,9 @@ return the bytes freed / restored. Rules:
 * release is refused with :class:`BusyError` while the owner is busy (inside :meth:`busy`);
 * the device is synchronized before any release (no kernel may still read the memory);
 * tags given together are released in the declared order and resumed in reverse order;
-* every transition is logged with its bytes and kept in :attr:`Residency.events`.
+* every transition is logged with its bytes and the allocator configuration
+  (:func:`allocator_config`: expandable segments, for one, change what a release returns and
+  cannot be shared over CUDA IPC) and kept in :attr:`Residency.events`.
 
 Canonical colocated cycle (enforced by the calls that need residency, see ``docs/colocate.md``):
 engine release ``kv_cache, weights, cuda_graph`` → train → trainer release ``optimizer, grads``
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from colocate.errors import BusyError, NotResidentError, ResidencyError
+
 __all__ = ["ResidencyError", "BusyError", "NotResidentError", "Residency", "ResidencyEvent", "TensorOffload",
-           "TRAINER_TAGS", "ENGINE_TAGS"]
+           "TRAINER_TAGS", "ENGINE_TAGS", "allocator_config"]
 
 log = logging.getLogger(__name__)
 
@@ -37,28 +42,28 @@ TRAINER_TAGS = ("optimizer", "grads", "weights")
 ENGINE_TAGS = ("kv_cache", "weights", "cuda_graph")
 """Engine tags in release order (SGLang's)."""
 
-
-class ResidencyError(RuntimeError):
-    """Base of residency errors."""
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-class BusyError(ResidencyError):
-    """Release requested while the owner is busy (generating, training, publishing)."""
-
-
-class NotResidentError(ResidencyError):
-    """An operation needs a tag that is currently released."""
+def allocator_config(env: dict[str, str] | None = None) -> str:
+    """This process's caching-allocator settings as torch reads them from the environment
+    (``PYTORCH_CUDA_ALLOC_CONF`` and its newer name ``PYTORCH_ALLOC_CONF``), e.g.
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; ``default`` when neither is set."""
+    env = os.environ if env is None else env
+    return " ".join(f"{k}={env[k]}" for k in ALLOC_CONF_VARS if env.get(k)) or "default"
 
 
 @dataclass(frozen=True)
 class ResidencyEvent:
-    """One transition: ``op`` is ``release``/``resume``; ``nbytes`` moved; ``seconds`` taken."""
+    """One transition: ``op`` is ``release``/``resume``; ``nbytes`` moved; ``seconds`` taken;
+    ``allocator``: :func:`allocator_config` of the owner's process."""
 
     owner: str
     op: str
     tag: str
     nbytes: int
     seconds: float
+    allocator: str = "default"
 
 
 def _default_sync() -> None:
@@ -71,10 +76,12 @@ class Residency:
 
     ``hooks`` maps tag → ``(release_fn, resume_fn)``; each returns bytes moved (int or None).
     The dict order is the release order. ``sync`` runs before releases (default: CUDA sync).
+    ``allocator``: the allocator settings of the process that owns the memory, logged with every
+    transition (default: :func:`allocator_config` of this process).
     """
 
     def __init__(self, hooks: dict[str, tuple[Callable[[], int | None], Callable[[], int | None]]], *,
-                 owner: str = "owner", sync: Callable[[], None] | None = None):
+                 owner: str = "owner", sync: Callable[[], None] | None = None, allocator: str | None = None):
         if not hooks:
             raise ValueError("Residency needs at least one tag in hooks")
         self.owner = owner
@@ -85,6 +92,7 @@ class Residency:
         self._busy = 0
         self._lock = threading.RLock()
         self.events: list[ResidencyEvent] = []
+        self.allocator = allocator or allocator_config()
 
     @property
     def tags(self) -> tuple[str, ...]:
@@ -152,9 +160,9 @@ class Residency:
             self._released.add(tag)
         else:
             self._released.discard(tag)
-        ev = ResidencyEvent(self.owner, op, tag, nbytes, dt)
-        self.events.append(ev)
-        log.info("%s: %s %s %.1f MiB in %.2f ms", self.owner, op, tag, nbytes / 2**20, dt * 1e3)
+        self.events.append(ResidencyEvent(self.owner, op, tag, nbytes, dt, self.allocator))
+        log.info("%s: %s %s %.1f MiB in %.2f ms (allocator: %s)", self.owner, op, tag, nbytes / 2**20, dt * 1e3,
+                 self.allocator)
         return nbytes
 
 

@@ -1,23 +1,27 @@
-"""SGLang rollout engine adapter (``sglang`` imported lazily; GPU lane only).
+"""The SGLang rollout engine adapter (``sglang`` imported lazily; the engine runs on the GPU lane).
 
-:class:`SGLangEngine` wraps an in-process ``sglang.Engine`` and gives it the receiver and
-residency surface of :class:`~colocate.engines.HFEngine`:
+:class:`SGLangEngine` gives an SGLang engine the receiver and residency surface of
+:class:`~colocate.engines.HFEngine`, over one of two thin clients
+(:mod:`colocate.sglang_clients`): an in-process ``sglang.Engine`` (:meth:`SGLangEngine.launch`)
+or a ``sglang.launch_server`` over HTTP (:meth:`SGLangEngine.connect`,
+:meth:`SGLangEngine.launch_server`, the latter a guarded colocated worker of this process).
 
-* ``load_bucket`` hands SGLang the tensors as views into one CUDA buffer (a packed bucket, or a
+* ``load_bucket`` hands SGLang the tensors as views into one buffer (a packed bucket, or a
   trainer storage sent in place by the publisher) through
   ``update_weights_from_tensor(load_format=None)`` (HF names; SGLang stacks q/k/v and gate/up
   and slices per TP rank). Torch's CUDA IPC shares an allocation once, so one buffer is one IPC
-  memory handle whatever its tensor count. SGLang serializes one payload per TP rank.
+  memory handle whatever its tensor count.
 * The ``begin_weight_update`` / ``end_weight_update`` bracket (mandatory from SGLang 0.5.21,
   absent in 0.5.17) is used when the engine has it — feature-detected, not version-parsed.
-* SGLang acknowledges a load before its device copies finish, so this adapter sets
+* SGLang acknowledges a load before its device copies finish, so the adapter sets
   ``unsynced_acks``: the publisher then gives every bucket a fresh buffer and frees them only
   after ``end_update``, which reads SGLang's weight checksum (a device sync in the scheduler).
 * SGLang's checker hashes its own (fused) layout, so per-tensor checksums cannot be compared:
   ``verifies_checksums = False``; tests compare the engine checksum against a disk load of the
   same weights and the engine's logprobs against a reference HF model.
-* Loads are in place: a failure in the middle leaves SGLang half-updated; :meth:`restore_from_disk`
-  reloads a checkpoint (SGLang rolls back a failed disk load by itself).
+* Loads are in place: a failure in the middle, or an abort of a version already committed,
+  leaves no valid version (``weight_version()`` is None; a poisoned version is never reported);
+  :meth:`SGLangEngine.restore_from_disk` reloads a checkpoint (SGLang rolls back a failed disk load).
 * SGLang's processes start with Megatron hidden (:func:`hide_megatron_dir`): SGLang's scheduler
   imports ``megatron.core`` whenever it can (its debug dumper), and importing ``megatron.core``
   sets ``torch_memory_saver.hook_mode = "torch"`` (``inference/contexts/dynamic_context.py``),
@@ -30,8 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,8 +44,10 @@ import torch
 from colocate.buckets import Entry, unpack_bucket
 from colocate.config import HFModelSpec
 from colocate.convert import check_params, hf_param_specs
-from colocate.engines import UpdateError
+from colocate.errors import UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
+from colocate.sglang_clients import EngineClient, HTTPClient, sglang_checksum
+from mcore_distill.atomic import atomic_write_bytes, publish_directory, temp_directory_for
 
 __all__ = ["SGLangEngine", "hide_megatron_dir", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args",
            "sglang_named_tensors", "sglang_process_env", "write_hf_checkpoint"]
@@ -57,19 +61,12 @@ _MEGATRON_STUB = (
 def hide_megatron_dir() -> str:
     """A directory whose ``megatron`` package raises ``ImportError`` when imported; put first on
     the path of SGLang's processes (see the module docstring for why). Created once per user
-    under the temp directory (written aside, then renamed into place) and reused."""
+    under the temp directory (the file written atomically, so concurrent creators agree) and reused."""
     base = Path(tempfile.gettempdir()) / f"mcore_distill_hide_megatron_{os.getuid()}"
     init = base / "megatron" / "__init__.py"
     if not init.is_file():
-        tmp = Path(tempfile.mkdtemp(prefix=base.name + ".", dir=base.parent))
-        (tmp / "megatron").mkdir()
-        (tmp / "megatron" / "__init__.py").write_text(_MEGATRON_STUB)
-        try:
-            os.rename(tmp, base)
-        except OSError:  # created meanwhile by another process
-            shutil.rmtree(tmp, ignore_errors=True)
-    if not init.is_file():
-        raise RuntimeError(f"could not create the Megatron stand-in at {init}: remove {base} and retry")
+        init.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(init, _MEGATRON_STUB.encode())
     return str(base)
 
 
@@ -87,16 +84,18 @@ def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor
                         dtype: torch.dtype = torch.bfloat16) -> None:
     """Write an HF checkpoint folder SGLang can load (``config.json`` with ``architectures`` and
     ``torch_dtype``, one ``model.safetensors`` with HF names) atomically: everything goes into a
-    temporary sibling folder, files are fsynced, then the folder is renamed to ``path`` (an
-    existing folder there is replaced). A tied Qwen3-MoE also gets ``lm_head.weight``
-    (:func:`sglang_named_tensors`)."""
+    temporary sibling folder, which then replaces ``path`` (:func:`mcore_distill.atomic.publish_directory`:
+    ``path`` is the old or the new complete folder at every instant). A tied Qwen3-MoE also gets
+    ``lm_head.weight`` (:func:`sglang_named_tensors`)."""
+    import shutil
+
     from safetensors.torch import save_file
 
     from colocate.engines import hf_config
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    tmp = temp_directory_for(path)
     try:
         cfg = hf_config(spec, dtype=dtype)
         cfg.architectures = ["Qwen3ForCausalLM" if spec.arch == "qwen3" else "Qwen3MoeForCausalLM"]
@@ -108,16 +107,7 @@ def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor
         named = sglang_named_tensors(list(tensors.items()), spec)  # + lm_head of a tied MoE (SGLang)
         save_file({n: t.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for n, t in named},
                   str(tmp / "model.safetensors"))
-        for f in tmp.iterdir():
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if path.exists():
-            old = path.with_name(path.name + f".old-{os.getpid()}")
-            path.rename(old)
-        tmp.rename(path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -140,8 +130,8 @@ def sglang_engine_args(model_path: str, *, cuda_graph: bool = True, memory_saver
     carry (Triton attention, no tokenizer: token ids in and out). With ``cuda_graph`` the decode
     graphs for batch sizes 1, 2, 4 are captured (prefill graphs off); pausing them with the memory
     saver needs ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in the environment before the engine starts
-    (:meth:`SGLangEngine.launch` also hides Megatron from SGLang's processes, see the module
-    docstring). ``overrides`` replace or add arguments."""
+    (:meth:`SGLangEngine.launch` and :meth:`SGLangEngine.launch_server` also hide Megatron from
+    SGLang's processes, see the module docstring). ``overrides`` replace or add arguments."""
     kw: dict[str, Any] = dict(model_path=model_path, skip_tokenizer_init=True, attention_backend="triton",
                               sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.3,
                               max_total_tokens=65536, dtype="bfloat16", random_seed=0, log_level="error",
@@ -152,23 +142,6 @@ def sglang_engine_args(model_path: str, *, cuda_graph: bool = True, memory_saver
         kw.update(disable_cuda_graph=True)
     kw.update(overrides)
     return kw
-
-
-def _ok(result: Any) -> tuple[bool, str]:
-    if isinstance(result, tuple | list):
-        return bool(result[0]), str(result[1] if len(result) > 1 else "")
-    if isinstance(result, dict):
-        return bool(result.get("success", True)), str(result.get("message", ""))
-    return bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
-
-
-def sglang_checksum(engine: Any) -> str:
-    """The engine's weight checksum (SGLang's ``check_weights`` action ``checksum``)."""
-    from sglang.srt.managers.io_struct import CheckWeightsReqInput
-
-    r = engine.loop.run_until_complete(
-        engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
-    return str(r[-1] if isinstance(r, tuple | list) else r)
 
 
 def logprobs_of_prompt(rows: Sequence[Sequence[Any]], prompt: Sequence[int]) -> list[float]:
@@ -186,121 +159,126 @@ def logprobs_of_prompt(rows: Sequence[Sequence[Any]], prompt: Sequence[int]) -> 
 
 
 class SGLangEngine:
-    """Receiver + residency adapter over an in-process ``sglang.Engine`` (see module docstring)."""
+    """Receiver + residency adapter over an SGLang engine reached through ``client`` (an
+    :class:`~colocate.sglang_clients.EngineClient` or :class:`~colocate.sglang_clients.HTTPClient`;
+    see the module docstring). ``dtype`` is the dtype the publisher sends."""
 
     unsynced_acks = True
     verifies_checksums = False
 
-    def __init__(self, engine: Any, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16,
-                 checksum_fn: Any = None):
-        self.engine = engine
-        self._checksum = checksum_fn or sglang_checksum
-        self.spec = spec
-        self.dtype = dtype
+    def __init__(self, client: EngineClient | HTTPClient, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16):
+        self.client, self.spec, self.dtype = client, spec, dtype
         self._specs = hf_param_specs(spec, dtype=dtype)
-        self._version: int | None = None
         self._open: int | None = None
-        self.has_bracket = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
+        self._committed: int | None = None  # the last version end_update stamped
         self.last_checksum: str | None = None
+        self.residency = Residency({t: (self._tag_hook("release", t), self._tag_hook("resume", t)) for t in ENGINE_TAGS},
+                                   owner=client.owner, allocator=client.allocator)
 
-        def free_bytes() -> int:
-            return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
-
-        def hook(op: str, tag: str):
-            def run() -> int:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                free0 = free_bytes()
-                ok, msg = _ok(getattr(engine, f"{op}_memory_occupation")(tags=[tag]))
-                if not ok:
-                    raise UpdateError(f"sglang {op}_memory_occupation({tag}) failed: {msg}")
-                return abs(free_bytes() - free0)
-            return run
-
-        self.residency = Residency({t: (hook("release", t), hook("resume", t)) for t in ENGINE_TAGS},
-                                   owner="sglang")
-
+    # ----- starting ---------------------------------------------------------------------------
     @classmethod
     def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16, hide_megatron: bool = True,
                **engine_kwargs: Any) -> SGLangEngine:
-        """Start ``sglang.Engine(**engine_kwargs)`` (lazy import; ``engine_kwargs`` may hold the
-        engine's own ``dtype``) and wrap it; ``param_dtype`` is the dtype the publisher sends.
-        With ``hide_megatron`` the engine is started with :func:`hide_megatron_dir` first on
-        ``sys.path``, which SGLang's spawned processes inherit; this process keeps its own
-        ``sys.path`` (and any Megatron it has imported)."""
-        import sglang
+        """An in-process ``sglang.Engine(**engine_kwargs)`` (``engine_kwargs`` may hold the engine's
+        own ``dtype``; ``param_dtype`` is the dtype the publisher sends; see
+        :meth:`~colocate.sglang_clients.EngineClient.launch`)."""
+        return cls(EngineClient.launch(hide_megatron=hide_megatron, **engine_kwargs), spec=spec, dtype=param_dtype)
 
-        shadow = hide_megatron_dir() if hide_megatron else None
-        if shadow is not None:
-            sys.path.insert(0, shadow)
-        try:
-            engine = sglang.Engine(**engine_kwargs)
-        finally:
-            if shadow is not None and shadow in sys.path:
-                sys.path.remove(shadow)
-        return cls(engine, spec=spec, dtype=param_dtype)
+    @classmethod
+    def connect(cls, base_url: str, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16,
+                timeout_s: float = 600.0, ipc: str = "cuda") -> SGLangEngine:
+        """A running SGLang server at ``base_url`` (see :class:`~colocate.sglang_clients.HTTPClient`)."""
+        return cls(HTTPClient(base_url, timeout_s=timeout_s, ipc=ipc), spec=spec, dtype=dtype)
+
+    @classmethod
+    def launch_server(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16,
+                      **launch_args: Any) -> SGLangEngine:
+        """Start ``sglang.launch_server`` as a guarded colocated worker of this process (it dies
+        with its owner) and connect (``launch_args``: :meth:`~colocate.sglang_clients.HTTPClient.launch`,
+        the server's arguments included); :meth:`shutdown` stops it."""
+        return cls(HTTPClient.launch(**launch_args), spec=spec, dtype=param_dtype)
+
+    @property
+    def has_bracket(self) -> bool:
+        return self.client.has_bracket
 
     def checksum(self) -> str:
         """The engine's current weight checksum (SGLang's weight checker)."""
-        return self._checksum(self.engine)
+        return self.client.checksum()
+
+    def _tag_hook(self, op: str, tag: str):
+        def run() -> int:
+            free0 = self._free_bytes()
+            self.client.memory_occupation(op, tag)
+            return abs(self._free_bytes() - free0)
+        return run
+
+    def _free_bytes(self) -> int:
+        if self.client.ipc != "cuda" or not torch.cuda.is_available():
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
 
     # ----- receiver surface ----------------------------------------------------------------
     def capabilities(self) -> frozenset[str]:
-        return frozenset({"cuda_ipc"})
+        return frozenset({"cuda_ipc" if self.client.ipc == "cuda" else "shm"})
 
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._specs)
 
     def weight_version(self) -> int | None:
-        return self._version
+        """The version the engine serves as an int (None: none valid, or not one of ours)."""
+        try:
+            return int(self.client.weight_version())
+        except (TypeError, ValueError):
+            return None
 
     def begin_update(self, version: int) -> None:
         self.residency.require("weights")
-        if self.has_bracket:
-            ok, msg = _ok(self.engine.begin_weight_update())
-            if not ok:
-                raise UpdateError(f"sglang begin_weight_update failed: {msg}")
+        if self.client.has_bracket:
+            self.client.begin_weight_update()
         self._open = version
 
     def load_bucket(self, entries: list[Entry], buffer: torch.Tensor) -> None:
         if self._open is None:
             raise UpdateError("load without begin_update")
-        if not buffer.is_cuda:
-            raise UpdateError(f"SGLang takes CUDA tensors only, got a buffer on {buffer.device}")
+        if (self.client.ipc == "cuda") != buffer.is_cuda:
+            kind = "CUDA" if self.client.ipc == "cuda" else "CPU (shared-memory)"
+            raise UpdateError(f"this SGLang engine takes {kind} tensors only, got a buffer on {buffer.device}")
         named = list(unpack_bucket(buffer, entries).items())
         check_params({n: (tuple(t.shape), t.dtype) for n, t in named}, self._specs, require_all=False)
-        named = sglang_named_tensors(named, self.spec)
-        ok, msg = _ok(self.engine.update_weights_from_tensor(named_tensors=named, load_format=None,
-                                                             flush_cache=False))
-        if not ok:
-            raise UpdateError(f"sglang update_weights_from_tensor failed: {msg}")
+        self.client.update_weights_from_tensor(sglang_named_tensors(named, self.spec))
 
     def end_update(self, version: int, checksums: dict[str, int] | None = None) -> None:
         if self._open != version:
             raise UpdateError(f"end_update({version}) without a matching begin_update (open: {self._open})")
-        if self.has_bracket:
-            ok, msg = _ok(self.engine.end_weight_update())
-            if not ok:
-                raise UpdateError(f"sglang end_weight_update failed: {msg}")
+        if self.client.has_bracket:
+            self.client.end_weight_update()
         if self.residency.is_resident("kv_cache"):  # a released pool comes back empty anyway
-            self.engine.flush_cache()
-        self.last_checksum = self._checksum(self.engine)  # also: scheduler-side device sync
-        self._version = version
-        self._open = None
+            self.client.flush_cache()
+        self.last_checksum = self.client.checksum()  # also: scheduler-side device sync
+        self.client.set_weight_version(str(version))
+        self._open, self._committed = None, version
 
     def abort_update(self, version: int) -> None:
+        """Close the update to ``version``; the loads were in place, so whether it was open or
+        already committed (a publisher that gave up waiting), no version is valid afterwards."""
         if self._open == version:
-            if self.has_bracket:
-                self.engine.end_weight_update()
             self._open = None
-            self._version = None  # weights may be half-updated: no version is valid
+            try:
+                if self.client.has_bracket:
+                    self.client.end_weight_update()
+            finally:
+                self.client.set_weight_version(None)  # weights may be half-updated
+        elif self._committed == version:
+            self._committed = None
+            self.client.set_weight_version(None)
 
     def restore_from_disk(self, model_path: str, *, version: int | None = None) -> None:
-        """Reload weights from an HF checkpoint folder (SGLang rolls back a failed load)."""
-        ok, msg = _ok(self.engine.update_weights_from_disk(model_path))
-        if not ok:
-            raise UpdateError(f"sglang update_weights_from_disk({model_path!r}) failed: {msg}")
-        self._version = version
+        """Reload weights from an HF checkpoint folder (on the server's file system for a server;
+        SGLang rolls back a failed load)."""
+        self.client.update_weights_from_disk(model_path, None if version is None else str(version))
+        self._committed = None
 
     # ----- residency and rollout -----------------------------------------------------------
     def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, int]:
@@ -312,22 +290,20 @@ class SGLangEngine:
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16, temperature: float = 0.0,
                  return_logprob: bool = True, seed: int | None = None) -> list[dict]:
         """Token-in/token-out generation; returns SGLang's output dicts (``output_ids``,
-        ``meta_info.output_token_logprobs``)."""
+        ``meta_info.output_token_logprobs``), one per prompt."""
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
+        if seed is not None:
+            params["sampling_seed"] = seed
         with self.residency.busy():
-            params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "ignore_eos": True}
-            if seed is not None:
-                params["sampling_seed"] = seed
-            return self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=params,
-                                        return_logprob=return_logprob)
+            return self.client.generate([[int(x) for x in p] for p in prompts], params, return_logprob=return_logprob)
 
     def prompt_logprobs(self, prompt: Sequence[int]) -> list[float]:
         """Log-probabilities SGLang assigns to tokens 1..T-1 of ``prompt`` (prefill, no sampling)."""
         with self.residency.busy():
-            out = self.engine.generate(input_ids=[list(prompt)], sampling_params={"max_new_tokens": 1,
-                                                                                  "temperature": 0.0},
+            out = self.client.generate([[int(x) for x in prompt]], {"max_new_tokens": 1, "temperature": 0.0},
                                        return_logprob=True, logprob_start_len=0)
-        rows = out[0]["meta_info"]["input_token_logprobs"]
-        return logprobs_of_prompt(rows, prompt)
+        return logprobs_of_prompt(out[0]["meta_info"]["input_token_logprobs"], prompt)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Shut the engine down (a launched server: its worker's whole process group)."""
+        self.client.shutdown()

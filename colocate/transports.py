@@ -9,13 +9,16 @@
 
 A transport is chosen by probing (:func:`choose_transport`): what the receiver reports in
 ``capabilities()`` intersected with what this process can do (CUDA present, receiver local).
+The publisher reaches the receiver through a :class:`~colocate.protocol.ReceiverLink`:
+:class:`RemoteReceiver` for a receiver in another process (:func:`spawn_receiver`),
+:class:`LocalLink` for one in this process (:func:`link_to` picks).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,36 +28,21 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor reductions (shared memory, CUDA IPC)
 
 from colocate.buckets import Entry, unpack_bucket
+from colocate.errors import ReceiverDied, ReceiverTimeout, RemoteError, TransportError
+from colocate.protocol import ReceiverLink, WeightReceiver
+from mcore_distill.atomic import atomic_write
 
-__all__ = ["TransportError", "ReceiverTimeout", "ReceiverDied", "RemoteError", "RemoteReceiver", "serve_receiver",
-           "spawn_receiver", "choose_transport", "write_bucket_file", "read_bucket_file", "TRANSPORT_ORDER"]
+__all__ = ["TransportError", "ReceiverTimeout", "ReceiverDied", "RemoteError", "RemoteReceiver", "LocalLink",
+           "link_to", "serve_receiver", "spawn_receiver", "choose_transport", "write_bucket_file", "read_bucket_file",
+           "TRANSPORT_ORDER"]
 
 TRANSPORT_ORDER = ("inprocess", "cuda_ipc", "shm", "disk")
 
 
-class TransportError(RuntimeError):
-    """Base of transport failures."""
-
-
-class ReceiverTimeout(TransportError, TimeoutError):
-    """The receiver did not answer within the timeout."""
-
-
-class ReceiverDied(TransportError):
-    """The receiver process exited (or its pipe closed) before answering."""
-
-
-class RemoteError(TransportError):
-    """The receiver raised; carries its exception type name and message."""
-
-    def __init__(self, op: str, type_name: str, message: str):
-        self.op, self.type_name, self.remote_message = op, type_name, message
-        super().__init__(f"receiver failed in {op}: {type_name}: {message}")
-
-
-def choose_transport(requested: str, receiver_caps: frozenset[str], *, local: bool) -> str:
+def choose_transport(requested: str, receiver_caps: frozenset[str], *, local: bool = True) -> str:
     """The transport to use: ``requested`` if the receiver accepts it, else (for ``auto``) the
-    first of :data:`TRANSPORT_ORDER` that both sides support."""
+    first of :data:`TRANSPORT_ORDER` that both sides support. A :class:`RemoteReceiver` never
+    reports ``inprocess``; ``local=False`` rules it out as well."""
     mine = {"shm", "disk"} | ({"inprocess"} if local else set())
     if torch.cuda.is_available():
         mine.add("cuda_ipc")
@@ -71,18 +59,10 @@ def choose_transport(requested: str, receiver_caps: frozenset[str], *, local: bo
 
 
 def write_bucket_file(buffer: torch.Tensor, nbytes: int, path: Path) -> None:
-    """Write ``buffer[:nbytes]`` to ``path`` atomically (temp file, fsync, rename)."""
+    """Write ``buffer[:nbytes]`` to ``path`` atomically (:func:`mcore_distill.atomic.atomic_write`)."""
     data = buffer[:nbytes].cpu().numpy()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(memoryview(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as f:
+        f.write(memoryview(data))
 
 
 def read_bucket_file(path: str | Path, nbytes: int) -> torch.Tensor:
@@ -93,70 +73,121 @@ def read_bucket_file(path: str | Path, nbytes: int) -> torch.Tensor:
     return torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
 
 
+class LocalLink:
+    """The publisher's link to a receiver in this process (see :class:`~colocate.protocol.ReceiverLink`):
+    every hand-over is a direct call that returns once the receiver loaded it, no handle crosses,
+    and ``timeout`` does not apply (the receiver's own timeouts do)."""
+
+    def __init__(self, receiver: WeightReceiver):
+        self.receiver = receiver
+
+    def call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+        return getattr(self.receiver, op)(*args)
+
+    def send(self, slot: Any, entries: list[Entry], buffer: torch.Tensor, nbytes: int, *, timeout: float) -> int:
+        self.receiver.load_bucket(entries, buffer[:nbytes])
+        return 0
+
+    def send_file(self, entries: list[Entry], path: str, nbytes: int, *, timeout: float) -> None:
+        self.receiver.load_bucket(entries, read_bucket_file(path, nbytes))
+
+    def wait(self, *, below: int, timeout: float) -> None:
+        pass  # every send returned after its load
+
+    def abort(self, version: int, *, timeout: float) -> None:
+        self.receiver.abort_update(version)
+
+    def detach(self, slots: list | None = None, *, timeout: float) -> None:
+        pass  # nothing was mapped
+
+
+def link_to(receiver: WeightReceiver) -> ReceiverLink:
+    """``receiver`` itself when it is a link (a :class:`RemoteReceiver`), else a :class:`LocalLink`."""
+    return receiver if isinstance(receiver, ReceiverLink) else LocalLink(receiver)
+
+
 # ----- the receiver side of a cross-process transport -------------------------------------
+class _Slots:
+    """The receiver process's view of what the publisher shared: buffers by slot, each slot's
+    last entries (a replayed publish sends them again as None) and, for a receiver with
+    ``load_views(views)``, their views (built once per entries and buffer)."""
+
+    def __init__(self, receiver: Any):
+        self.receiver = receiver
+        self.buffers: dict[Any, torch.Tensor] = {}
+        self.entries: dict[Any, list[Entry]] = {}
+        self.views: dict[Any, dict[str, torch.Tensor]] = {}
+
+    def buffer(self, slot: Any, buffer: torch.Tensor) -> None:
+        self.buffers[slot] = buffer  # only self.views also holds it: "drop" must unmap it
+        self.views.pop(slot, None)
+
+    def drop(self, slots: list | None) -> None:
+        for d in (self.buffers, self.entries, self.views):
+            for key in list(d) if slots is None else slots:
+                d.pop(key, None)
+
+    def bucket(self, slot: Any, entries: list[Entry] | None) -> None:
+        if entries is None:  # the slot's entries again
+            entries = self.entries[slot]
+        else:
+            self.entries[slot] = entries
+            self.views.pop(slot, None)
+        if not hasattr(self.receiver, "load_views"):
+            self.receiver.load_bucket(entries, self.buffers[slot])
+            return
+        views = self.views.get(slot)
+        if views is None:
+            views = self.views[slot] = unpack_bucket(self.buffers[slot], entries)
+        self.receiver.load_views(views)
+
+    def file(self, entries: list[Entry], path: str, nbytes: int) -> None:
+        self.receiver.load_bucket(entries, read_bucket_file(path, nbytes))
+
+    def handler(self, op: str) -> Callable[..., Any]:
+        ops = {"buffer": self.buffer, "drop": self.drop, "drop_buffers": lambda: self.drop(None),
+               "bucket": self.bucket, "file": self.file}
+        return ops.get(op) or getattr(self.receiver, op)
+
+
 def serve_receiver(conn: Any, receiver: Any) -> None:
     """Answer requests from a :class:`RemoteReceiver` until ``close`` or EOF.
 
-    Requests are ``(seq, op, args)``; ``buffer``/``bucket`` ops address staging buffers by
-    slot; every request gets ``(seq, "ok", result)`` or ``(seq, "err", type name, message)``.
-    A receiver with ``load_views(views)`` (name → view of the slot's buffer) gets the views
+    Requests are ``(seq, op, args)``; ``buffer``/``bucket``/``drop`` ops address shared buffers
+    by slot, ``file`` loads a bucket file, any other op calls the receiver's method of that name.
+    Every request gets ``(seq, "ok", result)`` or ``(seq, "err", type name, message)``. A
+    receiver with ``load_views(views)`` (name → view of the slot's buffer) gets the views
     instead of ``load_bucket(entries, buffer)``; they are kept per slot while its entries and
     buffer stay (a replayed publish sends neither again), dropped with the slot.
     """
-    slots: dict[Any, torch.Tensor] = {}
-    entries_of: dict[Any, list[Entry]] = {}  # a slot's last entries (sent again as None when unchanged)
-    views_of: dict[Any, dict[str, torch.Tensor]] = {}  # their views, for receivers with load_views
+    slots = _Slots(receiver)
     while True:
         try:
             seq, op, args = conn.recv()
         except (EOFError, OSError):
             return
+        if op == "close":
+            conn.send((seq, "ok", None))
+            return
         try:
-            if op == "close":
-                conn.send((seq, "ok", None))
-                return
-            if op == "buffer":
-                slots[args[0]] = args[1]  # only views_of also holds it: "drop" must unmap it
-                views_of.pop(args[0], None)
-                result = None
-            elif op == "drop_buffers":
-                slots.clear()
-                entries_of.clear()
-                views_of.clear()
-                result = None
-            elif op == "drop":
-                for key in args[0]:
-                    slots.pop(key, None)
-                    entries_of.pop(key, None)
-                    views_of.pop(key, None)
-                result = None
-            elif op == "bucket":
-                slot, entries = args
-                if entries is None:  # the slot's entries again
-                    entries = entries_of[slot]
-                else:
-                    entries_of[slot] = entries
-                    views_of.pop(slot, None)
-                if hasattr(receiver, "load_views"):  # the same entries again: views built once
-                    views = views_of.get(slot)
-                    if views is None:
-                        views = views_of[slot] = unpack_bucket(slots[slot], entries)
-                    receiver.load_views(views)
-                else:
-                    receiver.load_bucket(entries, slots[slot])
-                result = None
-            elif op == "file":
-                entries, path, nbytes = args
-                receiver.load_bucket(entries, read_bucket_file(path, nbytes))
-                result = None
-            else:
-                result = getattr(receiver, op)(*args)
-            conn.send((seq, "ok", result))
+            conn.send((seq, "ok", slots.handler(op)(*args)))
         except Exception as e:  # noqa: BLE001 - reported to the publisher with its type
             conn.send((seq, "err", type(e).__name__, str(e)))
 
 
-def _receiver_main(conn: Any, factory: Callable[..., Any], args: tuple, ready_timeout: float) -> None:
+def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """End this process once ``parent`` is gone (the receiver may be busy in a long load when its
+    owner is killed, and then never reads the pipe's EOF)."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="colocate-parent-watch", daemon=True).start()
+
+
+def _receiver_main(conn: Any, factory: Callable[..., Any], args: tuple, parent: int) -> None:
+    _exit_with_parent(parent)
     torch.set_num_threads(1)
     try:
         receiver = factory(*args)
@@ -168,18 +199,22 @@ def _receiver_main(conn: Any, factory: Callable[..., Any], args: tuple, ready_ti
 
 
 class RemoteReceiver:
-    """Proxy to a receiver in another process (pipe + handles); every wait has a timeout.
+    """Proxy to a receiver in another process (pipe + handles), and the publisher's
+    :class:`~colocate.protocol.ReceiverLink` to it; every wait has a timeout.
 
     ``capabilities()`` drops ``inprocess``. Staging buffers are sent once per slot
     (:meth:`attach_buffer`); buckets then name their slot. A dead process raises
     :class:`ReceiverDied`, a silent one :class:`ReceiverTimeout`, a raising one
     :class:`RemoteError`. Requests carry sequence numbers, so a late answer to a request that
-    timed out is recognised and dropped instead of being taken for the next answer.
+    timed out is recognised and dropped instead of being taken for the next answer; requests
+    are served in order, so an ``abort_update`` sent after a timed-out ``end_update`` runs after
+    it. ``timeout_s`` bounds calls made without a ``timeout`` (the publisher always passes its
+    ``PublishConfig.timeout_s``).
     """
 
     def __init__(self, conn: Any, process: Any, *, timeout_s: float = 600.0):
         self.conn, self.process, self.timeout_s = conn, process, timeout_s
-        self._attached: dict[int, int] = {}
+        self._attached: dict[Any, tuple[int, int]] = {}
         self._entries: dict[Any, list[Entry]] = {}  # the entries list each slot was last sent
         self._outstanding: list[tuple[int, str]] = []
         self._seq = 0
@@ -187,6 +222,9 @@ class RemoteReceiver:
     @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
 
     def _call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
         while self._outstanding:
@@ -205,7 +243,8 @@ class RemoteReceiver:
         return self._seq
 
     def _reply(self, seq: int, op: str, timeout: float | None) -> Any:
-        deadline = time.monotonic() + (timeout or self.timeout_s)
+        limit = timeout or self.timeout_s
+        deadline = time.monotonic() + limit
         while True:
             while not self.conn.poll(0.05):
                 if not self.process.is_alive():
@@ -213,7 +252,7 @@ class RemoteReceiver:
                                        f"(exit {self.process.exitcode})")
                 if time.monotonic() > deadline:
                     raise ReceiverTimeout(f"receiver pid {self.process.pid} gave no answer to {op} "
-                                          f"within {timeout or self.timeout_s:.1f}s")
+                                          f"within {limit:.1f}s")
             try:
                 reply = self.conn.recv()
             except (EOFError, ConnectionResetError) as e:
@@ -225,6 +264,7 @@ class RemoteReceiver:
             raise RemoteError(op, reply[2], reply[3])
         return reply[2]
 
+    # ----- the receiver's methods -------------------------------------------------------------
     def capabilities(self) -> frozenset[str]:
         return frozenset(self._call("capabilities")) - {"inprocess"}
 
@@ -234,26 +274,64 @@ class RemoteReceiver:
     def begin_update(self, version: int) -> None:
         self._call("begin_update", version)
 
-    def attach_buffer(self, slot: Any, buffer: torch.Tensor) -> bool:
+    def load_bucket(self, entries: list[Entry], buffer: torch.Tensor) -> None:
+        """Share ``buffer`` for this one load, wait for it, unmap it (a publisher streams through
+        :meth:`send` instead, reusing slots)."""
+        slot = ("load",)
+        self.send(slot, entries, buffer, buffer.numel(), timeout=self.timeout_s)
+        try:
+            self.wait(below=1, timeout=self.timeout_s)
+        finally:
+            self.detach_slots([slot])
+
+    def end_update(self, version: int, checksums: dict[str, int] | None) -> None:
+        self._call("end_update", version, checksums)
+
+    def abort_update(self, version: int) -> None:
+        self.abort(version, timeout=min(self.timeout_s, 30.0))
+
+    def weight_version(self) -> int | None:
+        return self._call("weight_version")
+
+    def rollback(self) -> None:
+        self._call("rollback", timeout=min(self.timeout_s, 60.0))
+
+    def checksums(self, names=None) -> dict[str, int]:
+        return self._call("checksums", None if names is None else list(names))
+
+    def sample(self, indices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._call("sample", indices)
+
+    def call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call any method of the remote receiver (e.g. ``generate``, ``release_memory``)."""
+        return self._call(op, *args, timeout=timeout)
+
+    # ----- shared buffers -------------------------------------------------------------------------
+    @staticmethod
+    def _key(buffer: torch.Tensor) -> tuple[int, int]:
+        st = buffer.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+
+    def attach_buffer(self, slot: Any, buffer: torch.Tensor, *, timeout: float | None = None) -> bool:
         """Share ``buffer`` (shared-memory CPU or CUDA; a staging buffer or a whole storage viewed
         as bytes) with the receiver under ``slot`` (any picklable key); True when a new handle
         crossed (the first time this buffer fills this slot)."""
-        key = (buffer.untyped_storage().data_ptr(), buffer.untyped_storage().nbytes())
+        key = self._key(buffer)
         if self._attached.get(slot) == key:
             return False
-        self._call("buffer", slot, buffer)
+        self._call("buffer", slot, buffer, timeout=timeout)
         self._attached[slot] = key
         return True
 
-    def detach_buffers(self) -> None:
-        """Make the receiver drop every shared staging buffer (so their memory can be freed)."""
-        self._call("drop_buffers")
+    def detach_buffers(self, *, timeout: float | None = None) -> None:
+        """Make the receiver drop every shared buffer (so their memory can be freed)."""
+        self._call("drop_buffers", timeout=timeout)
         self._attached.clear()
         self._entries.clear()
 
-    def detach_slots(self, slots: list) -> None:
+    def detach_slots(self, slots: list, *, timeout: float | None = None) -> None:
         """Make the receiver drop the buffers attached under ``slots`` (unmapping their storages)."""
-        self._call("drop", list(slots))
+        self._call("drop", list(slots), timeout=timeout)
         for k in slots:
             self._attached.pop(k, None)
             self._entries.pop(k, None)
@@ -278,31 +356,34 @@ class RemoteReceiver:
     def in_flight(self) -> int:
         return len(self._outstanding)
 
-    def load_file(self, entries: list[Entry], path: str, nbytes: int) -> None:
-        self._call("file", entries, path, nbytes)
+    def load_file(self, entries: list[Entry], path: str, nbytes: int, *, timeout: float | None = None) -> None:
+        self._call("file", entries, path, nbytes, timeout=timeout)
 
-    def end_update(self, version: int, checksums: dict[str, int] | None) -> None:
-        self._call("end_update", version, checksums)
+    # ----- the publisher's link (colocate.protocol.ReceiverLink) ----------------------------------
+    def send(self, slot: Any, entries: list[Entry], buffer: torch.Tensor, nbytes: int, *, timeout: float) -> int:
+        crossed = self.attach_buffer(slot, buffer, timeout=timeout)
+        self.submit_slot(slot, entries)
+        return int(crossed)
 
-    def abort_update(self, version: int) -> None:
+    def send_file(self, entries: list[Entry], path: str, nbytes: int, *, timeout: float) -> None:
+        self.load_file(entries, path, nbytes, timeout=timeout)
+
+    def wait(self, *, below: int, timeout: float) -> None:
+        while len(self._outstanding) >= below:
+            self.wait_one(timeout)
+
+    def abort(self, version: int, *, timeout: float) -> None:
         self._outstanding.clear()  # replies of a failed update are not awaited
-        self._call("abort_update", version, timeout=min(self.timeout_s, 30.0))
+        self._call("abort_update", version, timeout=timeout)
 
-    def weight_version(self) -> int | None:
-        return self._call("weight_version")
-
-    def rollback(self) -> None:
-        self._call("rollback", timeout=min(self.timeout_s, 60.0))
-
-    def checksums(self, names=None) -> dict[str, int]:
-        return self._call("checksums", None if names is None else list(names))
-
-    def sample(self, indices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self._call("sample", indices)
-
-    def call(self, op: str, *args: Any, timeout: float | None = None) -> Any:
-        """Call any other method of the remote receiver (e.g. ``generate``, ``release_memory``)."""
-        return self._call(op, *args, timeout=timeout)
+    def detach(self, slots: list | None = None, *, timeout: float) -> None:
+        if not self.process.is_alive():
+            self._attached.clear()
+            self._entries.clear()
+        elif slots is None:
+            self.detach_buffers(timeout=timeout)
+        elif slots:
+            self.detach_slots(slots, timeout=timeout)
 
     def close(self, *, timeout: float = 10.0) -> None:
         """Ask the receiver to exit; kill it if it does not within ``timeout``."""
@@ -320,10 +401,11 @@ class RemoteReceiver:
 
 def spawn_receiver(factory: Callable[..., Any], *args: Any, timeout_s: float = 600.0,
                    start_timeout_s: float = 120.0) -> RemoteReceiver:
-    """Start ``factory(*args)`` (module-level, picklable) in a spawned child serving requests."""
+    """Start ``factory(*args)`` (module-level, picklable) in a spawned child serving requests.
+    The child exits when this process does (also when it is killed while the child is busy)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child, factory, args, start_timeout_s), daemon=True)
+    proc = ctx.Process(target=_receiver_main, args=(child, factory, args, os.getpid()), daemon=True)
     proc.start()
     child.close()
     deadline = time.monotonic() + start_timeout_s

@@ -19,7 +19,11 @@ Schedulers:
   command's group. ``ray`` is imported lazily.
 
 A worker signals readiness by calling :func:`mark_ready` (it writes a small JSON file named by
-``COLOCATE_READY_FILE`` with its pid, host, Slurm step and ``CUDA_VISIBLE_DEVICES``).
+``COLOCATE_READY_FILE`` with its pid, host, Slurm step and ``CUDA_VISIBLE_DEVICES``), or the
+owner probes it itself (``fork(spec, wait=False)``, then its own health check, as
+:meth:`colocate.sglang_engine.SGLangEngine.launch_server` does for an SGLang server).
+A spec that names a scheduler (``WorkerSpec.scheduler``) is refused by the others;
+:func:`scheduler_for` builds the one it names.
 GPU ids: :func:`physical_gpu_ids` maps the owner's logical devices through
 ``CUDA_VISIBLE_DEVICES``; the worker gets the same physical list, so its logical device i is
 the owner's, and IPC keys use :func:`ipc_key` built from physical ids.
@@ -44,20 +48,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from colocate.config import WorkerSpec
+from colocate.errors import WorkerError, WorkerStartTimeout
+from mcore_distill.atomic import atomic_write_json
 
 __all__ = ["WorkerError", "WorkerStartTimeout", "ForkedWorker", "LocalScheduler", "SlurmScheduler", "RayScheduler",
-           "RayWorker", "merge_env",
-           "physical_gpu_ids", "ipc_key", "mark_ready", "READY_ENV"]
+           "RayWorker", "merge_env", "physical_gpu_ids", "ipc_key", "mark_ready", "scheduler_for", "kill_process_group",
+           "READY_ENV"]
 
 READY_ENV = "COLOCATE_READY_FILE"
-
-
-class WorkerError(RuntimeError):
-    """A worker could not be started or exited unexpectedly."""
-
-
-class WorkerStartTimeout(WorkerError, TimeoutError):
-    """The worker did not report ready within ``health_timeout_s``."""
 
 
 def merge_env(base: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str, str]:
@@ -99,12 +97,7 @@ def mark_ready(**extra: object) -> None:
     info = {"pid": os.getpid(), "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "slurm_step_id": os.environ.get("SLURM_STEP_ID"),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), **extra}
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, info, indent=None)
 
 
 # The guard sits between owner and worker, leads the worker's process group, and dies with the
@@ -207,8 +200,11 @@ class ForkedWorker:
 
 
 class _Scheduler:
-    """What every scheduler shares: the owner's env, the workers it started, and their shutdown
-    (explicit or at owner exit)."""
+    """What every scheduler shares: the owner's env, the role env it builds, the workers it
+    started, and their shutdown (explicit or at owner exit)."""
+
+    kind = ""
+    """The ``WorkerSpec.scheduler`` name of this scheduler."""
 
     def __init__(self, owner_env: Mapping[str, str] | None):
         self.owner_env = dict(os.environ if owner_env is None else owner_env)
@@ -216,6 +212,24 @@ class _Scheduler:
         self._lock = threading.Lock()
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref()._shutdown_at_exit())
+
+    def _prepare(self, spec: WorkerSpec) -> tuple[Path, dict[str, str]]:
+        """Refuse a spec for another scheduler; a fresh ready folder and the role's env: owner env
+        + role overrides, ``CUDA_VISIBLE_DEVICES`` of ``spec.devices``, ready file, role, owner pid."""
+        if spec.scheduler not in (None, self.kind):
+            raise WorkerError(f"WorkerSpec.scheduler={spec.scheduler!r} for role {spec.role!r}, but "
+                              f"{type(self).__name__} (scheduler {self.kind!r}) was asked to start it")
+        env = merge_env(self.owner_env, spec.env)
+        if spec.devices is not None:
+            phys = physical_gpu_ids(self.owner_env)
+            if phys is not None and max(spec.devices) >= len(phys):
+                raise WorkerError(f"WorkerSpec.devices={spec.devices} outside the owner's "
+                                  f"CUDA_VISIBLE_DEVICES={','.join(phys)!r}")
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(phys[d] if phys is not None else str(d) for d in spec.devices)
+        tmp = Path(tempfile.mkdtemp(prefix=f"colocate-{spec.role}-"))
+        env.update({READY_ENV: str(tmp / "ready.json"), "COLOCATE_ROLE": spec.role,
+                    "COLOCATE_OWNER_PID": str(os.getpid())})
+        return tmp, env
 
     def _shutdown_at_exit(self) -> None:
         try:
@@ -247,8 +261,18 @@ class _Scheduler:
                               f"failed): {e}") from e
 
 
+def _log_file(spec: WorkerSpec):
+    """The open (append) log file of ``spec``, or None: stdout/stderr stay the owner's."""
+    if spec.log_path is None:
+        return None
+    Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
+    return open(spec.log_path, "ab")  # noqa: SIM115 - handed to the child, closed right after
+
+
 class LocalScheduler(_Scheduler):
     """Starts workers as local subprocesses of this (owner) process; kills them all on exit."""
+
+    kind = "local"
 
     def __init__(self, *, owner_env: Mapping[str, str] | None = None):
         super().__init__(owner_env)
@@ -261,32 +285,29 @@ class LocalScheduler(_Scheduler):
 
     def fork(self, spec: WorkerSpec, *, wait: bool = True) -> ForkedWorker:
         """Start ``spec`` with the owner env + role overrides; wait for ready unless ``wait=False``."""
-        tmp = Path(tempfile.mkdtemp(prefix=f"colocate-{spec.role}-"))
-        env = merge_env(self.owner_env, spec.env)
-        if spec.devices is not None:
-            phys = physical_gpu_ids(self.owner_env)
-            if phys is not None and max(spec.devices) >= len(phys):
-                raise WorkerError(f"WorkerSpec.devices={spec.devices} outside the owner's "
-                                  f"CUDA_VISIBLE_DEVICES={','.join(phys)!r}")
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(phys[d] if phys is not None else str(d) for d in spec.devices)
-        env[READY_ENV] = str(tmp / "ready.json")
-        env["COLOCATE_ROLE"] = spec.role
-        env["COLOCATE_OWNER_PID"] = str(os.getpid())
+        tmp, env = self._prepare(spec)
         argv = self._argv(spec, env)
         if shutil.which(argv[0], path=env.get("PATH")) is None:
             shutil.rmtree(tmp, ignore_errors=True)
             raise WorkerError(f"cannot start worker {spec.role!r}: {argv[0]!r} not found or not executable")
+        log = _log_file(spec)
         try:
             proc = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(spec.kill_grace_s), *argv],
-                                    env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+                                    env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=None if log is None else subprocess.STDOUT)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise WorkerError(f"cannot start worker {spec.role!r}: {argv[0]!r}: {e}") from e
+        finally:
+            if log is not None:
+                log.close()
         return self._register(ForkedWorker(spec, proc, tmp / "ready.json", env, on_kill=self._on_kill), wait)
 
 
 class SlurmScheduler(LocalScheduler):
     """Starts workers as job steps inside the owner's Slurm allocation (same node)."""
+
+    kind = "slurm"
 
     def __init__(self, *, owner_env: Mapping[str, str] | None = None, srun: str = "srun",
                  scancel: str = "scancel", extra_args: tuple[str, ...] = ()):
@@ -329,11 +350,18 @@ def _role_actor_class() -> type:
         takes the whole command group down with it.
         """
 
-        def __init__(self, argv: list[str], env: dict[str, str], ready_file: str, kill_grace_s: float):
+        def __init__(self, argv: list[str], env: dict[str, str], ready_file: str, kill_grace_s: float,
+                     log_path: str | None = None):
             self.ready_file = Path(ready_file)
             self.grace = kill_grace_s
-            self.proc = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(kill_grace_s), *argv],
-                                         env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+            log = None if log_path is None else open(log_path, "ab")  # noqa: SIM115 - closed below
+            try:
+                self.proc = subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), str(kill_grace_s),
+                                              *argv], env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                                             stdout=log, stderr=None if log is None else subprocess.STDOUT)
+            finally:
+                if log is not None:
+                    log.close()
 
         def status(self) -> dict:
             """``{"code": exit code or None, "info": ready info or None}``."""
@@ -497,28 +525,46 @@ class RayScheduler(_Scheduler):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        tmp = Path(tempfile.mkdtemp(prefix=f"colocate-{spec.role}-"))
-        env = merge_env(self.owner_env, spec.env)
+        tmp, env = self._prepare(spec)
         actor_env = {k: v for k, v in spec.env.items() if v != ""}
-        if spec.devices is not None:
-            phys = physical_gpu_ids(self.owner_env)
-            if phys is not None and max(spec.devices) >= len(phys):
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise WorkerError(f"WorkerSpec.devices={spec.devices} outside the owner's "
-                                  f"CUDA_VISIBLE_DEVICES={','.join(phys)!r}")
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(phys[d] if phys is not None else str(d) for d in spec.devices)
         if "CUDA_VISIBLE_DEVICES" in env:
             actor_env["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
         actor_env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-        env[READY_ENV] = str(tmp / "ready.json")
-        env["COLOCATE_ROLE"] = spec.role
-        env["COLOCATE_OWNER_PID"] = str(os.getpid())
         if shutil.which(spec.command[0], path=env.get("PATH")) is None:
             shutil.rmtree(tmp, ignore_errors=True)
             raise WorkerError(f"cannot start worker {spec.role!r}: {spec.command[0]!r} not found or not executable")
+        if spec.log_path is not None:
+            Path(spec.log_path).parent.mkdir(parents=True, exist_ok=True)
         cls = ray.remote(_role_actor_class()).options(
             num_cpus=self.num_cpus, num_gpus=0, max_restarts=0, name=f"{self.prefix}-{spec.role}-{tmp.name}",
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=self.node_id, soft=False),
             runtime_env={"env_vars": actor_env})
-        actor = cls.remote(list(spec.command), env, str(tmp / "ready.json"), spec.kill_grace_s)
+        actor = cls.remote(list(spec.command), env, str(tmp / "ready.json"), spec.kill_grace_s, spec.log_path)
         return self._register(RayWorker(spec, actor, tmp, env, self.node_id), wait)
+
+
+SCHEDULERS = {"local": LocalScheduler, "slurm": SlurmScheduler, "ray": RayScheduler}
+
+
+def scheduler_for(kind: str | None, **kwargs) -> LocalScheduler | SlurmScheduler | RayScheduler:
+    """The scheduler a ``WorkerSpec.scheduler`` names (None: ``local``), built with ``kwargs``."""
+    try:
+        return SCHEDULERS[kind or "local"](**kwargs)
+    except KeyError:
+        raise WorkerError(f"unknown scheduler {kind!r}; known: {sorted(SCHEDULERS)}") from None
+
+
+def kill_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a process started with ``start_new_session=True`` outside a scheduler: SIGTERM its
+    process group, wait ``grace_s`` for the leader, then SIGKILL the whole group (members that
+    outlived the leader included) and reap the leader."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)

@@ -293,3 +293,33 @@ def arena_gathers(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         results.append(out)
         ps.destroy_model_parallel()
     return results
+
+
+def slow_commit_engine(spec, delay_s: float, slow_from: int):
+    """An HFEngine whose ``end_update`` of versions >= ``slow_from`` takes ``delay_s`` before it
+    verifies and commits (a load that outlives the publisher's timeout)."""
+    import time
+
+    from colocate.engines import HFEngine
+
+    class SlowCommit(HFEngine):
+        def end_update(self, version, checksums=None):
+            if version >= slow_from:
+                time.sleep(delay_s)
+            super().end_update(version, checksums)
+
+    return SlowCommit(spec)
+
+
+def busy_engine(spec, delay_s: float):
+    """An HFEngine that stays busy for ``delay_s`` in every bucket load (owner-death test)."""
+    import time
+
+    from colocate.engines import HFEngine
+
+    class Busy(HFEngine):
+        def load_bucket(self, entries, buffer):
+            time.sleep(delay_s)
+            super().load_bucket(entries, buffer)
+
+    return Busy(spec)

@@ -88,7 +88,7 @@ def _driver(case_file: str, result_file: str) -> None:
     rec["engine_start_s"] = round(time.time() - t, 1)
     try:
         rec["has_bracket"] = eng.has_bracket
-        rec["cuda_graph_enabled"] = not eng.engine.server_args.disable_cuda_graph
+        rec["cuda_graph_enabled"] = not eng.client.engine.server_args.disable_cuda_graph
         rec["checksum_initial"] = eng.checksum()
         rec["lp_before"] = _lp_stats([eng.prompt_logprobs(p) for p in PROMPTS], ref_lp)
 
@@ -101,7 +101,7 @@ def _driver(case_file: str, result_file: str) -> None:
         rec["lp_after"] = _lp_stats([eng.prompt_logprobs(p) for p in PROMPTS], ref_lp)
 
         eng.restore_from_disk(same_dir, version=1)
-        eng.engine.flush_cache()
+        eng.client.flush_cache()
         rec["checksum_disk"] = eng.checksum()
 
         # in place: every tensor a view of one CUDA storage (as in a DDP param buffer)

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from colocate import HFModelSpec, megatron_to_hf, split_qkv
+from colocate import HFModelSpec
+from colocate.convert import megatron_to_hf, split_qkv
 
 awex_conv = pytest.importorskip("awex.converter.mcore_converter")
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import (
-    ConfigError,
+from colocate import HFModelSpec
+from colocate.convert import (
     ConversionError,
-    HFModelSpec,
     ParamMismatchError,
     check_params,
     globalize_name,
@@ -17,10 +16,10 @@ from colocate import (
     megatron_to_hf,
     merge_qkv,
     merge_tp_shards,
-    reference_merge_glu,
-    reference_split_qkv,
     split_qkv,
 )
+from colocate.errors import ConfigError
+from colocate.reference import reference_merge_glu, reference_split_qkv
 from mcore_distill.testing import run_ranks
 
 from ._hybrid_ranks import dense_moe_and_hybrid

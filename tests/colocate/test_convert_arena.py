@@ -10,16 +10,18 @@ import math
 import pytest
 import torch
 
-from colocate import ConfigError, ConversionError, HFModelSpec, PublishConfig
+from colocate import HFModelSpec, PublishConfig
 from colocate.buckets import tensor_checksum
 from colocate.convert import (
     ArenaCapacityError,
     ConversionArena,
+    ConversionError,
     Qwen3HybridSpec,
     arena_nbytes,
     hf_param_specs,
     megatron_to_hf,
 )
+from colocate.errors import ConfigError
 from colocate.publish import Publisher
 
 from ._hybrid_ranks import GDN, build_hybrid

@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import ConfigError, ConversionError, ParamMismatchError, check_params
 from colocate.convert import (
+    ConversionError,
+    ParamMismatchError,
     Qwen3HybridSpec,
+    check_params,
     gdn_in_proj_to_hf,
     gdn_tp_sections,
     hf_gated_q_proj,
@@ -22,6 +24,7 @@ from colocate.convert import (
     merge_tp_sections,
     split_qkv_gated,
 )
+from colocate.errors import ConfigError
 
 from ._hybrid_ranks import build_hybrid
 

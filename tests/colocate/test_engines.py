@@ -136,6 +136,40 @@ def test_rollback_and_update_bracket_errors():
     assert e.checksums() == w0 and e.weight_version() is None
 
 
+def test_rollback_and_late_abort_report_the_version_served():
+    """After a rollback (a failed read-back) or an abort of a version already committed, the
+    engine serves the previous weights and says so: ``weight_version()`` is that version."""
+    e = HFEngine(SPEC)
+    norm = "model.norm.weight"
+    for v in (1, 2):
+        e.begin_update(v)
+        e.load_tensors([(norm, torch.full((32,), float(v)))])
+        e.end_update(v)
+    e.rollback()
+    assert e.weight_version() == 1 and torch.equal(e.read(norm), torch.full((32,), 1.0))
+    with pytest.raises(UpdateError, match="nothing committed"):
+        e.rollback()  # once: the shadow now holds the version rolled back from
+    e.begin_update(3)
+    e.load_tensors([(norm, torch.full((32,), 3.0))])
+    e.end_update(3)
+    e.abort_update(3)  # the publisher gave up on 3 after it was committed
+    assert e.weight_version() == 1 and torch.equal(e.read(norm), torch.full((32,), 1.0))
+
+    class LateVersion(HFEngine):  # commits, then reads back another version for 5: the publisher rolls back
+        def weight_version(self):
+            v = super().weight_version()
+            return 99 if v == 5 else v
+
+    e = LateVersion(SPEC)
+    pub = Publisher(e, PublishConfig(bucket_bytes=16 << 10))
+    w4 = {n: torch.randn(s, generator=torch.Generator().manual_seed(4)) for n, (s, _) in e.param_specs().items()}
+    pub.publish(w4, version=4)
+    with pytest.raises(PublishError) as ei:
+        pub.publish({n: t + 1 for n, t in w4.items()}, version=5)
+    assert ei.value.phase == "verify" and e.weight_version() == 4
+    assert all(torch.equal(e.read(n), t) for n, t in w4.items())
+
+
 # ----- control plane ------------------------------------------------------------------------
 BOUND = 5.0  # seconds any control request may take; one decode step of 16 rows here is a few ms
 NEW, ROWS, CHUNK = 60, 32, 16

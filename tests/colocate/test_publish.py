@@ -3,16 +3,26 @@ poisoned versions, mismatch/timeout/dead-receiver errors with the previous weigh
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
-from colocate import HFModelSpec, ParamMismatchError, PublishConfig
+from colocate import HFModelSpec, PublishConfig
 from colocate.buckets import tensor_checksum
+from colocate.convert import ParamMismatchError
 from colocate.engines import HFEngine, UpdateError, build_hf_model, hf_checkpoint_views
 from colocate.publish import PoisonedVersionError, Publisher, PublishError
 from colocate.transports import ReceiverDied, ReceiverTimeout, TransportError, spawn_receiver
 
-from ._ranks import ShmProbe, slow_engine
+from ._ranks import ShmProbe, slow_commit_engine, slow_engine
+from .test_workers import _gone
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DENSE = HFModelSpec(arch="qwen3", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                     head_dim=8, ffn_hidden_size=48, vocab_size=64, rope_theta=10000.0)
@@ -244,3 +254,57 @@ def test_inplace_rejects_a_reused_buffer():
     with pytest.raises(PublishError, match="overlapping views of one storage"):
         pub.publish(reused(), version=1, meta={n: (tuple(t.shape), t.dtype) for n, t in w.items()})
     assert engine.weight_version() is None
+
+
+@pytest.mark.timeout(120)
+def test_publish_timeout_bounds_the_load_wait():
+    """``PublishConfig.timeout_s`` bounds the wait for ``end_update`` (verify + commit) of a
+    receiver in another process, not the proxy's own 600 s default."""
+    recv = spawn_receiver(slow_commit_engine, DENSE, 8.0, 2, timeout_s=600)
+    try:
+        pub = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=1 << 20, timeout_s=60))
+        pub.publish(_weights(DENSE, 1), version=1)
+        pub.config.timeout_s = 0.5
+        t0 = time.monotonic()
+        with pytest.raises(PublishError) as ei:
+            pub.publish(_weights(DENSE, 2), version=2)
+        assert time.monotonic() - t0 < 5.0, "the publish waited for the 8 s commit"
+        assert isinstance(ei.value.cause, ReceiverTimeout) and ei.value.phase == "load" and 2 in pub.poisoned
+    finally:
+        recv.close(timeout=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_version_committed_after_the_timeout_is_never_served():
+    """The receiver finishes committing a version after the publisher gave up on it (and poisoned
+    it); the abort that follows it in the receiver's queue rolls it back, so the engine serves the
+    previous version and its weights, never the poisoned one."""
+    recv = spawn_receiver(slow_commit_engine, DENSE, 3.0, 2, timeout_s=0.5)
+    try:
+        pub = Publisher(recv, PublishConfig(transport="shm", bucket_bytes=1 << 20, timeout_s=30))
+        w1 = _weights(DENSE, 1)
+        pub.publish(w1, version=1)
+        pub.config.timeout_s = 0.5
+        with pytest.raises(PublishError) as ei:
+            pub.publish(_weights(DENSE, 2), version=2)
+        assert isinstance(ei.value.cause, ReceiverTimeout) and ei.value.phase == "load"
+        recv.timeout_s = 30  # the next requests wait behind the late commit and the abort
+        assert recv.weight_version() == 1
+        assert recv.checksums() == {n: tensor_checksum(t) for n, t in w1.items()}
+        pub.config.timeout_s = 30
+        w3 = _weights(DENSE, 3)
+        assert pub.publish(w3, version=3).version == 3 and recv.weight_version() == 3
+        assert recv.checksums() == {n: tensor_checksum(t) for n, t in w3.items()}
+    finally:
+        recv.close(timeout=1)
+
+
+@pytest.mark.timeout(120)
+def test_spawned_receiver_exits_with_its_killed_owner():
+    """An owner SIGKILLed while its receiver is busy inside a 120 s load: the receiver goes too
+    (it never reads the pipe's EOF while busy)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-m", "tests.colocate._receiver_owner"], env=env, capture_output=True,
+                         text=True, timeout=90, cwd=ROOT)
+    assert out.returncode == -9, out.stderr[-2000:]
+    assert _gone(int(out.stdout.split()[0]), timeout=15), "the receiver outlived its owner"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import HFModelSpec, ParamMismatchError, PublishConfig
+from colocate import HFModelSpec, PublishConfig
 from colocate.buckets import tensor_checksum
+from colocate.convert import ParamMismatchError
 from colocate.engines import HFEngine, build_hf_model, hf_checkpoint_views
 from colocate.publish import PHASES, Publisher, PublishError
 

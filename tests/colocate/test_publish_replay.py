@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import ConfigError, PublishConfig, TensorReceiver
+from colocate import PublishConfig
 from colocate.buckets import tensor_checksum
 from colocate.convert import (
     ConversionArena,
@@ -16,7 +16,9 @@ from colocate.convert import (
     hf_param_specs,
     megatron_to_hf,
 )
+from colocate.errors import ConfigError
 from colocate.publish import Publisher, PublishError
+from colocate.receivers import TensorReceiver
 
 from .test_convert_arena import DENSE, SPECS, _buffer, _convert
 

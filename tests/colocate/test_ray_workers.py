@@ -112,3 +112,33 @@ def test_ray_no_orphans_when_the_owner_is_killed(ray_cluster):
     assert _gone(actor_pid, timeout=60), "the actor outlived its owner"
     assert _gone(cmd_pid, timeout=30), "the role command outlived its owner"
     assert _gone(grandchild, timeout=30), "the command's child outlived its owner"
+
+
+@pytest.mark.timeout(240)
+def test_sglang_server_launched_under_ray_lands_on_the_owner_gpu(ray_cluster, tmp_path):
+    """``SGLangEngine.launch_server`` with a Ray scheduler: the server runs under the role actor
+    on the owner's node, sees exactly the owner's GPU picked by ``base_gpu_id`` (owner-logical,
+    mapped to the physical id) as its ``cuda:0`` (``--base-gpu-id 0``), and goes with ``shutdown``."""
+    import torch
+
+    from colocate import SGLangEngine
+    from colocate.sglang_engine import write_hf_checkpoint
+    from colocate.workers import RayScheduler
+
+    from ._contract_server import SPEC, sha, weights
+
+    write_hf_checkpoint(tmp_path / "ckpt", weights(1), spec=SPEC, dtype=torch.float32)
+    sched = RayScheduler(owner_env=_owner_env(CUDA_VISIBLE_DEVICES="3,1"))
+    eng = SGLangEngine.launch_server(spec=SPEC, param_dtype=torch.float32, scheduler=sched, ipc="cpu", base_gpu_id=1,
+                                     tp_size=1, start_timeout_s=200, model_path=str(tmp_path / "ckpt"),
+                                     server_module="tests.colocate._contract_server")
+    try:
+        p = eng.client.get("/probe")
+        assert p["env"]["CUDA_VISIBLE_DEVICES"] == "1" and p["env"]["COLOCATE_ROLE"] == "rollout"
+        assert p["argv"][p["argv"].index("--base-gpu-id") + 1] == "0"
+        assert eng.client.worker.node_id == ray.get_runtime_context().get_node_id()
+        assert eng.checksum() == sha(weights(1))
+    finally:
+        eng.shutdown()
+        sched.shutdown()
+    assert _gone(p["pid"], timeout=30), "the server outlived shutdown()"

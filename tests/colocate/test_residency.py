@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import BusyError, NotResidentError, Residency, TensorOffload
+from colocate import BusyError, NotResidentError, Residency
+from colocate.residency import TensorOffload
 
 
 def _machine(log, syncs):
@@ -128,3 +129,109 @@ def test_megatron_trainer_cycle_restores_training_exactly(cpu_megatron, optim):
         assert freed["optimizer"] > 0  # on CPU the staged optimizer holds no accelerator state
     for n in ref:
         assert torch.equal(ref[n], out[n]), n
+
+
+def _optimizer_case(case: str):
+    """A tiny DDP model and the optimizer of ``case`` (bf16 model under Megatron's distributed
+    optimizer; staged Muon under Megatron's FP32Optimizer / Float16Optimizer wrappers)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, seed_all
+
+    seed_all(3)
+    bf16 = case in ("bf16-distopt", "muon-bf16")
+    m = build_tiny_gpt(TinyGPTConfig(num_layers=1, params_dtype=torch.bfloat16 if bf16 else torch.float32))
+    if bf16:
+        m = Float16Module(m.config, m)
+    distopt = case == "bf16-distopt"
+    ddp = DistributedDataParallel(m.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt), m)
+    if distopt:
+        return ddp, get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True,
+                                                           bf16=True, params_dtype=torch.bfloat16), [ddp])
+    staged = pytest.importorskip("optim_staged.megatron")
+    from optim_staged.config import AdamWConfig, MuonConfig, SlotConfig, StagedOptimizerConfig
+
+    return ddp, staged.get_staged_optimizer(StagedOptimizerConfig(
+        algorithm="muon", residency="staged", muon=MuonConfig(lr=0.02, tp_mode="duplicated"),
+        adamw=AdamWConfig(impl="foreach"), slots=SlotConfig(slot_numel=1 << 14, num_slots=2)), [ddp])
+
+
+def _train_step(model, opt, tokens) -> None:
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    model(tokens, pos, None, labels=tokens).float().mean().backward()
+    model.finish_grad_sync()
+    opt.step()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["bf16-distopt", "muon-fp32", "muon-bf16"])
+def test_optimizer_tag_releases_what_the_optimizer_owns(cpu_megatron, case):
+    """The ``optimizer`` tag takes everything the optimizer holds outside the model's buffers:
+    with Megatron's distributed optimizer and a bf16 model, the fp32 master shards as well as the
+    moments; with staged Muon (under Megatron's FP32Optimizer / Float16Optimizer wrappers) the
+    GPU slots are drained and the host slabs are left alone (not resized, not counted as freed),
+    while a bf16 model's fp32 main params go. Training then continues bit for bit."""
+    from colocate.megatron import megatron_residency_hooks
+
+    tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref_model, ref_opt = _optimizer_case(case)
+    for _ in range(2):
+        _train_step(ref_model, ref_opt, tokens)
+
+    ddp, opt = _optimizer_case(case)
+    _train_step(ddp, opt, tokens)
+    leaves = opt.chained_optimizers
+    if case == "bf16-distopt":
+        masters = [p for leaf in leaves for g in leaf.shard_fp32_from_float16_groups for p in g]
+        moments = [v for leaf in leaves for st in leaf.optimizer.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.numel() > 1]
+        slabs = []
+    else:
+        assert {type(leaf.optimizer).__name__ for leaf in leaves} == {"StagedMuon", "StagedAdamW"}
+        masters = [p for leaf in leaves for g in getattr(leaf, "fp32_from_float16_groups", []) for p in g]
+        moments = []
+        slabs = [v for leaf in leaves for st in leaf.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        assert all(leaf.optimizer._ring.allocated_bytes > 0 for leaf in leaves)  # the step left slots allocated
+    assert bool(masters) == (case != "muon-fp32")
+    owned = sum(t.untyped_storage().nbytes() for t in masters + moments)
+    slab_bytes = [v.untyped_storage().nbytes() for v in slabs]
+    weight_bytes = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in ddp.parameters()}.values())
+
+    res = Residency(megatron_residency_hooks([ddp], opt), owner="trainer")
+    freed = res.release()
+    assert freed["optimizer"] == owned, (freed, owned)  # on CPU the staged slots are no accelerator bytes
+    assert all(t.untyped_storage().nbytes() == 0 for t in masters + moments)
+    assert [v.untyped_storage().nbytes() for v in slabs] == slab_bytes  # host state untouched
+    if slabs:
+        assert all(leaf.optimizer._ring.allocated_bytes == 0 for leaf in leaves)  # slots drained and freed
+    assert freed["weights"] == weight_bytes > 0  # parameters outside a param buffer (no distributed optimizer) too
+    assert all(p.untyped_storage().nbytes() == 0 for p in ddp.parameters())
+    res.resume()
+    _train_step(ddp, opt, tokens)
+    for (n, a), b in zip(ref_model.named_parameters(), ddp.parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_allocator_configuration_is_logged(monkeypatch, caplog):
+    from colocate.residency import allocator_config
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert allocator_config() == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert allocator_config({}) == "default"
+    log, syncs = [], []
+    with caplog.at_level("INFO", logger="colocate.residency"):
+        r = _machine(log, syncs)
+        r.release(["weights"])
+    assert "eng: release weights" in caplog.text and "allocator: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" \
+        in caplog.text
+    assert r.events[-1].allocator == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    other = Residency({"kv_cache": (lambda: 0, lambda: 0)}, owner="sglang", sync=lambda: None, allocator="default")
+    with caplog.at_level("INFO", logger="colocate.residency"):
+        other.release()
+    assert "sglang: release kv_cache 0.0 MiB" in caplog.text and "(allocator: default)" in caplog.text

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate import HFModelSpec, NotResidentError, PublishConfig
+from colocate import HFModelSpec, NotResidentError, PublishConfig, SGLangEngine
 from colocate.buckets import plan_buckets
-from colocate.engines import UpdateError
+from colocate.errors import TransportError, UpdateError
 from colocate.publish import Publisher
-from colocate.sglang_engine import SGLangEngine
-from colocate.transports import TransportError
+from colocate.sglang_clients import EngineClient
 
 SPEC = HFModelSpec(arch="qwen3", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
                    head_dim=4, ffn_hidden_size=16, vocab_size=32)
@@ -75,7 +74,7 @@ class RuleEngine:
 def test_bracket_detection_versions_and_residency(bracket):
     eng = RuleEngine(bracket=bracket)
     sums = iter(range(100))
-    ad = SGLangEngine(eng, spec=SPEC, checksum_fn=lambda e: f"sum{next(sums)}")
+    ad = SGLangEngine(EngineClient(eng, checksum_fn=lambda e: f"sum{next(sums)}"), spec=SPEC)
     assert ad.has_bracket is bracket and ad.capabilities() == {"cuda_ipc"}
     if not torch.cuda.is_available():  # the probe refuses: SGLang takes CUDA tensors only
         with pytest.raises(TransportError, match="no common transport"):
@@ -235,3 +234,20 @@ def test_sglang_process_env_puts_the_stand_in_first(tmp_path):
     assert "PYTHONPATH" not in sglang_process_env({"PYTHONPATH": None}, hide_megatron=False)
     out = subprocess.run([sys.executable, "-c", "import megatron.core"], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "megatron is hidden from this SGLang process" in out.stderr
+
+
+def test_abort_of_a_committed_version_leaves_no_valid_version():
+    """SGLang loads in place, so a version the publisher gives up on after ``end_update`` (a
+    read-back that failed, an acknowledgement that came too late) cannot be rolled back: the
+    adapter stops reporting it, and an older abort does not touch a newer version."""
+    eng = RuleEngine(bracket=True)
+    ad = SGLangEngine(EngineClient(eng, checksum_fn=lambda e: "c"), spec=SPEC)
+    ad.begin_update(1)
+    ad.end_update(1)
+    assert ad.weight_version() == 1
+    ad.abort_update(1)
+    assert ad.weight_version() is None and not eng.in_bracket
+    ad.begin_update(2)
+    ad.end_update(2)
+    ad.abort_update(1)
+    assert ad.weight_version() == 2

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate import ConfigError, WorkerSpec
+from colocate import WorkerSpec
+from colocate.errors import ConfigError
 from colocate.workers import (
     LocalScheduler,
     SlurmScheduler,
@@ -20,6 +21,7 @@ from colocate.workers import (
     ipc_key,
     merge_env,
     physical_gpu_ids,
+    scheduler_for,
 )
 
 from . import _slurm
@@ -95,6 +97,31 @@ def test_local_fork_env_health_kill_and_timeouts():
         sched.fork(WorkerSpec(role="teacher", command=[sys.executable, "-c", "raise SystemExit(3)"]))
     with pytest.raises(WorkerError, match="cannot start worker"):
         sched.fork(WorkerSpec(role="teacher", command=["/nonexistent/binary"]))
+    sched.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_spec_scheduler_is_read_and_log_path_collects_output(tmp_path):
+    """``WorkerSpec.scheduler`` names the scheduler that may start the role: another kind refuses
+    the spec before starting anything, ``scheduler_for`` builds the named one. ``log_path``
+    receives the worker's stdout and stderr."""
+    sched = LocalScheduler(owner_env=_owner_env())
+    with pytest.raises(WorkerError, match=r"WorkerSpec.scheduler='slurm' for role 'rollout', but LocalScheduler"):
+        sched.fork(WorkerSpec(role="rollout", command=WORKER, scheduler="slurm"))
+    assert sched.workers == []
+    assert type(scheduler_for(None, owner_env={})) is LocalScheduler
+    assert type(scheduler_for("local", owner_env={})) is LocalScheduler
+    with pytest.raises(WorkerError, match="SLURM_JOB_ID is not set"):
+        scheduler_for("slurm", owner_env={})
+    with pytest.raises(WorkerError, match="unknown scheduler 'k8s'"):
+        scheduler_for("k8s")
+    say = "import sys; print('to stdout', flush=True); print('to stderr', file=sys.stderr, flush=True); " \
+          "from colocate.workers import mark_ready; mark_ready(); import time; time.sleep(60)"
+    w = sched.fork(WorkerSpec(role="rollout", command=[sys.executable, "-c", say], scheduler="local",
+                              log_path=str(tmp_path / "logs" / "rollout.log"), health_timeout_s=60, kill_grace_s=1))
+    w.kill()
+    text = (tmp_path / "logs" / "rollout.log").read_text()
+    assert "to stdout" in text and "to stderr" in text
     sched.shutdown()
 
 

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from colocate.sglang_http import kill_process_group
+from colocate.workers import kill_process_group
 from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, free_port, init_megatron, seed_all
 from mopd.backends import HTTPTeacher, TokenBatch
 from mopd.config import RoutingSpec, TeacherPoolConfig

@@ -1,0 +1,430 @@
+"""Two thin clients of one SGLang engine, for :class:`colocate.sglang_engine.SGLangEngine`.
+
+Both offer the same calls, named after SGLang's ``Engine`` methods, and raise
+:class:`~colocate.errors.UpdateError` when SGLang reports a failure:
+
+* :class:`EngineClient` — an in-process ``sglang.Engine`` (its calls have no timeouts of their own).
+* :class:`HTTPClient` — a running ``sglang.launch_server``; every request has one deadline over
+  the whole exchange (connect, send, headers, body), so a server that trickles its answer fails
+  with :class:`~colocate.errors.ReceiverTimeout` in time. A refused or broken connection raises
+  :class:`~colocate.errors.ReceiverDied`, an HTTP error or ``success: false`` ``UpdateError``.
+  :meth:`HTTPClient.launch` starts the server as a guarded colocated worker
+  (:mod:`colocate.workers`), so it dies with its owner, even a SIGKILLed one.
+
+The HTTP contract used (SGLang 0.5.17, ``sglang/srt/entrypoints/http_server.py``):
+
+=====================================  ================================================================
+``GET /health``                        200 once the server serves
+``GET /server_info``                   ``tp_size`` (one tensor payload per TP rank)
+``GET /model_info``                    ``weight_version`` (a string; ours are decimal integers)
+``POST /update_weights_from_tensor``   ``{serialized_named_tensors: [base64 per TP rank], load_format,
+                                       flush_cache}`` → ``{success, message}``; each payload is a
+                                       ``ForkingPickler`` dump of ``[(hf_name, tensor), ...]``, so a
+                                       CUDA tensor crosses as an IPC handle (server on the same node)
+``POST /update_weights_from_disk``     ``{model_path, weight_version}``; SGLang rolls back a failed load
+``POST /update_weight_version``        ``{new_version, abort_all_requests}``
+``POST /weights_checker``              ``{action: "checksum"}`` → ``per_engine_checksum``
+``POST /release_memory_occupation``    ``{tags: [...]}``; ``/resume_memory_occupation`` likewise
+``POST /flush_cache``                  empties the radix cache
+``POST /generate``                     ``{input_ids, sampling_params, return_logprob,
+                                       logprob_start_len}`` → one output dict per prompt
+=====================================  ================================================================
+
+The ``begin/end_weight_update`` bracket (SGLang ≥ 0.5.21) is feature-detected: on the engine by
+its methods, on the server from ``/openapi.json`` (route names assumed to follow the ``Engine``
+method names; 0.5.17 has neither).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers tensor reductions (shared memory, CUDA IPC)
+
+from colocate.config import WorkerSpec
+from colocate.errors import ConfigError, ReceiverDied, ReceiverTimeout, UpdateError
+from colocate.residency import allocator_config
+from colocate.workers import LocalScheduler, merge_env
+
+__all__ = ["EngineClient", "HTTPClient", "serialize_named_tensors", "server_args_to_cli", "sglang_checksum",
+           "engine_devices"]
+
+
+def _ok(result: Any) -> tuple[bool, str]:
+    """SGLang's ``(success, message)`` in any of the shapes its methods return."""
+    if isinstance(result, tuple | list):
+        return bool(result[0]), str(result[1] if len(result) > 1 else "")
+    if isinstance(result, dict):
+        return bool(result.get("success", True)), str(result.get("message", ""))
+    return bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
+
+
+def sglang_checksum(engine: Any) -> str:
+    """The engine's weight checksum (SGLang's ``check_weights`` action ``checksum``)."""
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    r = engine.loop.run_until_complete(
+        engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
+    return str(r[-1] if isinstance(r, tuple | list) else r)
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """One ``update_weights_from_tensor`` payload: a ``ForkingPickler`` dump (tensors cross as
+    CUDA IPC / shared-memory handles, not bytes), base64-encoded for the JSON body."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def server_args_to_cli(kwargs: dict[str, Any]) -> list[str]:
+    """``sglang.Engine``-style keyword arguments → ``sglang.launch_server`` flags
+    (``tp_size=2`` → ``--tp-size 2``; ``True`` → bare flag; ``False``/``None`` → omitted;
+    lists → one flag, several values)."""
+    out: list[str] = []
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        if v is None or v is False:
+            continue
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, list | tuple):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def engine_devices(server_args: dict[str, Any], devices: Sequence[int] | None) -> list[int] | None:
+    """The owner's logical GPUs an SGLang server gets, and ``server_args`` fixed to match.
+
+    The server is started with ``CUDA_VISIBLE_DEVICES`` of exactly those GPUs (mapped to physical
+    ids through the owner's, see :class:`~colocate.config.WorkerSpec`), so its ``base_gpu_id``
+    becomes 0 whatever the owner's numbering (a Slurm step, a Ray actor that sees one GPU as
+    ``cuda:0``). ``base_gpu_id`` in ``server_args`` (the owner's logical id) picks
+    ``tp_size · dp_size`` GPUs from there when ``devices`` is None. Neither: None (the server
+    sees the owner's devices and SGLang's defaults apply). Edits ``server_args`` in place."""
+    base = server_args.pop("base_gpu_id", None)
+    need = int(server_args.get("tp_size", 1)) * int(server_args.get("dp_size", 1))
+    if devices is None and base is None:
+        return None
+    if devices is not None and base not in (None, 0):
+        raise ConfigError(f"SGLang launch: pass devices={list(devices)} or base_gpu_id={base}, not both "
+                          "(with devices the server sees only those GPUs, from its cuda:0)")
+    devices = list(range(int(base), int(base) + need)) if devices is None else list(devices)
+    if len(devices) < need:
+        raise ConfigError(f"SGLang launch: devices={devices} holds fewer than tp_size·dp_size={need} GPUs")
+    server_args["base_gpu_id"] = 0
+    return devices
+
+
+class EngineClient:
+    """An in-process ``sglang.Engine`` (``checksum_fn``: stands in for :func:`sglang_checksum`).
+    Its weight version is kept here (the engine has no version of its own in 0.5.17)."""
+
+    ipc = "cuda"
+    owner = "sglang"
+
+    def __init__(self, engine: Any, *, checksum_fn: Any = None):
+        self.engine = engine
+        self._checksum = checksum_fn or sglang_checksum
+        self._version: str | None = None
+        self.tp_size = int(getattr(getattr(engine, "server_args", None), "tp_size", 1) or 1)
+        self.has_bracket = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
+        self.allocator = allocator_config()  # SGLang's schedulers inherit this process's environment
+
+    @classmethod
+    def launch(cls, *, hide_megatron: bool = True, **engine_kwargs: Any) -> EngineClient:
+        """Start ``sglang.Engine(**engine_kwargs)`` (lazy import). With ``hide_megatron`` the engine
+        starts with :func:`~colocate.sglang_engine.hide_megatron_dir` first on ``sys.path``, which
+        SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once."""
+        import sglang
+
+        from colocate.sglang_engine import hide_megatron_dir
+
+        shadow = hide_megatron_dir() if hide_megatron else None
+        if shadow is not None:
+            sys.path.insert(0, shadow)
+        try:
+            engine = sglang.Engine(**engine_kwargs)
+        finally:
+            if shadow is not None and shadow in sys.path:
+                sys.path.remove(shadow)
+        return cls(engine)
+
+    def _checked(self, what: str, result: Any) -> Any:
+        ok, msg = _ok(result)
+        if not ok:
+            raise UpdateError(f"sglang {what} failed: {msg}")
+        return result
+
+    def begin_weight_update(self) -> None:
+        self._checked("begin_weight_update", self.engine.begin_weight_update())
+
+    def end_weight_update(self) -> None:
+        self._checked("end_weight_update", self.engine.end_weight_update())
+
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        self._checked("update_weights_from_tensor",
+                      self.engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=False))
+
+    def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
+        self._checked(f"update_weights_from_disk({model_path!r})", self.engine.update_weights_from_disk(model_path))
+        self._version = version
+
+    def memory_occupation(self, op: str, tag: str) -> None:
+        """``release`` or ``resume`` one tag."""
+        self._checked(f"{op}_memory_occupation({tag})", getattr(self.engine, f"{op}_memory_occupation")(tags=[tag]))
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def checksum(self) -> str:
+        return self._checksum(self.engine)
+
+    def weight_version(self) -> str | None:
+        return self._version
+
+    def set_weight_version(self, version: str | None) -> None:
+        self._version = version
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict, *, return_logprob: bool,
+                 logprob_start_len: int | None = None) -> list[dict]:
+        extra = {} if logprob_start_len is None else {"logprob_start_len": logprob_start_len}
+        return self.engine.generate(input_ids=input_ids, sampling_params=sampling_params,
+                                    return_logprob=return_logprob, **extra)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+class HTTPClient:
+    """A running SGLang server at ``base_url`` (see the module docstring). ``ipc``: ``"cuda"``
+    (tensors must be on the GPU; the real server) or ``"cpu"`` (shared-memory CPU tensors;
+    servers that implement the contract on CPU). ``timeout_s``: the deadline of each request.
+    ``worker``: the :mod:`colocate.workers` worker running the server (:meth:`launch`);
+    :meth:`shutdown` kills it. ``allocator``: the server process's allocator settings, for the
+    residency logs (unknown for a server started elsewhere)."""
+
+    owner = "sglang-http"
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, ipc: str = "cuda", worker: Any = None,
+                 allocator: str | None = None):
+        if ipc not in ("cuda", "cpu"):
+            raise ConfigError(f"SGLang HTTP client ipc must be 'cuda' or 'cpu', got {ipc!r}")
+        if not timeout_s > 0:
+            raise ConfigError(f"SGLang HTTP client timeout_s must be > 0, got {timeout_s!r}")
+        self.base_url = base_url.rstrip("/")
+        url = urllib.parse.urlsplit(self.base_url)
+        self._conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        self._host, self._port, self._prefix = url.hostname, url.port, url.path
+        self.timeout_s, self.ipc, self.worker = timeout_s, ipc, worker
+        self.scheduler = None
+        self.allocator = allocator or "unknown (server process)"
+        self.tp_size = int(self.get("/server_info").get("tp_size", 1))
+        self.has_bracket = {"/begin_weight_update", "/end_weight_update"} <= self._routes()
+
+    # ----- requests -----------------------------------------------------------------------------
+    def request(self, method: str, path: str, body: dict | None = None, *,
+                timeout: float | None = None) -> tuple[int, Any]:
+        """``(status, decoded JSON or text)``, the whole exchange within ``timeout`` (default
+        ``timeout_s``): at the deadline the socket is shut down under the blocked read."""
+        limit = timeout or self.timeout_s
+        deadline = time.monotonic() + limit
+        conn = self._conn_cls(self._host, self._port, timeout=limit)
+        cut = None
+        data = None if body is None else json.dumps(body).encode()
+        try:
+            conn.connect()
+            # the response may detach the socket from conn (HTTP/1.0): keep our own reference
+            cut = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (conn.sock,))
+            cut.daemon = True
+            cut.start()
+            conn.request(method, self._prefix + path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            status, raw = resp.status, resp.read()
+            if time.monotonic() > deadline:  # the cut made the read end early
+                raise TimeoutError
+        except TimeoutError as e:
+            raise ReceiverTimeout(f"SGLang server {self.base_url} gave no answer to {method} {path} within "
+                                  f"{limit:.1f}s") from e
+        except (OSError, http.client.HTTPException) as e:
+            if time.monotonic() > deadline:
+                raise ReceiverTimeout(f"SGLang server {self.base_url}: {method} {path} not answered within "
+                                      f"{limit:.1f}s") from e
+            raise ReceiverDied(f"SGLang server {self.base_url} unreachable for {method} {path}: {e!r}") from e
+        finally:
+            if cut is not None:
+                cut.cancel()
+            conn.close()
+        try:
+            return status, json.loads(raw) if raw else None
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
+    def _checked(self, method: str, path: str, body: dict | None, timeout: float | None) -> Any:
+        status, payload = self.request(method, path, body, timeout=timeout)
+        if status >= 400 or (isinstance(payload, dict) and payload.get("success") is False):
+            msg = payload
+            if isinstance(payload, dict):
+                msg = payload.get("message") or (payload.get("error") or {}).get("message") or payload
+            raise UpdateError(f"SGLang {method} {path} failed (HTTP {status}): {msg}")
+        return payload
+
+    def get(self, path: str, *, timeout: float | None = None) -> Any:
+        return self._checked("GET", path, None, timeout)
+
+    def post(self, path: str, body: dict, *, timeout: float | None = None) -> Any:
+        return self._checked("POST", path, body, timeout)
+
+    def _routes(self) -> set[str]:
+        status, payload = self.request("GET", "/openapi.json")
+        if status != 200 or not isinstance(payload, dict):
+            return set()  # docs disabled: assume no bracket (0.5.17 behaviour)
+        return set(payload.get("paths", {}))
+
+    def health(self, *, timeout: float = 5.0) -> bool:
+        """True when ``GET /health`` answers 200 within ``timeout``."""
+        try:
+            return self.request("GET", "/health", timeout=timeout)[0] == 200
+        except (ReceiverDied, ReceiverTimeout):
+            return False
+
+    # ----- the engine's calls ---------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        self.post("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self.post("/end_weight_update", {})
+
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        # one payload per TP rank (each rank opens and releases its own handles)
+        payloads = [serialize_named_tensors(named) for _ in range(self.tp_size)]
+        self.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads, "load_format": None,
+                                                  "flush_cache": False})
+
+    def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
+        self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})
+        if version is None:
+            self.set_weight_version("disk")
+
+    def memory_occupation(self, op: str, tag: str) -> None:
+        self.post(f"/{op}_memory_occupation", {"tags": [tag]})
+
+    def flush_cache(self) -> None:
+        self.post("/flush_cache", {})
+
+    def checksum(self) -> str:
+        return str(self.post("/weights_checker", {"action": "checksum"}).get("per_engine_checksum"))
+
+    def weight_version(self) -> str | None:
+        return self.get("/model_info").get("weight_version")
+
+    def set_weight_version(self, version: str | None) -> None:
+        """Stamp the server (None: ``poisoned``, which no caller takes for a version)."""
+        self.post("/update_weight_version", {"new_version": "poisoned" if version is None else version,
+                                             "abort_all_requests": False})
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict, *, return_logprob: bool,
+                 logprob_start_len: int | None = None) -> list[dict]:
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                                "return_logprob": return_logprob}
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
+        out = self.post("/generate", body)
+        return out if isinstance(out, list) else [out]
+
+    def shutdown(self) -> None:
+        """Stop the server if :meth:`launch` started it (its worker's whole process group)."""
+        if self.worker is not None:
+            self.worker.kill()
+            self.worker = None
+
+    # ----- launching ----------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, *, port: int | None = None, start_timeout_s: float = 300.0, log_path: str | None = None,
+               env: dict[str, str | None] | None = None, timeout_s: float = 600.0, hide_megatron: bool = True,
+               devices: Sequence[int] | None = None, scheduler: Any = None, ipc: str = "cuda", role: str = "rollout",
+               server_module: str = "sglang.launch_server", **server_args: Any) -> HTTPClient:
+        """Start ``python -m sglang.launch_server`` as a colocated worker of this process and
+        connect once ``/health`` answers.
+
+        ``scheduler``: a :mod:`colocate.workers` scheduler (default a new
+        :class:`~colocate.workers.LocalScheduler`); the server runs under its guard, so it is
+        killed with its whole process group by :meth:`shutdown`, at owner exit, and when the owner
+        dies hard. ``env``: the role's overrides (``None`` removes a variable, e.g.
+        ``PYTORCH_CUDA_ALLOC_CONF``); with ``hide_megatron`` Megatron is hidden from the server
+        (:func:`~colocate.sglang_engine.sglang_process_env`). ``devices`` / ``base_gpu_id``: see
+        :func:`engine_devices`. ``server_args`` as for ``sglang.Engine``; ``server_module``
+        replaces ``sglang.launch_server`` (a CPU server implementing the same contract, in tests).
+        """
+        from colocate.sglang_engine import hide_megatron_dir
+
+        scheduler = scheduler or LocalScheduler()
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        devices = engine_devices(server_args, devices)
+        overrides = {k: "" if v is None else v for k, v in (env or {}).items()}
+        if hide_megatron:
+            path = merge_env(scheduler.owner_env, overrides).get("PYTHONPATH")
+            overrides["PYTHONPATH"] = os.pathsep.join(p for p in (hide_megatron_dir(), path) if p)
+        cmd = [sys.executable, "-m", server_module, "--host", "127.0.0.1", "--port", str(port),
+               *server_args_to_cli(server_args)]
+        worker = scheduler.fork(WorkerSpec(role=role, command=cmd, env=overrides, devices=devices,
+                                           health_timeout_s=start_timeout_s, kill_grace_s=10.0, log_path=log_path),
+                                wait=False)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, worker, start_timeout_s, log_path)
+            client = cls(url, timeout_s=timeout_s, ipc=ipc, worker=worker,
+                         allocator=allocator_config(merge_env(scheduler.owner_env, overrides)))
+            client.scheduler = scheduler  # kept alive: its exit hook also stops the server at owner exit
+            return client
+        except BaseException:
+            worker.kill()
+            raise
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut a socket down: a read blocked on it returns at once (the request's deadline)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
+def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None) -> None:
+    """Poll ``GET /health`` until 200; the worker exiting first raises ReceiverDied, the deadline
+    ReceiverTimeout (the caller kills the worker)."""
+    host, port = urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not worker.alive():
+            raise ReceiverDied(f"{worker.spec.command[2]} (role {worker.spec.role!r}) exited during start; "
+                               f"log: {log_path}")
+        conn = http.client.HTTPConnection(host, port, timeout=2)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            raise ReceiverTimeout(f"SGLang server not healthy within {timeout_s:.0f}s; log: {log_path}")
+        time.sleep(0.5)
