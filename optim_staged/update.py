@@ -107,10 +107,13 @@ def adamw_update_(
     bias1 = 1 - beta1**t
     bias2_sqrt = (1 - beta2**t) ** 0.5
     step_size = (lr / bias1) * -1
+    n = len(params)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias2_sqrt)
+    # Scalar lists, as torch's foreach AdamW passes them: on CUDA `_foreach_div_` by one Scalar
+    # multiplies by its reciprocal, by a ScalarList it divides, and the bits differ.
+    torch._foreach_div_(denom, [bias2_sqrt] * n)
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [step_size] * n)
 
 
 @torch.no_grad()
