@@ -9,7 +9,7 @@ One step::
     loss = mopd_pg_loss(ℓθ, ℓ_old = sg ℓθ, ℓ_T, mask = response tokens)
     backward → finish_grad_sync → optimizer.step()
 
-The rollouts are synthetic (``harts.grpo_groups``: random tokens), and ℓ_old is the detached
+The rollouts are synthetic (``harts.workload.grpo_groups``: random tokens), and ℓ_old is the detached
 trainer log-prob (on-policy, one update per batch, so ρ = 1): this measures the training side.
 Sampling is the rollout engine's job (``colocate``), not timed here.
 """
