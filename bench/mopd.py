@@ -5,7 +5,7 @@ Cases (forward + backward unless noted):
   finiteness checks) vs the same math on the whole ``[N, V]`` tensor with ordinary autograd
   (baseline ``plain``).
 * ``topk/<kind>``: chunked :func:`mopd.topk_divergence` (bucket tail) vs plain autograd.
-* ``pg/K=<k>``: routed target aggregation (:class:`mopd.TargetAccumulator`, each sample scored by
+* ``pg/K=<k>``: routed target aggregation (:class:`mopd.routing.TargetAccumulator`, each sample scored by
   one of K teachers) + :func:`mopd.mopd_pg_loss`, vs a dense baseline holding ``[K, B, L]``
   teacher log-probs (``TokenTargets.from_teachers``). Routed work is proportional to the routed
   tokens (here B·L in total) plus a fixed per-teacher overhead; the dense baseline's is K·B·L.

@@ -1,33 +1,28 @@
 """harts: tree execution of shared-prefix rollouts on Megatron-Core.
 
-Megatron integration (``apply_harts``, ``tree_forward``, ``tree_logprobs``...) lives in
-:mod:`harts.megatron`, and the Gated DeltaNet layer swap (``TreeGatedDeltaNet``,
-``apply_tree_gdn``) in :mod:`harts.gdn_megatron`; these two are the only submodules importing ``megatron.core`` and are
-not imported here. DP row exchange is in :mod:`harts.exchange`.
+Exports what a trainer calls: the Megatron entry points (``tree_logprobs``, ``apply_harts``,
+``tree_layer_spec``, ``make_tree_params``, ``tree_forward``), planning (``plan_tree_batch``,
+``plan_step``, the configs), forests, the per-sequence losses, the tree LM head and attention, and
+the errors a caller catches. The Megatron names live in :mod:`harts.megatron` (with the
+Gated DeltaNet layer swap in :mod:`harts.gdn_megatron`), the only submodules importing
+``megatron.core``; they are loaded on first use, so ``import harts`` does not import Megatron-Core.
+
+Everything else is imported from its module: every error from :mod:`harts.errors`, shared-prefix
+groups (``tree_shared_step``, ``make_shared_params``) from :mod:`harts.megatron` and
+:mod:`harts.prefix`, DP row exchange from :mod:`harts.exchange`, the GDN kernels from
+:mod:`harts.gdn`, the varlen and Triton kernels from :mod:`harts.varlen` /
+:mod:`harts.lm_head_triton`, plans and statistics from :mod:`harts.planner` and
+:mod:`harts.batch`, synthetic workloads from :mod:`harts.workload`, plain-torch references from
+:mod:`harts.reference` and :mod:`harts.gdn_reference`.
 """
 
-from harts.attention import build_block_mask, flex_tree_attention, tree_attention
-from harts.batch import TreeBatch, TreeMicrobatch, plan_tree_batch
-from harts.config import AttentionBackend, CostModelConfig, HartsConfigError, HeadConfig, PlannerConfig
-from harts.forest import EmptySequenceError, Forest, TokenOutOfRangeError, build_chain_forest, build_forest
-from harts.gdn import (
-    GdnConfigError,
-    GdnPlan,
-    GdnShapeError,
-    GdnTreeConfig,
-    ancestor_table,
-    build_gdn_plan,
-    chain_rounds,
-    tree_causal_conv1d,
-    tree_gated_delta_rule,
-)
-from harts.gdn_reference import (
-    causal_conv1d_reference,
-    chunk_gated_delta_rule_reference,
-    l2norm_reference,
-    recurrent_gated_delta_rule_reference,
-)
-from harts.lm_head import TreeHeadOutput, tree_lm_head
+from harts.attention import tree_attention
+from harts.batch import plan_tree_batch
+from harts.config import AttentionBackend, CostModelConfig, HeadConfig, PlannerConfig
+from harts.errors import HartsConfigError, HartsError, TreeIncompatibleError
+from harts.forest import Forest, build_forest
+from harts.gdn import GdnTreeConfig
+from harts.lm_head import tree_lm_head
 from harts.loss import (
     aggregate_loss,
     global_normalizers,
@@ -35,34 +30,24 @@ from harts.loss import (
     sequence_entropy,
     sequence_logprobs,
 )
-from harts.planner import (
-    CapacityError,
-    Microbatch,
-    PlanError,
-    SharingStats,
-    StepPlan,
-    fit_cost_model,
-    plan_step,
-    sharing_stats,
-)
-from harts.reference import (
-    per_sequence_head_reference,
-    tree_attention_reference,
-    tree_head_reference,
-    tree_mask,
-)
-from harts.workload import caterpillar, grpo_for_sharing, grpo_groups
+from harts.planner import plan_step, sharing_stats
+
+_MEGATRON = ("tree_logprobs", "apply_harts", "tree_layer_spec", "make_tree_params", "tree_forward")
 
 __all__ = [
-    "AttentionBackend", "TreeBatch", "TreeMicrobatch", "plan_tree_batch",
-    "GdnConfigError", "GdnPlan", "GdnShapeError", "GdnTreeConfig", "ancestor_table", "build_gdn_plan",
-    "causal_conv1d_reference", "chain_rounds", "chunk_gated_delta_rule_reference", "l2norm_reference",
-    "recurrent_gated_delta_rule_reference", "tree_causal_conv1d", "tree_gated_delta_rule",
-    "CapacityError", "CostModelConfig", "EmptySequenceError", "Forest", "HartsConfigError", "HeadConfig",
-    "Microbatch", "PlanError", "PlannerConfig", "SharingStats", "StepPlan", "TokenOutOfRangeError",
-    "TreeHeadOutput", "aggregate_loss", "build_block_mask", "build_chain_forest", "build_forest", "caterpillar",
-    "fit_cost_model", "flex_tree_attention", "global_normalizers", "grpo_for_sharing", "grpo_groups",
-    "per_sequence_head_reference", "plan_step", "ppo_clip_token_loss", "sequence_entropy", "sequence_logprobs",
-    "sharing_stats", "tree_attention", "tree_attention_reference", "tree_head_reference", "tree_lm_head",
-    "tree_mask",
+    *_MEGATRON,
+    "plan_tree_batch", "plan_step", "sharing_stats",
+    "AttentionBackend", "PlannerConfig", "CostModelConfig", "HeadConfig", "GdnTreeConfig",
+    "Forest", "build_forest",
+    "sequence_logprobs", "sequence_entropy", "ppo_clip_token_loss", "aggregate_loss", "global_normalizers",
+    "tree_lm_head", "tree_attention",
+    "HartsError", "HartsConfigError", "TreeIncompatibleError",
 ]
+
+
+def __getattr__(name):
+    if name in _MEGATRON:
+        from harts import megatron
+
+        return getattr(megatron, name)
+    raise AttributeError(f"module 'harts' has no attribute {name!r}")

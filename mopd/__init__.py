@@ -1,12 +1,19 @@
 """mopd: multi-teacher on-policy distillation for Megatron-Core trainers.
 
-Pure-torch parts are imported here; the Megatron-Core integration (:mod:`mopd.megatron`) is
-re-exported lazily so ``import mopd`` does not import Megatron-Core.
+Exports what a trainer calls: the configs, the teacher pool and its back-ends, routing, the
+sampled-token and full-vocabulary losses, pre-flight, the Megatron hook and the two catch-all
+errors. The Megatron names (:mod:`mopd.megatron`) are loaded on first use, so ``import mopd``
+does not import Megatron-Core. Everything else is imported from its module: every error from
+:mod:`mopd.errors`; route helpers (``derive``, ``verify_routes``, ``TargetAccumulator``...) from
+:mod:`mopd.routing`; ``compose_losses`` and ``PGOutput`` from :mod:`mopd.objectives`; pool
+states and leases from :mod:`mopd.teachers`; ``MegatronTeacher`` (one teacher built by hand,
+``build_teacher_pool`` makes them), ``save_teacher_checkpoint`` and ``token_logprobs`` from
+:mod:`mopd.megatron`; fingerprints from :mod:`mopd.preflight`; fp64 oracles from
+:mod:`mopd.reference`.
 """
 
 from mopd.backends import HTTPTeacher, TeacherBackend, TokenBatch, TransformersTeacher
 from mopd.config import (
-    ROUTE_KEY,
     DivergenceConfig,
     MOPDConfig,
     MOPDLossConfig,
@@ -16,43 +23,22 @@ from mopd.config import (
     TeacherTreeConfig,
 )
 from mopd.divergences import full_vocab_divergence, topk_divergence
-from mopd.errors import (
-    ConfigError,
-    DrainError,
-    FingerprintMismatchError,
-    MOPDError,
-    NonFiniteInputError,
-    RouteMutationError,
-    RoutingError,
-    TeacherBrokenError,
-    TeacherServerError,
-    TeacherStateError,
-    TeacherTimeoutError,
-)
-from mopd.objectives import PGOutput, TokenTargets, compose_losses, mopd_pg_loss
-from mopd.preflight import fingerprint_hf, run_preflight
-from mopd.routing import (
-    TargetAccumulator,
-    derive,
-    required_teachers,
-    score_routed,
-    stamp_routes,
-    teacher_assignments,
-    verify_routes,
-)
-from mopd.teachers import DrainReceipt, TeacherPool, TeacherState
+from mopd.errors import ConfigError, MOPDError
+from mopd.objectives import TokenTargets, mopd_pg_loss
+from mopd.preflight import run_preflight
+from mopd.routing import score_routed, stamp_routes
+from mopd.teachers import TeacherPool
 
-_MEGATRON = ("MOPDMicroBatch", "build_teacher_pool", "MegatronTeacher", "MegatronTeacherHost", "mopd_loss_func", "save_teacher_checkpoint",
-             "token_logprobs")
+_MEGATRON = ("MOPDMicroBatch", "mopd_loss_func", "build_teacher_pool", "MegatronTeacherHost")
 
 __all__ = [
-    "ROUTE_KEY", "ConfigError", "DivergenceConfig", "DrainError", "DrainReceipt", "FingerprintMismatchError",
-    "HTTPTeacher", "MOPDConfig", "MOPDError", "MOPDLossConfig", "NonFiniteInputError", "PGOutput", "RouteMutationError",
-    "RoutingError", "RoutingSpec", "TargetAccumulator", "TeacherBackend", "TeacherBrokenError", "TeacherPool",
-    "TeacherPoolConfig", "TeacherServerError", "TeacherSpec", "TeacherState", "TeacherTreeConfig", "TeacherStateError",
-    "TeacherTimeoutError", "TokenBatch", "TokenTargets", "TransformersTeacher", "compose_losses", "derive",
-    "fingerprint_hf", "full_vocab_divergence", "mopd_pg_loss", "required_teachers", "run_preflight", "score_routed",
-    "stamp_routes", "teacher_assignments", "topk_divergence", "verify_routes", *_MEGATRON,
+    "MOPDConfig", "MOPDLossConfig", "DivergenceConfig", "RoutingSpec", "TeacherSpec", "TeacherPoolConfig",
+    "TeacherTreeConfig",
+    "TeacherPool", "TeacherBackend", "TokenBatch", "HTTPTeacher", "TransformersTeacher",
+    "stamp_routes", "score_routed", "TokenTargets", "mopd_pg_loss", "full_vocab_divergence", "topk_divergence",
+    "run_preflight",
+    "MOPDError", "ConfigError",
+    *_MEGATRON,
 ]
 
 

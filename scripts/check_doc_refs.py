@@ -9,6 +9,8 @@ What is checked, in inline code spans and fenced blocks:
   dropped): the module must import and every further part must be an attribute (or a dataclass
   field);
 * ``python -m NAME`` commands: ``NAME`` must be an importable module of this project;
+* ``from MODULE import NAME, ...`` of this project's packages: each ``MODULE.NAME`` as above (a
+  name a package no longer exports is caught here);
 * paths whose first part is a top-level entry of this repository (``examples/demo/run.py``,
   ``docs/img/harts.png``, ``examples/demo/config.py:DemoConfig``): the file must exist (and define
   the name after ``:``); paths with placeholders (``<``, ``*``, ``{``, ``$``, ``...``) are skipped;
@@ -34,6 +36,7 @@ _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _DOTTED = re.compile(rf"^(?:{'|'.join(PACKAGES)})(?:\.[A-Za-z_][A-Za-z0-9_]*)+$")
 _RUN_MODULE = re.compile(r"python3? -m ([A-Za-z_][\w.]*)")
+_FROM_IMPORT = re.compile(r"\bfrom\s+([A-Za-z_][\w.]*)\s+import\s+(\([^)]*\)|[\w, \t]+)")
 _SKIP = ("<", "*", "{", "$", "...", " ", "…")
 _FILE_NAME = re.compile(r"\.(py|md|json|yaml|yml|png|sh|toml|txt|csv|pt)$")  # harts.json is a file name
 
@@ -107,6 +110,11 @@ def _code_refs(code: str) -> list[tuple[str, str | None]]:
         mod = m.group(1).rstrip(".")
         if mod.split(".")[0] in PACKAGES:
             out.append((f"python -m {mod}", None if _import(mod) is not None else f"no module {mod!r}"))
+    for m in _FROM_IMPORT.finditer(code):
+        mod = m.group(1)
+        if mod.split(".")[0] in PACKAGES:
+            for name in re.findall(r"([A-Za-z_]\w*)(?:\s+as\s+\w+)?", m.group(2)):
+                out.append((f"from {mod} import {name}", check_dotted(f"{mod}.{name}")))
     keys = set(re.findall(r"\+?([\w.]+)=", code))  # Hydra / dotlist keys (mopd.steps=100), not Python names
     for token in re.split(r"[\s,;()\[\]=\"']+", code):
         token = token.strip("`.:+")

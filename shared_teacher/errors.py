@@ -19,6 +19,7 @@ __all__ = [
     "StoreError",
     "PublishError",
     "WaitTimeoutError",
+    "StateBudgetExceeded",
 ]
 
 
@@ -103,3 +104,8 @@ class SourceClosedError(SharedTeacherError):
 
 class StoreError(SharedTeacherError, OSError):
     """A feature-store operation failed (corrupt object, missing file, capacity)."""
+
+
+class StateBudgetExceeded(SharedTeacherError):
+    """The exhaustive simulation (:func:`shared_teacher.reference.simulate_nodes`) visited more than
+    ``max_states`` states: the configuration is too large to prove by enumeration."""

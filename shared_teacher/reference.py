@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared_teacher.errors import StateBudgetExceeded
+
 __all__ = ["SimNode", "SimStudent", "SimResult", "StateBudgetExceeded", "simulate_node", "simulate_nodes", "teacher_features_reference", "topk_distill_loss_reference"]
 
 
@@ -74,10 +76,6 @@ class SimNode:
     """Token low watermark."""
     byte_cap_samples: int = 0
     """Byte cap in units of ``max_sample_bytes`` (0: none; every object is assumed to be that large)."""
-
-
-class StateBudgetExceeded(RuntimeError):
-    """The exhaustive simulation visited more than ``max_states`` states (the config is too large)."""
 
 
 def simulate_node(*, students: list[SimStudent], epoch_size: int, high: int, low: int, high_tokens: int = 0,

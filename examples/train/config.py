@@ -129,7 +129,7 @@ class ArchConfig:
 
 @dataclass(kw_only=True)
 class WorkloadConfig:
-    """Rollouts per step: ``grpo`` synthetic GRPO groups (``harts.grpo_groups``: shared prompts,
+    """Rollouts per step: ``grpo`` synthetic GRPO groups (``harts.workload.grpo_groups``: shared prompts,
     random response tokens) or ``agent`` multi-turn airline tool-use episodes (``examples.agent``)."""
 
     kind: str = "grpo"

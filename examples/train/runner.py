@@ -9,7 +9,7 @@ One step::
     loss = mopd_pg_loss(ℓθ, ℓ_old = sg ℓθ, ℓ_T, mask = response tokens)
     backward → finish_grad_sync → optimizer.step()
 
-The rollouts are synthetic (``harts.grpo_groups``: random tokens), and ℓ_old is the detached
+The rollouts are synthetic (``harts.workload.grpo_groups``: random tokens), and ℓ_old is the detached
 trainer log-prob (on-policy, one update per batch, so ρ = 1): this measures the training side.
 Sampling is the rollout engine's job (``colocate``), not timed here.
 """
@@ -169,7 +169,7 @@ def make_rollouts(cfg: TrainConfig, *, step: int) -> tuple[list[list[int]], torc
         b = agent_batch(make_tasks(w.num_groups, seed=seed), ScriptedPolicy(p_error=w.agent_p_error), ToyTokenizer(),
                         group_size=w.group_size, seed=seed)
         return b.seqs, b.label_mask(), b.rewards
-    from harts import grpo_groups
+    from harts.workload import grpo_groups
 
     seqs = grpo_groups(w.num_groups, prompt_len=w.prompt_len, response_len=w.response_len, n=w.group_size,
                        vocab_size=cfg.model.vocab_size, seed=seed, response_jitter=w.response_jitter)

@@ -23,14 +23,16 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from mcore_distill.errors import McoreDistillError
+
 __all__ = ["RankTimeout", "RankFailed", "run_ranks", "seed_all", "init_megatron", "destroy_megatron", "free_port"]
 
 
-class RankTimeout(TimeoutError):
+class RankTimeout(McoreDistillError, TimeoutError):
     """Raised when spawned ranks did not finish within the timeout (they are killed)."""
 
 
-class RankFailed(RuntimeError):
+class RankFailed(McoreDistillError, RuntimeError):
     """Raised when a spawned rank raised; carries that rank's traceback text."""
 
 

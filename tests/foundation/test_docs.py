@@ -50,3 +50,15 @@ def test_the_reference_checker_catches_what_is_gone():
     found = refs._code_refs("python -m mopd.preflightt cfg.yaml; make demo DEMO_ARGS='mopd.steps=3'")
     assert found == [("python -m mopd.preflightt", "no module 'mopd.preflightt'"),
                      ("mopd.preflightt", "mopd has no attribute 'preflightt'")]
+
+
+def test_the_reference_checker_reads_imports_from_our_packages():
+    """A doc's ``from pkg import Name`` must name something the package exports (a name that left a
+    package's ``__init__`` is imported from its module); other projects' imports are not checked."""
+    refs = _script("check_doc_refs")
+    found = refs._code_refs("from harts import (plan_tree_batch,\n    grpo_groups as groups)\n"
+                            "from harts.workload import grpo_groups\nfrom torch import nn\n")
+    assert found[:3] == [("from harts import plan_tree_batch", None),
+                         ("from harts import grpo_groups", "harts has no attribute 'grpo_groups'"),
+                         ("from harts.workload import grpo_groups", None)]
+    assert not any("torch" in ref for ref, _ in found)

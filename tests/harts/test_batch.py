@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harts import AttentionBackend, PlannerConfig, TreeBatch, plan_tree_batch
+from harts import AttentionBackend, PlannerConfig, plan_tree_batch
+from harts.batch import TreeBatch
 from mcore_distill.errors import ConfigTypeError
 from mcore_distill.testing import TinyGPTConfig, assert_close, build_tiny_gpt, seed_all
 

@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from mcore_distill.testing import assert_close
-from optim_staged import (
-    HostMemoryError,
-    SlotConfig,
-    StagedAdamW,
-    StagedConfigError,
-    reference_adamw_step,
-)
+from optim_staged import HostMemoryError, SlotConfig, StagedAdamW, StagedConfigError
+from optim_staged.reference import reference_adamw_step
 
 SHAPES = [(7, 13), (1031,), (3, 5, 11), (64, 33), (1,)]
 
@@ -259,7 +254,7 @@ def test_foreach_update_reads_no_step_from_the_device():
     """With ``step_value`` the foreach path never reads the step tensor back (on CUDA that read
     would be a host sync per unit): a meta-device step tensor, which cannot be read, still works
     and gives the same result as a readable one."""
-    from optim_staged import adamw_update_
+    from optim_staged.update import adamw_update_
 
     g = torch.Generator().manual_seed(12)
     p, gr, m, v = (torch.randn(257, generator=g) for _ in range(4))

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mcore_distill.testing import assert_close, run_ranks
-from optim_staged import SlotConfig, SlotTooSmallError, identity_orthogonalize, reference_muon_step
+from optim_staged import SlotConfig, SlotTooSmallError
 from optim_staged.muon import StagedMuon
+from optim_staged.reference import identity_orthogonalize, reference_muon_step
 
 SHAPES = [(64, 48), (33, 70), (5, 129)]
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from mcore_distill.testing import assert_close
-from optim_staged import SlotConfig, StagedAdamW, StagedConfigError, reference_adamw_step
+from optim_staged import SlotConfig, StagedAdamW, StagedConfigError
 from optim_staged.adamw import merge_units
+from optim_staged.reference import reference_adamw_step
 from optim_staged.slabs import Piece, Unit
 
 SHAPES = [(7, 13), (1031,), (3, 5, 11), (64, 33), (1,), (2500,)]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from mcore_distill.testing import assert_close
-from optim_staged import SlotConfig, StagedAdamW, StagedMuon, identity_orthogonalize
+from optim_staged import SlotConfig, StagedAdamW, StagedMuon
 from optim_staged.flat import flat_range_blocks, read_flat_range, write_flat_range
+from optim_staged.reference import identity_orthogonalize
 
 
 def _strided(g: torch.Generator, dtype=torch.float32) -> list[torch.Tensor]:

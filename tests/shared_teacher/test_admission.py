@@ -7,23 +7,18 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from shared_teacher import (
-    AdmissionConfigError,
     CompatKey,
-    CrossNodeSkewError,
     NodeLimits,
     SharedTeacherSource,
     ShmStore,
-    SimNode,
-    SimStudent,
     SourceConfig,
     SourceConfigError,
-    StateBudgetExceeded,
     StudentSpec,
-    node_epoch_sizes,
     preflight,
-    simulate_node,
-    simulate_nodes,
 )
+from shared_teacher.admission import node_epoch_sizes
+from shared_teacher.errors import AdmissionConfigError, CrossNodeSkewError, StateBudgetExceeded
+from shared_teacher.reference import SimNode, SimStudent, simulate_node, simulate_nodes
 
 # The property tests enumerate every interleaving; a few random configs have huge state spaces.
 # Those examples are rejected (``assume``) instead of running for minutes: the bound keeps each

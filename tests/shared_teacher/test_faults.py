@@ -19,22 +19,21 @@ from mcore_distill.errors import ConfigError, McoreDistillError
 from shared_teacher import (
     CompatKey,
     IncompatibleSubscriptionError,
-    NodeGate,
     NodeLimits,
     SharedTeacherError,
     SharedTeacherSource,
     ShmStore,
-    SourceClient,
     SourceConfig,
     SourceConfigError,
     SourceServer,
     SourceStalledError,
-    SourceTeardownBlockedError,
     StudentReader,
     StudentSpec,
     run_producer,
 )
-from shared_teacher.errors import PublishError, WaitTimeoutError
+from shared_teacher.admission import NodeGate
+from shared_teacher.errors import PublishError, SourceTeardownBlockedError, WaitTimeoutError
+from shared_teacher.rpc import SourceClient
 from tests.shared_teacher.test_source import _OPEN, KEY, LENS, STUDENTS, Harness, _config  # noqa: F401
 
 pytestmark = pytest.mark.filterwarnings("ignore:allow_unproven_layout=True:RuntimeWarning")

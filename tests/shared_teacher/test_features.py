@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from mcore_distill.testing import TinyGPTConfig, assert_close, build_tiny_gpt, seed_all
-from shared_teacher import CompatKey, MegatronTeacher, collate, features_from_logits, topk_distill_loss
+from shared_teacher import CompatKey, MegatronTeacher, features_from_logits
 from shared_teacher.features import fingerprint_state_dict
+from shared_teacher.megatron import collate, topk_distill_loss
 from shared_teacher.reference import teacher_features_reference, topk_distill_loss_reference
 
 
@@ -89,7 +90,7 @@ def test_packed_and_unpacked_student_batches_agree(tiny):
 
 def test_hf_export_loads_strictly_and_matches_logits(cpu_megatron):
     transformers = pytest.importorskip("transformers")
-    from shared_teacher import export_hf_state_dict
+    from shared_teacher.megatron import export_hf_state_dict
 
     seed_all(5)
     cfg = TinyGPTConfig(vocab_size=128, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,

@@ -16,7 +16,6 @@ from shared_teacher import (
     NodeLimits,
     SharedTeacherSource,
     ShmStore,
-    SourceClient,
     SourceConfig,
     SourceServer,
     StudentReader,
@@ -24,6 +23,7 @@ from shared_teacher import (
     run_producer,
 )
 from shared_teacher.refs import epoch_order, sample_id
+from shared_teacher.rpc import SourceClient
 
 KEY = CompatKey(teacher_fingerprint="fn", tokenizer="ids", signals=["logprobs"], max_length=16, seed=2)
 DATA = [torch.arange(3 + i % 7) for i in range(20)]

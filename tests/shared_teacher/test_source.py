@@ -17,16 +17,15 @@ import torch
 from shared_teacher import (
     CompatKey,
     IncompatibleSubscriptionError,
-    LeaseExpiredError,
     NodeLimits,
     SharedTeacherSource,
     ShmStore,
     SourceConfig,
     SourceStalledError,
-    SourceTeardownBlockedError,
-    StudentCursor,
     StudentSpec,
 )
+from shared_teacher.errors import LeaseExpiredError, SourceTeardownBlockedError
+from shared_teacher.ledger import StudentCursor
 from shared_teacher.refs import epoch_order, node_position, sample_id
 
 KEY = CompatKey(teacher_fingerprint="t0", tokenizer="tok", signals=["logprobs", "topk", "hidden"], top_k=8,
@@ -176,7 +175,7 @@ class Harness:
 
 
 def _ref(d):
-    from shared_teacher import SampleRef
+    from shared_teacher.refs import SampleRef
 
     return SampleRef(**d)
 
@@ -328,7 +327,8 @@ def test_resume_from_different_checkpoints_exactly_once():
 
 
 def test_dead_producer_requeue_bumps_generation_and_drops_stale_publish():
-    from shared_teacher import SampleRef, StaleRefError
+    from shared_teacher.errors import StaleRefError
+    from shared_teacher.refs import SampleRef
 
     h = Harness(_config(STUDENTS[:1], epochs=1))
     src, store = h.src, h.store

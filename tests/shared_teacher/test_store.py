@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from shared_teacher import FileStore, SampleRef, ShmStore, StaleRefError, StoreError, open_store
-from shared_teacher.refs import assert_no_tensors, parse_sample_id, sample_id
+from shared_teacher import FileStore, ShmStore, open_store
+from shared_teacher.errors import StaleRefError, StoreError
+from shared_teacher.refs import SampleRef, assert_no_tensors, parse_sample_id, sample_id
 
 
 @pytest.fixture(params=["shm", "file"])

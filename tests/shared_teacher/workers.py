@@ -127,7 +127,7 @@ def student_main(rank: int, world: int, rendezvous: str, connect: dict, store_sp
                 break
             time.sleep(step_delay)
         if rank == 0:  # every student exports its own weights in Hugging Face (Qwen3) names
-            from shared_teacher import export_hf_state_dict
+            from shared_teacher.megatron import export_hf_state_dict
 
             _save_ckpt(os.path.join(out_dir, f"{name}.hf.pt"), export_hf_state_dict(model))
         params = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
