@@ -37,6 +37,7 @@ import torch
 
 from colocate.buckets import align, nbytes
 from colocate.config import ConfigError, HFModelSpec
+from colocate.errors import ArenaCapacityError, ParamMismatchError
 from mcore_distill.hf.errors import ConversionError
 from mcore_distill.hf.layouts import (
     COL,
@@ -79,25 +80,6 @@ __all__ = [
     "merge_named_tp_shards",
     "gdn_tp_sections",
 ]
-
-
-class ParamMismatchError(ValueError):
-    """Sender and receiver disagree on names, shapes or dtypes (first 10 listed with both sides)."""
-
-    def __init__(self, problems: list[str], total: int):
-        self.problems = problems
-        self.total = total
-        super().__init__(f"{total} parameter mismatch(es); first {len(problems)}:\n  " + "\n  ".join(problems))
-
-
-class ArenaCapacityError(ConversionError):
-    """A conversion pass needs more bytes than its :class:`ConversionArena` holds."""
-
-    def __init__(self, name: str, requested: int, used: int, capacity: int):
-        self.name, self.requested, self.used, self.capacity = name, requested, used, capacity
-        super().__init__(f"ConversionArena: {name} needs {requested} bytes at offset {used}, but capacity is "
-                         f"{capacity} bytes (size it with ConversionArena.for_spec(spec, dtype=...), call reset() "
-                         "at the start of each pass)")
 
 
 class ConversionArena:

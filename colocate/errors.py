@@ -2,8 +2,8 @@
 
 ``ColocateError`` subclasses :class:`mcore_distill.errors.McoreDistillError`; each error also keeps
 the built-in base callers already catch (``ValueError`` for bad values, ``TimeoutError`` for
-waits that ran out, ``RuntimeError`` otherwise). The converter's ``ConversionError`` and
-``ParamMismatchError`` live in :mod:`colocate.convert`.
+waits that ran out, ``RuntimeError`` otherwise). The converter's ``ConversionError`` is the
+shared HF mapping's (:mod:`mcore_distill.hf.errors`); ``ArenaCapacityError`` derives from both.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from mcore_distill import errors as base
+from mcore_distill.hf.errors import ConversionError
 
 __all__ = ["ColocateError", "ConfigError", "ConfigTypeError", "ResidencyError", "BusyError", "NotResidentError", "TransportError",
            "ReceiverTimeout", "ReceiverDied", "RemoteError", "UpdateError", "PublishError", "PoisonedVersionError",
            "ControlTimeoutError", "GenerationAbortedError", "EngineDestroyedError", "WorkerError",
-           "WorkerStartTimeout", "AwexUnavailable"]
+           "WorkerStartTimeout", "AwexUnavailable", "ParamMismatchError", "ArenaCapacityError"]
 
 
 class ColocateError(base.McoreDistillError):
@@ -114,3 +115,24 @@ class WorkerStartTimeout(WorkerError, TimeoutError):
 
 class AwexUnavailable(ColocateError, RuntimeError):
     """A required AWEX feature is missing; names the feature and what was probed."""
+
+
+# ----- conversion --------------------------------------------------------------------------------
+
+class ParamMismatchError(ColocateError, ValueError):
+    """Sender and receiver disagree on names, shapes or dtypes (first 10 listed with both sides)."""
+
+    def __init__(self, problems: list[str], total: int):
+        self.problems = problems
+        self.total = total
+        super().__init__(f"{total} parameter mismatch(es); first {len(problems)}:\n  " + "\n  ".join(problems))
+
+
+class ArenaCapacityError(ColocateError, ConversionError):
+    """A conversion pass needs more bytes than its :class:`ConversionArena` holds."""
+
+    def __init__(self, name: str, requested: int, used: int, capacity: int):
+        self.name, self.requested, self.used, self.capacity = name, requested, used, capacity
+        super().__init__(f"ConversionArena: {name} needs {requested} bytes at offset {used}, but capacity is "
+                         f"{capacity} bytes (size it with ConversionArena.for_spec(spec, dtype=...), call reset() "
+                         "at the start of each pass)")

@@ -36,6 +36,7 @@ SURFACE = {  # package: (its base error, its config error), both exported
     "harts": ("HartsError", "HartsConfigError"),
     "optim_staged": ("StagedError", "StagedConfigError"),
     "shared_teacher": ("SharedTeacherError", "SourceConfigError"),
+    "colocate": ("ColocateError", "ConfigError"),
 }
 
 
