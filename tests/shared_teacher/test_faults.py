@@ -69,9 +69,11 @@ def test_errors_share_the_foundation_bases():
 @pytest.mark.parametrize("lease,teardown,watchdog", [(10.0, 10.0, 5.0), (10.0, 10.0, 25.5), (1.0, 0.1, float("nan"))])
 def test_watchdog_shorter_than_failure_recovery_is_refused(lease, teardown, watchdog):
     """A dead reader is detected after lease_timeout_s and fenced within teardown_timeout_s + kill
-    grace (min(teardown, 5) + 0.5); a watchdog shorter than that fails every student first."""
-    with pytest.raises(SourceConfigError, match=r"SourceConfig.watchdog_s=.* must exceed lease_timeout_s \+ "
-                                                r"teardown_timeout_s \+ kill grace"):
+    grace (min(teardown, 5) + 0.5); a watchdog shorter than that fails every student first. A NaN
+    watchdog is refused by the field check before the cross-field rule."""
+    match = (r"SourceConfig.watchdog_s must be a finite number, got nan" if watchdog != watchdog else
+             r"SourceConfig.watchdog_s=.* must exceed lease_timeout_s \+ teardown_timeout_s \+ kill grace")
+    with pytest.raises(SourceConfigError, match=match):
         _config(STUDENTS[:1], lease_timeout_s=lease, teardown_timeout_s=teardown, watchdog_s=watchdog)
     ok = _config(STUDENTS[:1], lease_timeout_s=lease, teardown_timeout_s=teardown, watchdog_s=25.6)
     assert ok.recovery_bound_s < ok.watchdog_s
