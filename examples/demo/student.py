@@ -210,14 +210,16 @@ def mopd_step(st: Student, cfg: DemoConfig, data: TaskData, pool, step: int, g: 
 
 
 def build_pool(cfg: DemoConfig, data: TaskData, folders: dict):
-    """One frozen Megatron host (teacher architecture) shared by both teachers, in a TeacherPool."""
-    from mcore_distill.testing import build_tiny_gpt
+    """One frozen Megatron host (teacher architecture) shared by both teachers, in a TeacherPool;
+    ``folders``: each teacher's Hugging Face checkpoint folder."""
+    from mcore_distill.hf import megatron_model_from_hf
     from mopd import TeacherPool, TeacherPoolConfig, TeacherTreeConfig
     from mopd.megatron import MegatronTeacher, MegatronTeacherHost
 
     n = cfg.mopd.prompts_per_step * cfg.mopd.group_size
-    host = MegatronTeacherHost(build_tiny_gpt(tiny_cfg(cfg.teacher.model, max_len=data.prompt_len + cfg.length)),
-                               micro_batch_size=n)
+    # the host's architecture from a teacher's Hugging Face config.json (weights: each teacher's folder)
+    host_model = megatron_model_from_hf(folders[DOMAINS[0]], make_vocab_size_divisible_by=1, load=False)[0]
+    host = MegatronTeacherHost(host_model, micro_batch_size=n)
     # teachers score the student's rollouts with the same kernels as the student: harts tree packing
     # (each GRPO group's prompt once) and the tree-aware chunked LM head when the student runs trees
     tree = TeacherTreeConfig(enabled=cfg.mopd.forward == "tree", backend=cfg.mopd.attention_backend, align=16,

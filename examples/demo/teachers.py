@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from examples.demo.config import DemoConfig, ModelConfig
 from examples.demo.tasks import DOMAINS, VOCAB, TaskData, prompts_from_letters
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 class TeacherNotConvergedError(RuntimeError):
@@ -62,15 +61,6 @@ def cache_key(cfg: DemoConfig, world: int) -> str:
                        "letters": cfg.letters, "shift": cfg.shift, "seed": cfg.seed, "held_out": cfg.held_out,
                        "world": world}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def train_teacher(task: str, cfg: DemoConfig, data: TaskData, *, bar=None) -> tuple[torch.nn.Module, float]:
@@ -120,17 +110,20 @@ def greedy_accuracy(model, task: str, data: TaskData) -> float:
 def prepare_teachers(cfg: DemoConfig, data: TaskData, *, bar=None) -> dict:
     """Train (or load from the cache) both teachers. Collective over the default group.
 
-    Returns ``{"folders": {task: shard folder}, "accuracy": {task: float}, "distill": {task: (x, y)},
-    "cached": bool}``; the distillation set holds ``teacher.distill_prompts`` training prompts per
-    domain with the teacher's greedy answers.
+    Returns ``{"folders": {task: Hugging Face folder}, "accuracy": {task: float}, "distill": {task:
+    (x, y)}, "cached": bool}``: each teacher is written as a Hugging Face checkpoint folder
+    (``config.json`` + safetensors, :func:`mcore_distill.hf.save_hf_checkpoint`), which is what the
+    MOPD stage loads (:func:`mcore_distill.hf.megatron_model_from_hf`); the distillation set holds
+    ``teacher.distill_prompts`` training prompts per domain with the teacher's greedy answers.
     """
-    from mopd.megatron import save_teacher_checkpoint
+    from mcore_distill.atomic import atomic_torch_save
+    from mcore_distill.hf import save_hf_checkpoint
 
     world = dist.get_world_size()
     root = Path(cfg.out_dir) / "cache" / cache_key(cfg, world)
     meta_path = root / "meta.pt"
-    complete = meta_path.exists() and all(any((root / t).glob("shard_*.pt")) for t in DOMAINS)
-    if cfg.use_cache and complete:  # an incomplete cache folder (a deleted shard) is retrained
+    complete = meta_path.exists() and all(any((root / t).glob("*.safetensors")) for t in DOMAINS)
+    if cfg.use_cache and complete:  # an incomplete cache folder (a deleted weights file) is retrained
         meta = torch.load(meta_path, weights_only=True)
         if bar is not None:
             bar.update(cfg.teacher.steps * len(DOMAINS))
@@ -148,12 +141,12 @@ def prepare_teachers(cfg: DemoConfig, data: TaskData, *, bar=None) -> dict:
                 "raise teacher.steps or teacher.lr")
         x = data.sample(task, cfg.teacher.distill_prompts, g)
         distill[task] = (x, megatron_greedy(model, prompts_from_letters(task, x), data.length))
-        save_teacher_checkpoint(model, str(root / task))
+        save_hf_checkpoint([model], root / task, model_type="qwen3", vocab_size=VOCAB)  # atomic, collective
         del model
     if dist.get_rank() == 0:
         meta = {"accuracy": accuracy, **{f"{t}_x": distill[t][0] for t in DOMAINS},
                 **{f"{t}_y": distill[t][1] for t in DOMAINS}}
-        _atomic_save(meta, meta_path)
+        atomic_torch_save(meta, meta_path)
     dist.barrier()
     return {"folders": {t: str(root / t) for t in DOMAINS}, "accuracy": accuracy, "distill": distill,
             "cached": False}

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_distill import cpu_compat
+from mcore_distill.hf import megatron_model_from_hf, save_hf_checkpoint
 
 LETTERS, ALPHABET, VOCAB = 4, 16, 32  # token ids 3..18 are letters; 0 pad, 1 BOS, 2 SEP
 BOS, SEP = 1, 2
@@ -36,6 +37,9 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", default=None, help="checkpoint folder written at the end")
+    ap.add_argument("--hf", default=None, help="start the model from this Hugging Face folder (config.json + "
+                    "safetensors, e.g. one written by --save-hf) instead of a random init")
+    ap.add_argument("--save-hf", default=None, help="also write the trained model as a Hugging Face folder")
     ap.add_argument("--out", default=None, help="write the per-step losses as JSON here (rank 0)")
     if extra is not None:
         extra(ap)
@@ -55,11 +59,14 @@ def initialize_distributed(tp: int, seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def model_provider() -> GPTModel:
-    """A small Qwen3-style Megatron GPT (RMSNorm, SwiGLU, GQA, RoPE, qk-norm) on this rank's device.
-
-    Starting from a Hugging Face checkpoint instead of a random init: this is the one function to
-    change (build the model from the HF folder here; nothing else in the loops depends on it)."""
+def model_provider(hf: str | None = None) -> GPTModel:
+    """A small Qwen3-style Megatron GPT (RMSNorm, SwiGLU, GQA, RoPE, qk-norm) on this rank's device:
+    random, or with ``hf`` the model of that Hugging Face folder, shapes from its ``config.json``,
+    weights loaded into this rank's TP shard (:func:`mcore_distill.hf.megatron_model_from_hf`)."""
+    if hf is not None:  # no vocabulary padding: the HF vocabulary is the model's
+        model = megatron_model_from_hf(hf, make_vocab_size_divisible_by=1, attention_dropout=0.0,
+                                       hidden_dropout=0.0)[0]
+        return model.cuda() if torch.cuda.is_available() else model
     config = TransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
@@ -134,8 +141,8 @@ class StepLog:
 
     SHOW = ("lm loss", "mopd/loss", "mopd/reward", "mopd/is_capped_frac")
 
-    def __init__(self, out: str | None) -> None:
-        self.out, self.rows = out, []
+    def __init__(self, out: str | None, save_hf: str | None = None) -> None:
+        self.out, self.save_hf, self.rows = out, save_hf, []
 
     def step(self, step: int, losses: list[dict[str, torch.Tensor]]) -> None:
         keys = sorted(losses[0]) if losses else []
@@ -151,7 +158,10 @@ class StepLog:
             print(f"step {step:3d}  " + "  ".join(f"{k} {row[k]:.5f}" for k in self.SHOW if k in row), flush=True)
 
     def close(self, model: torch.nn.Module) -> None:
-        """Print the held-out greedy accuracy, write ``--out``, end the process group."""
+        """Print the held-out greedy accuracy, write ``--out`` and ``--save-hf`` (collective), end
+        the process group."""
+        if self.save_hf:
+            save_hf_checkpoint([model.module], self.save_hf, model_type="qwen3", vocab_size=VOCAB)
         acc = greedy_accuracy(model)
         self.rows.append({"held_out_accuracy": acc})
         if dist.get_rank() == 0:

@@ -47,12 +47,12 @@ def forward_step_func(data_iterator, model):
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     initialize_distributed(args.tp, args.seed)
-    model = model_provider()
+    model = model_provider(args.hf)
     model = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     model.config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, TP norms, as in training.py
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, use_distributed_optimizer=True), [model])
     forward_backward = get_forward_backward_func()
-    gen, log = data_generator(args.seed), StepLog(args.out)
+    gen, log = data_generator(args.seed), StepLog(args.out, save_hf=args.save_hf)
 
     for step in range(args.steps):
         model.zero_grad_buffer()

@@ -106,7 +106,7 @@ def main() -> None:
 
     args = parse_args(__doc__.splitlines()[0], extra)
     initialize_distributed(args.tp, args.seed)
-    model = model_provider()
+    model = model_provider(args.hf)
     model = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     model.config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, TP norms, as in training.py
     opt = get_staged_optimizer(StagedOptimizerConfig(residency=args.residency, adamw=AdamWConfig(lr=args.lr)), [model])
@@ -118,7 +118,7 @@ def main() -> None:
                             teacher_tree=TeacherTreeConfig(enabled=args.tree, backend="dense"))
         pool = build_teacher_pool(config, host=MegatronTeacherHost(model_provider(), micro_batch_size=args.batch))
     forward_backward = get_forward_backward_func()
-    gen, log = data_generator(args.seed), StepLog(args.out)
+    gen, log = data_generator(args.seed), StepLog(args.out, save_hf=args.save_hf)
 
     for step in range(args.steps):
         data = [get_batch(args.batch, gen)] if pool is None else mopd_batch(model, pool, args, gen)

@@ -117,8 +117,8 @@ def _pipeline_rank(rank: int, world: int, out_dir: str) -> dict:
     checks["second"] = {k: res2[k] for k in ("teachers_cached", "teacher_accuracy")}
     destroy_megatron()
 
-    if rank == 0:  # a cache folder missing a teacher shard is retrained, not loaded
-        for f in Path(out_dir, "cache").glob("*/shift/shard_*.pt"):
+    if rank == 0:  # a cache folder missing a teacher weights file is retrained, not loaded
+        for f in Path(out_dir, "cache").glob("*/shift/*.safetensors"):
             f.unlink()
     torch.distributed.barrier()
     checks["third_cached"] = run_demo(cfg)["teachers_cached"]
