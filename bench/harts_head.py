@@ -30,7 +30,7 @@ path, a differentiable entropy) and, for the design record, ``dW`` through an fp
 (against bf16 output with fp32 accumulation). ``--profile`` adds the harts head's GPU kernel time by
 kernel.
 
-Run: ``python bench/harts_head.py`` (GPU; ``--quick`` on CPU: tiny sizes, torch path). Writes
+Run: ``python -m bench.harts_head`` (GPU; ``--quick`` on CPU: tiny sizes, torch path). Writes
 ``harts_head_peers.json`` (the record: ``header``, ``vocab``, ``rows``), ``harts_head.json`` (all
 rows) and ``harts_head.png`` into ``bench._common.out_dir()``; prints the tables last.
 """
@@ -39,16 +39,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench._common import machine_header, out_dir, peak_memory, print_table, write_results  # noqa: E402
+from bench._common import machine_header, out_dir, peak_memory, print_table, write_results
 
 PEAK_TFLOPS = 989.4  # dense bf16, H100/H200 SXM datasheet
 

@@ -20,8 +20,8 @@ through ``/proc/self/clear_refs`` where allowed) minus its RSS just before the c
 is warm (the checkpoint was just written). The loader's bound is one shard file plus one tensor
 (``bound_MiB`` in the results). Reported: the minimum over the runs.
 
-Run (repository root on ``PYTHONPATH``, as ``scripts/gpu-lane.sh`` sets it): ``python bench/hf_load.py``
-(GPU; ``bash scripts/gpu-lane.sh bench hf_load``), ``python bench/hf_load.py --quick`` (CPU smoke, tiny shape).
+Run (repository root on ``PYTHONPATH``, as ``scripts/gpu-lane.sh`` sets it): ``python -m bench.hf_load``
+(GPU; ``bash scripts/gpu-lane.sh bench hf_load``), ``python -m bench.hf_load --quick`` (CPU smoke, tiny shape).
 Writes ``hf_load.json`` and ``hf_load.png`` into ``$BENCH_OUT`` (or ``$OUT``, ``outputs/bench``).
 """
 

@@ -12,7 +12,7 @@ larger k too, and
 ``fused_max_slices`` = crossover - 1 (None when fused wins at every k): the value for
 ``optim_staged.update.FUSED_MAX_SLICES[device]``.
 
-Run: ``python bench/optim_staged_kernels.py`` (CUDA when present: 4 Mi elements; CPU: 1 Mi,
+Run: ``python -m bench.optim_staged_kernels`` (CUDA when present: 4 Mi elements; CPU: 1 Mi,
 ``--threads``). Writes ``optim_staged_kernels.json`` / ``.png`` into ``$OUT`` (or ``outputs/bench``)
 and prints the table last.
 """
@@ -20,15 +20,12 @@ and prints the table last.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results  # noqa: E402
-from optim_staged.update import adamw_update_  # noqa: E402
+from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results
+from optim_staged.update import adamw_update_
 
 
 def unit(numel: int, k: int, device: str) -> tuple[list[list[torch.Tensor]], torch.Tensor]:

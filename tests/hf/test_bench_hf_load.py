@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(600)
 def test_quick_bench_runs(tmp_path):
     env = {**os.environ, "BENCH_OUT": str(tmp_path), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hf_load.py"), "--quick", "--runs", "1"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench.hf_load", "--quick", "--runs", "1"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "hf_load.json").read_text())
