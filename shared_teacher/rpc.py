@@ -93,6 +93,7 @@ class SourceServer:
             raise
         self.address = self._sock.getsockname()
         self._conns: list[Connection] = []
+        self._conns_lock = threading.Lock()  # a connection is closed once, by whoever removes it
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="shared-teacher-rpc", daemon=True)
         self._thread.start()
@@ -114,20 +115,31 @@ class SourceServer:
                 return
             sock.setblocking(True)
             conn = _TimedConnection(sock.detach())
-            self._conns.append(conn)
+            with self._conns_lock:
+                self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _drop(self, conn: Connection) -> None:
+        """Close ``conn`` unless :meth:`close` already took it (two closes of one descriptor would
+        close whatever reused its number)."""
+        with self._conns_lock:
+            if conn not in self._conns:
+                return
+            self._conns.remove(conn)
+        conn.close()
 
     def _serve(self, conn: Connection) -> None:
         try:
             deliver_challenge(conn, self.authkey)
             answer_challenge(conn, self.authkey)
         except Exception:  # noqa: BLE001 - a wrong key, a stalled or vanished client: drop this connection only
-            conn.close()
+            self._drop(conn)
             return
         while True:
             try:
                 method, kwargs = conn.recv()
             except (EOFError, OSError, TypeError):  # TypeError: closed under us by close()
+                self._drop(conn)
                 return
             try:
                 if method not in METHODS:
@@ -139,6 +151,7 @@ class SourceServer:
             try:
                 conn.send(reply)
             except (OSError, EOFError):
+                self._drop(conn)
                 return
 
     def close(self) -> None:
@@ -150,7 +163,9 @@ class SourceServer:
         except OSError:
             pass
         self._sock.close()
-        for c in self._conns:
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
             c.close()
         self._thread.join(timeout=2)
         if self._dir and self.family == "AF_UNIX":

@@ -17,9 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_quick_bench_runs(tmp_path):
-    env = {**os.environ, "BENCH_OUT": str(tmp_path), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-m", "bench.hf_load", "--quick", "--runs", "1"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=560)
+    import socket
+
+    taken = socket.socket()  # a MASTER_PORT inherited from the caller (e.g. a live gloo store) is busy
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    env = {**os.environ, "BENCH_OUT": str(tmp_path), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(taken.getsockname()[1])}
+    with taken:
+        proc = subprocess.run([sys.executable, "-m", "bench.hf_load", "--quick", "--runs", "1"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "hf_load.json").read_text())
     assert (tmp_path / "hf_load.png").stat().st_size > 0
