@@ -30,6 +30,7 @@ def cpu_megatron():
 
     compat = cpu_compat.enable()
     created = False
+    saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
@@ -42,5 +43,10 @@ def cpu_megatron():
         parallel_state.destroy_model_parallel()
         if created:
             torch.distributed.destroy_process_group()
+        for k, v in saved_env.items():  # subprocesses of later tests must not inherit this port
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if compat is not None:
             compat.stop()
