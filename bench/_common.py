@@ -74,6 +74,21 @@ def _quantiles(samples: list[float]) -> dict[str, float]:
     return {"p20": q[0], "p50": q[1], "p80": q[2], "n": len(samples)}
 
 
+def sync() -> None:
+    """Wait for the current CUDA device (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn: Callable[[], Any]) -> float:
+    """Wall milliseconds of one call of ``fn``, device synchronized before and after."""
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> dict[str, float]:
     """Milliseconds per call from CUDA events (p20/p50/p80)."""
     for _ in range(warmup):

@@ -58,7 +58,9 @@ from bench._common import (
     peak_memory,
     plot_speedup_vs_c,
     print_table,
+    sync,
     time_cpu,
+    wall_ms,
     write_results,
 )
 
@@ -152,19 +154,6 @@ def _step_fn(model, prepared):
     return step
 
 
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def _plan_signature(plan):
     return [(mb.mode, tuple(mb.seq_ids), mb.rows) for mb in plan.microbatches]
 
@@ -239,7 +228,7 @@ def _measure(model, seqs, providers, args, dev):
         plan = plan_step(seqs, pc)
         t0 = time.perf_counter()
         prepared = _prepare(seqs, plan, backend, dev, TREE_OPTS.get(provider, {}))
-        _sync()
+        sync()
         prep_ms = (time.perf_counter() - t0) * 1e3
         step = _step_fn(model, prepared)
         step()  # warmup (and FlexAttention compilation for new shapes)
@@ -248,7 +237,7 @@ def _measure(model, seqs, providers, args, dev):
     order = list(runs.values())
     for it in range(args.iters):  # interleaved: drift hits every provider alike; the order rotates, so no
         for r in order[it % len(order):] + order[:it % len(order)]:  # provider always follows the long THD step
-            r["samples"].append(_timed(r["step"]))
+            r["samples"].append(wall_ms(r["step"]))
     return runs
 
 

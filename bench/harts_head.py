@@ -44,22 +44,9 @@ import time
 
 import torch
 
-from bench._common import machine_header, out_dir, peak_memory, print_table, write_results
+from bench._common import machine_header, out_dir, peak_memory, print_table, sync, wall_ms, write_results
 
 PEAK_TFLOPS = 989.4  # dense bf16, H100/H200 SXM datasheet
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    _sync()
-    t0 = time.perf_counter()
-    fn()
-    _sync()
-    return (time.perf_counter() - t0) * 1e3
 
 
 class Case:
@@ -173,7 +160,7 @@ def measure(case, fns: dict, iters: int, ref=None) -> dict:
         case.reset()
         t0 = time.perf_counter()
         fn()
-        _sync()
+        sync()
         res[name] = {"first_call_s": time.perf_counter() - t0, "samples": []}
         if ref is not None:
             dw, dh = case.grads()
@@ -181,7 +168,7 @@ def measure(case, fns: dict, iters: int, ref=None) -> dict:
         case.reset()
     for _ in range(iters):  # interleaved: clock and allocator drift hit every provider alike
         for name, fn in fns.items():
-            res[name]["samples"].append(_timed(fn))
+            res[name]["samples"].append(wall_ms(fn))
             case.reset()
     for name, fn in fns.items():
         res[name]["peak"] = peak_memory(fn)
@@ -199,7 +186,7 @@ def cublas_tflops(case) -> float:
         return float("nan")
     a, b = case.hid.detach(), case.w.detach()
     torch.mm(a, b.T)
-    best = min(_timed(lambda: torch.mm(a, b.T)) for _ in range(5))
+    best = min(wall_ms(lambda: torch.mm(a, b.T)) for _ in range(5))
     return _flops(case) / (best * 1e-3) / 1e12
 
 
@@ -253,10 +240,10 @@ def profile_kernels(fn) -> dict[str, float]:
         return {}
     from torch.profiler import ProfilerActivity, profile
 
-    _sync()
+    sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        _sync()
+        sync()
     out: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_time_total > 0 and e.key and not e.key.startswith("["):

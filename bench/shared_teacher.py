@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench._common import out_dir, print_table, write_results
+from bench._common import out_dir, print_table, sync, write_results
 
 
 def _init(device: str) -> None:
@@ -90,11 +90,6 @@ def _make_store(need_bytes: int):
     return FileStore(tempfile.mkdtemp(prefix="stbench-")), "file"
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_separate(teacher_fn, data, n_students: int, batch: int) -> dict:
     """Each student scores the data itself (what you pay without sharing)."""
     t0 = time.perf_counter()
@@ -103,7 +98,7 @@ def run_separate(teacher_fn, data, n_students: int, batch: int) -> dict:
         for i in range(0, len(data), batch):
             t1 = time.perf_counter()
             teacher_fn(data[i:i + batch])
-            _sync()
+            sync()
             teacher_s += time.perf_counter() - t1
     return {"wall_s": time.perf_counter() - t0, "teacher_s": teacher_s, "forward_samples": n_students * len(data),
             "peak_pool_bytes": 0}
@@ -137,7 +132,7 @@ def run_shared(teacher_fn, data, n_students: int, batch: int, key, *, high: int,
     def timed_teacher(seqs):
         t1 = time.perf_counter()
         out = teacher_fn(seqs)
-        _sync()
+        sync()
         timed["teacher_s"] += time.perf_counter() - t1
         return out
 
