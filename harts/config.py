@@ -65,11 +65,11 @@ class PlannerConfig:
     """Rows of each microbatch are padded to a multiple of this: the FlexAttention block size
     (128) for ``flex``; the varlen backend needs none, 16 keeps GEMM rows tensor-core friendly.
     Use ``lcm(align, TP)`` under tensor/sequence parallelism. Padding rows cost full compute."""
-    fallback_compression: float = 1.05
-    """Microbatches with compression C = ΣL / T below this run as plain THD packing (no tree).
-    A forest without sharing is exactly THD packing, so the tree pays off from just above
-    C = 1; the margin covers packing differences. ``bench/harts.py`` reports the measured
-    crossover (docs/harts.md records the evidence)."""
+    fallback_compression: float = field(default=1.05, metadata={"allow_inf": True})
+    """Microbatches with compression C = ΣL / T below this run as plain THD packing (no tree);
+    ``inf`` always packs THD, 0 never does. A forest without sharing is exactly THD packing, so
+    the tree pays off from just above C = 1; the margin covers packing differences.
+    ``bench/harts.py`` reports the measured crossover (docs/harts.md records the evidence)."""
     dp_size: int = 1
     """Data-parallel ranks; every rank receives the same number of microbatches."""
     prefix_reuse: bool = False

@@ -301,9 +301,9 @@ class TeacherTreeConfig:
     """Most compact rows per tree micro-batch, alignment padding included (harts planner)."""
     align: int = 128
     """Compact rows of each micro-batch are padded to a multiple of this; divides ``token_cap``."""
-    fallback_compression: float = 1.05
+    fallback_compression: float = dataclasses.field(default=1.05, metadata={"allow_inf": True})
     """Micro-batches compressing less than this (C = ΣL / T) run as plain packed sequences
-    through the same kernels (same default as ``harts.PlannerConfig``)."""
+    through the same kernels (same default as ``harts.PlannerConfig``; ``inf``: always packed)."""
 
     def __post_init__(self) -> None:
         _validate(self, name="teacher_tree")
@@ -313,7 +313,8 @@ class TeacherTreeConfig:
                 raise ConfigError(f"teacher_tree.{name} must be a positive int, got {v!r}")
         if self.token_cap % self.align:
             raise ConfigError(f"teacher_tree.align={self.align!r} must divide teacher_tree.token_cap={self.token_cap!r}")
-        _finite("teacher_tree.fallback_compression", self.fallback_compression, nonneg=True)
+        if not self.fallback_compression >= 0:  # inf allowed (always packed); NaN refused above
+            raise ConfigError(f"teacher_tree.fallback_compression must be >= 0, got {self.fallback_compression!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -160,3 +160,16 @@ def test_non_finite_numbers_raise_a_config_error_naming_the_field(cls, data):
     name, allow_inf = data.draw(st.sampled_from(_float_fields(cls)), label="field")
     bad = [math.nan] if allow_inf else [math.nan, math.inf, -math.inf]
     _assert_rejected(cls, name, data.draw(st.sampled_from(bad), label="value"))
+
+
+def test_fields_that_allow_inf_take_it():
+    """``inf`` is meaningful where a field says so (e.g. ``fallback_compression=inf``: always pack
+    THD, as the THD providers of bench/harts.py plan); NaN is still refused there."""
+    from harts.config import PlannerConfig
+    from mopd.config import TeacherTreeConfig
+
+    assert PlannerConfig(fallback_compression=math.inf).fallback_compression == math.inf
+    assert TeacherTreeConfig(fallback_compression=math.inf).fallback_compression == math.inf
+    for cls in (PlannerConfig, TeacherTreeConfig):
+        with pytest.raises(ConfigError, match="fallback_compression"):
+            cls(fallback_compression=math.nan)
