@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from harts.config import AttentionBackend
-from mcore_distill.validate import validate_fields
+from mcore_distill.validate import check_number, validate_fields
 from mopd.errors import ConfigError, ConfigTypeError
 
 __all__ = [
@@ -85,12 +85,7 @@ def _validate(obj: object, **kw) -> None:
 
 
 def _finite(name: str, value: float, *, positive: bool = False, nonneg: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value!r}")
-    if nonneg and value < 0:
-        raise ConfigError(f"{name} must be >= 0, got {value!r}")
+    check_number(name, value, positive=positive, nonneg=nonneg, error=ConfigError)
 
 
 def check_teacher_id(teacher_id: object, *, where: str = "teacher id") -> str:
