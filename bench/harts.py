@@ -173,13 +173,13 @@ def _flop_model(cfg):
 
 def _profile(runs, case, dev):
     """One profiled step per provider: GPU kernel time grouped by kind (ms), and the chrome traces
-    (``harts_trace_<provider>.json.gz``) — where a tree step spends more than its C-scaled share."""
+    (``harts_trace_<case>_<provider>.json.gz``) — where a tree step spends more than its C-scaled share."""
     out, idle = {}, {}
     for provider, r in runs.items():
         if dev != "cuda":
             r["step"]()
             continue
-        kp = kernel_profile(r["step"], out_dir() / f"harts_trace_{provider}.json.gz")
+        kp = kernel_profile(r["step"], out_dir() / f"harts_trace_{case.replace('=', '')}_{provider}.json.gz")
         out[provider], idle[provider] = kp["by_kind"], {**kp["idle"], "profiled_wall_ms": kp["wall_ms"]}
     if out:
         print(f"\nGPU kernel ms by kind, one step of {case}:")
@@ -263,9 +263,10 @@ def bench_model(args, dev, rows, plots):
         if case in XC_CASES:
             first[case] = {"C": st.compression, "x_over_C": _x_over_c(runs, st.compression),
                            **{f"{p}_ms": statistics.median(r["samples"]) for p, r in runs.items()}}
-        if args.profile == case:
+        if case in (args.profile or "").split(","):
             prof = _profile(runs, case, dev)
-            args.profile_result = {"case": case, "kernel_ms": prof["by_kind"], "idle": prof["idle"]}
+            args.profile_result = (args.profile_result or []) + [{"case": case, "kernel_ms": prof["by_kind"],
+                                                                  "idle": prof["idle"]}]
         res = {}
         for provider, r in runs.items():
             r["peak"] = peak_memory(r["step"])
@@ -390,9 +391,10 @@ def main():
                     help=f"subset of {','.join(PROVIDERS)}, or 'all' (the FlexAttention providers thd/tree add "
                          "about a minute of compilation)")
     ap.add_argument("--fused-head", action="store_true", help="also time tree_lm_head(fused=True) (compiles)")
-    ap.add_argument("--profile", default=None, metavar="CASE",
-                    help="also profile one step of every provider on this case (e.g. rho=0.75): kernel ms by kind "
-                         "in the table and JSON, chrome traces harts_trace_<provider>.json.gz")
+    ap.add_argument("--profile", default=None, metavar="CASES",
+                    help="also profile one step of every provider on these comma-separated cases (e.g. "
+                         "rho=0.75,caterpillar): kernel ms by kind and GPU idle in the table and JSON, chrome traces "
+                         "harts_trace_<case>_<provider>.json.gz")
     ap.add_argument("--cases", default="", help="comma-separated subset of the model workloads (default: all)")
     ap.add_argument("--runs", type=int, default=None,
                     help=f"runs of the x/C cases ({', '.join(XC_CASES)}): run 1 is the full sweep, runs 2..N repeat "

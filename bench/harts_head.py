@@ -25,10 +25,11 @@ issue's: 3 GEMMs of 2·T·H·V at 989 TFLOP/s (dense bf16, H100/H200 datasheet);
 GEMMs (the logits twice), so its own ceiling is 4/3 of that time. The bf16 rate that cuBLAS reaches on
 the head's ``[T, H] × [H, V]`` product in the same run is printed as the practical ceiling.
 
-``--sweep`` times variants of the harts head (chunk rows, backward vocabulary block, the torch
-path, a differentiable entropy) and, for the design record, ``dW`` through an fp32 cuBLAS output
-(against bf16 output with fp32 accumulation). ``--profile`` adds the harts head's GPU kernel time by
-kernel.
+``--sweep`` times variants of the harts head (the backward vocabulary block, the pointer-based
+Triton kernels alone, i.e. without the tensor-descriptor/persistent family the autotuner may pick, a
+differentiable entropy). ``--profile`` adds the harts head's GPU kernel time by kernel and where the
+GPU idled during the call (host-starved gaps vs launch latency). The Triton GEMMs' autotuning record
+(every configuration's time, the chosen one) is printed and written too.
 
 Run: ``python -m bench.harts_head`` (GPU; ``--quick`` on CPU: tiny sizes, torch path). Writes
 ``harts_head_peers.json`` (the record: ``header``, ``vocab``, ``rows``), ``harts_head.json`` (all
@@ -194,23 +195,16 @@ def cublas_tflops(case) -> float:
 # sweep-only alternatives (design record; not library code)
 
 
-def _dw_fp32_out(dz, h, out):
-    out.copy_(torch.mm(dz.T, h, out_dtype=torch.float32))
-
-
 def sweep_variants(quick: bool):
-    import harts.lm_head as lm
+    import harts.lm_head_triton as tri
 
     if quick:
         return {"torch c16": ({"impl": "torch", "chunk_size": 16}, None)}
     return {
-        "triton c1024 vb1024 (default)": ({}, None),
-        "triton c1536 vb1024": ({"chunk_size": 1536}, None),
-        "triton c2048 vb1024": ({"chunk_size": 2048}, None),
-        "triton c1024 vb2048": ({"vocab_block": 2048}, None),
+        "triton c1024 vb2048 (default)": ({}, None),
+        "triton c1024 vb1024": ({"vocab_block": 1024}, None),
+        "triton, pointer kernels only (no TMA)": ({}, (tri, "_tma_ok", lambda *ts: False)),
         "triton + entropy grad": ({"entropy_requires_grad": True}, None),
-        "torch path c1024 (eager)": ({"impl": "torch"}, None),
-        "alt: dW via fp32 cuBLAS out": ({}, (lm, "_grad_weight_block", _dw_fp32_out)),
     }
 
 
@@ -234,29 +228,42 @@ def run_sweep(case, ref, quick, iters=3):
     return rows
 
 
-def profile_kernels(fn) -> dict[str, float]:
-    """GPU kernel ms of one call of ``fn``, by kernel name (Triton kernels by function name)."""
+def profile_kernels(fn) -> dict:
+    """One profiled call of ``fn``: GPU kernel ms by kernel name (``kernel_ms``; Triton kernels by
+    function name), the call's wall ms under the profiler and where the GPU idled
+    (:func:`bench._common.gpu_idle`: gaps the host starved vs launch latency between queued kernels)."""
     if not torch.cuda.is_available():
         return {}
+    import tempfile
+    from pathlib import Path
+
     from torch.profiler import ProfilerActivity, profile
 
+    from bench._common import gpu_idle
+
     sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         sync()
-    out: dict[str, float] = {}
+        wall = (time.perf_counter() - t0) * 1e3
+    by_name: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_time_total > 0 and e.key and not e.key.startswith("["):
             key = e.key.split("(")[0][:60]
-            out[key] = out.get(key, 0.0) + e.device_time_total / 1e3
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+            by_name[key] = by_name.get(key, 0.0) + e.device_time_total / 1e3
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        idle = gpu_idle(json.loads(Path(tmp.name).read_text()))
+    return {"kernel_ms": dict(sorted(by_name.items(), key=lambda kv: -kv[1])), "wall_ms": wall, "idle": idle}
 
 
 def _tuned_configs() -> dict:
     try:
         from harts import lm_head_triton as tri
 
-        return {k: tri.tuned_config(k) for k in ("logit_tiles", "logit_grad")}
+        return {**{k: {"chosen": tri.tuned_config(k), "timed": tri.tuning_record(k)} for k in ("logit_tiles", "logit_grad")},
+                "tma_failed": list(tri._TMA_FAILED)}
     except Exception as e:  # noqa: BLE001 - reporting only
         return {"error": repr(e)}
 
@@ -321,7 +328,8 @@ def run(args) -> dict:
     if args.sweep:
         extra["sweep"] = run_sweep(chain, chain_ref, args.quick)
     if args.profile and dev == "cuda":
-        extra["kernel_ms"] = profile_kernels(harts_fn(chain))
+        prof = profile_kernels(harts_fn(chain))
+        extra["kernel_ms"], extra["profile"] = prof["kernel_ms"], {k: prof[k] for k in ("wall_ms", "idle")}
         chain.reset()
     for r in rows:
         table.append({k: r[k] for k in ("rows", "provider", "ms", "ms_median", "peak_GiB", "grad_rel_err_dW",
@@ -389,9 +397,21 @@ def main(argv=None):
     plot(result["rows"], out_dir() / "harts_head.png")
     print(f"wrote {path}, harts_head_peers.json and harts_head.png in {result['extra']['wall_s']:.0f} s")
     ex = result["extra"]
-    print(f"cuBLAS bf16 [T,H]x[H,V]: {ex['cublas_tflops']:.0f} TFLOP/s; tuned: {ex['tuned']}")
+    print(f"cuBLAS bf16 [T,H]x[H,V]: {ex['cublas_tflops']:.0f} TFLOP/s")
+    for k, v in ex["tuned"].items():
+        if isinstance(v, dict):
+            print(f"tuned {k}: {v.get('chosen')}; timed: " + ", ".join(
+                f"{'tma' if r.get('TMA') else 'ptr'}{'-persist' if r.get('PERSIST') else ''}"
+                f"{'-flat' if r.get('FLAT') else ''} {r['BM']}x{r.get('BN', 128)}x{r['BK']} w{r['num_warps']}"
+                f"s{r['num_stages']} {r['ms']:.3f}" for r in v.get("timed", [])))
     if "kernel_ms" in ex:
-        print("harts_default GPU kernel ms: " + ", ".join(f"{k} {v:.2f}" for k, v in list(ex["kernel_ms"].items())[:12]))
+        total = sum(ex["kernel_ms"].values())
+        idle = ex["profile"]["idle"]
+        print(f"harts_default GPU kernel ms (sum {total:.2f}; profiled wall {ex['profile']['wall_ms']:.2f}, GPU busy "
+              f"{idle.get('busy_ms', float('nan')):.2f}, starved {idle.get('starved_ms', float('nan')):.2f} in "
+              f"{idle.get('starved_gaps')} gaps, queued {idle.get('queued_ms', float('nan')):.2f} in "
+              f"{idle.get('queued_gaps')}; top starved {idle.get('starved_by_op')}): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in list(ex["kernel_ms"].items())[:12]))
     if "sweep" in ex:
         print_table(ex["sweep"], ["variant", "ms_min", "peak_GiB", "err_dW", "err_dh", "first_call_s"])
     print_table(result["table"], ["rows", "provider", "ms", "ms_median", "peak_GiB", "grad_rel_err_dW",

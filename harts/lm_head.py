@@ -37,6 +37,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,7 +45,7 @@ __all__ = ["tree_lm_head", "TreeHeadOutput", "HeadEdges", "head_edges"]
 
 _ROW_BLOCKS = 8  # the torch path's softmax temporaries are [ceil(rows / 8), cols]
 _SLICE_FRACTION = 16  # vocab slices keep [slice, H] fp32 products ≤ 1/16 of a chunk
-_TRITON_VOCAB_BLOCK = 1024  # default backward vocabulary block of the Triton path
+_TRITON_VOCAB_BLOCK = 2048  # default backward vocabulary block of the Triton path
 
 
 class TreeHeadOutput(tuple):
@@ -287,23 +288,33 @@ def _forward_chunk_triton(h, weight, row_ptr, tok_l, tgt, cfg, lse, ent, a, a_en
     from harts import lm_head_triton as tri
 
     e, pm, ps, pq = tri.logit_tiles(h, weight, row_ptr, tok_l, tgt, inv_t, store_e=a is not None)
-    m, se, es = tri.combine_tiles(pm, ps, pq)
     group = cfg.group
     if group is not None and dist.get_world_size(group) > 1:
+        m, se, es = tri.combine_tiles(pm, ps, pq)
         mg = _all_reduce(m.clone(), dist.ReduceOp.MAX, group)
         scale = torch.exp(m - mg)
         es = scale * (es + (m - mg) * se)  # Σ e^{s − mg} (s − mg) of this shard
         se = scale * se
         red = _all_reduce(torch.cat([se, es]), dist.ReduceOp.SUM, group)
         se, es, m = red[:h.shape[0]], red[h.shape[0]:], mg
-    lse[:] = m + torch.log(se)
-    ent[:] = torch.log(se) - es / se
+        lse[:] = m + torch.log(se)
+        ent[:] = torch.log(se) - es / se
+    else:
+        tri.combine_tiles(pm, ps, pq, lse=lse, ent=ent)  # one kernel writes lse and H
     if a is None:
         return
-    cdtype = a.dtype
-    a.copy_(_mm(tri.scale_tiles(e, pm, lse, ent), weight, cdtype))  # A = P W, cuBLAS, fp32 out
+    _product_into(a, tri.scale_tiles(e, pm, lse, ent), weight)  # A = P W, cuBLAS, fp32 out
     if a_ent is not None:
-        a_ent.copy_(_mm(tri.scale_tiles(e, pm, lse, ent, entropy=True), weight, cdtype))
+        _product_into(a_ent, tri.scale_tiles(e, pm, lse, ent, entropy=True), weight)
+
+
+def _product_into(out: torch.Tensor, p: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out = p @ weight`` for a zeroed fp32 ``out``: accumulated in place where cuBLAS allows an
+    fp32 output of bf16/fp16 operands (no temporary, no copy), else computed and copied."""
+    if out.is_contiguous() and _use_inplace_accumulation(p, weight):
+        _addmm_fp32_(out, p, weight)
+    else:
+        out.copy_(_mm(p, weight, out.dtype))
 
 
 class _TreeHead(torch.autograd.Function):
@@ -334,7 +345,7 @@ class _TreeHead(torch.autograd.Function):
                 tgt[a0:a1] = _forward_chunk_torch(hidden[r0:r1], weight, tok_l[a0:a1], e_parent[a0:a1] - r0, cfg,
                                                   lse[r0:r1], ent[r0:r1], None if a is None else a[r0:r1],
                                                   None if a_ent is None else a_ent[r0:r1])
-            logp[e_child[a0:a1]] = tgt[a0:a1] - lse[e_parent[a0:a1]]
+        logp[e_child] = tgt - lse[e_parent]  # every edge at once (fewer launches than per chunk)
         ctx.save_for_backward(hidden, weight, e_child, e_parent, tok_l, row_ptr, lse, ent, tgt)
         ctx.cfg = cfg
         ctx.a, ctx.a_ent = a, a_ent  # consumed (freed) by the backward
@@ -448,7 +459,7 @@ def _dz_block_torch(z, lse, gsum, g_ent, ent, cfg):
 
 
 def _triton_vocab_block(t: int, vl: int, cfg: _Cfg) -> int:
-    """Backward vocabulary block of the Triton path: ``vocab_block`` (default 1024) columns, fewer
+    """Backward vocabulary block of the Triton path: ``vocab_block`` (default 2048) columns, fewer
     when ``[T, block]`` in the model dtype would exceed a forward chunk ``[chunk, V_local]``."""
     vb = cfg.vocab_block or _TRITON_VOCAB_BLOCK
     cap = max(128, (cfg.chunk * vl // max(t, 1)) // 128 * 128)
@@ -502,7 +513,7 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
             ``impl="auto"``.
         impl: ``"triton"`` (bf16/fp16 on CUDA; kernels autotuned on first use per shape),
             ``"torch"``, or ``"auto"``: Triton where it applies and ``fused`` is off, else torch.
-        vocab_block: vocabulary columns per backward block on the Triton path (default 1024,
+        vocab_block: vocabulary columns per backward block on the Triton path (default 2048,
             capped so that ``[T, block]`` stays within a forward chunk).
 
     Returns:
@@ -532,8 +543,10 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
     elif len(edges.offsets) != hidden.shape[0] + 1:
         raise ValueError(f"edges were built for {len(edges.offsets) - 1} rows, hidden has {hidden.shape[0]}")
     row_ptr = edges.row_ptr
-    if row_ptr is None or row_ptr.device != hidden.device:
-        row_ptr = torch.tensor(edges.offsets, dtype=torch.int32, device=hidden.device)
+    if row_ptr is None or row_ptr.device != hidden.device:  # one non-blocking copy (a pageable one waits for the GPU)
+        from harts.upload import upload
+
+        row_ptr = upload([np.asarray(edges.offsets)], hidden.device)[0].to(torch.int32)
     cfg = _Cfg(off=edges.offsets, chunk=chunk_size, inv_temp=1.0 / temperature, group=tp_group,
                vocab_start=vocab_start, reduce_grad_input=reduce_grad_input, fused=fused, impl=impl,
                vocab_block=vocab_block, entropy_grad=entropy_requires_grad,

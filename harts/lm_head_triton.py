@@ -25,8 +25,13 @@ by parent row); ``tok[c]`` is the child's token as a local id (outside ``[0, V)`
   the caller forms ``dW_block = dzᵀ h`` as one GEMM over all rows.
 
 Accumulation is fp32 for 16/32-bit inputs and fp64 for fp64 (the CPU interpreter tests). The GEMM
-loop bounds ``H`` and ``V`` are compile-time constants (one compilation per head shape); on CUDA
-the tile shapes are autotuned on first use per shape.
+loop bound ``H`` is a compile-time constant (one compilation per hidden width). The two GEMM kernels
+come in two families with identical arithmetic (the same products in the same order): pointer loads
+with one program per tile, and tensor-descriptor loads (TMA on Hopper, where operand rows and
+columns are 16-byte aligned), mostly persistent (one program per SM walking the tiles, the loop
+over tiles and ``K`` software-pipelined as one, so the next tile's loads overlap this tile's
+epilogue). On CUDA the autotuner times both families' configurations on first use per shape and
+keeps the fastest (:func:`tuning_record` lists the times).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import triton.language as tl
 
 __all__ = ["TILE_N", "logit_tiles", "combine_tiles", "scale_tiles", "hidden_grad", "logit_grad",
            "logit_tiles_reference", "combine_tiles_reference", "scale_tiles_reference",
-           "hidden_grad_reference", "logit_grad_reference", "tuned_config"]
+           "hidden_grad_reference", "logit_grad_reference", "tuned_config", "tuning_record"]
 
 TILE_N = 128
 """Vocabulary columns per forward tile: the granularity of the partial softmax statistics."""
@@ -82,19 +87,35 @@ def _x_wt(X, W, rows, cols, stride_x, stride_w, H: tl.constexpr, BM: tl.constexp
 
 
 @triton.jit
-def _logit_tiles_kernel(X, W, E, PM, PS, PQ, TGT, PTR, TOK, n, INV, stride_x, stride_w, stride_e,
-                        H: tl.constexpr, V: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr,
-                        F32: tl.constexpr):
-    # axis 0 over row tiles: consecutive programs share one tile of W (the large operand)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _x_wt_tma(XD, WD, off_m, off_n, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              ACC: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr):
+    """``X[off_m : off_m + BM] @ W[off_n : off_n + BN]ᵀ`` through tensor descriptors (TMA on Hopper:
+    rows and columns outside the tensors load as 0, so no masks and no clamping)."""
+    acc = tl.zeros([BM, BN], ACC)
+    for k0 in range(0, H, BK):
+        x = XD.load([off_m, k0])
+        w = WD.load([off_n, k0])
+        if F32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC, out_dtype=ACC)
+    return acc
+
+
+@triton.jit
+def _logit_tile(pid_m, pid_n, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
+                H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
+                PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr):
+    """One ``[BM, BN]`` tile of :func:`logit_tiles`: GEMM, then the statistics in the epilogue."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < n
     cmask = cols < V
-    acc = _x_wt(X, W, tl.minimum(rows, n - 1), tl.minimum(cols, V - 1), stride_x, stride_w, H, BM, BN, BK, ACC,
-                PREC, F32)
+    if TMA:
+        acc = _x_wt_tma(XD, WD, pid_m * BM, pid_n * BN, H, BM, BN, BK, ACC, PREC, F32)
+    else:
+        acc = _x_wt(X, W, tl.minimum(rows, n - 1), tl.minimum(cols, V - 1), stride_x, stride_w, H, BM, BN, BK, ACC,
+                    PREC, F32)
     s = tl.where(cmask[None, :], acc * tl.load(INV), float("-inf"))
     m = tl.max(s, 1)
     sm = s - m[:, None]
@@ -124,7 +145,39 @@ def _logit_tiles_kernel(X, W, E, PM, PS, PQ, TGT, PTR, TOK, n, INV, stride_x, st
 
 
 @triton.jit
-def _combine_kernel(PM, PS, PQ, OM, OS, OQ, n, NT: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr):
+def _logit_tiles_kernel(X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
+                        H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
+                        PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr,
+                        TMA: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr, NP: tl.constexpr,
+                        INTERP: tl.constexpr):
+    # tile t: row tile t % nm, vocabulary tile t // nm, so that consecutive tiles share a tile of W
+    # (the large operand). PERSIST: NP programs walk the tiles t = pid, pid + NP, ... (FLAT: one
+    # software-pipelined loop, the next tile's loads overlap this tile's epilogue); else one
+    # program per tile on a 2-D grid (axis 0 over row tiles).
+    if PERSIST:
+        nm = tl.cdiv(n, BM)
+        tiles = nm * tl.cdiv(V, BN)
+        pid = tl.program_id(0)
+        if INTERP:  # the CPU interpreter has no range() over program-dependent bounds
+            it = 0
+            while it < tiles:
+                t = tl.minimum(pid + it, tiles - 1)  # a repeated last tile writes the same values
+                _logit_tile(t % nm, t // nm, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
+                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA)
+                it += NP
+        else:
+            for t in tl.range(pid, tiles, NP, flatten=FLAT):
+                _logit_tile(t % nm, t // nm, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
+                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA)
+    else:
+        _logit_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV,
+                    stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA)
+
+
+@triton.jit
+def _combine_kernel(PM, PS, PQ, OM, OS, OQ, n, NT: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+                    FINAL: tl.constexpr):
+    # FINAL: write lse = M + log S into OM and the entropy log S − Q / S into OS (OQ unused)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < n
     ts = tl.arange(0, BT)
@@ -144,9 +197,14 @@ def _combine_kernel(PM, PS, PQ, OM, OS, OQ, n, NT: tl.constexpr, BR: tl.constexp
         st = tl.load(PS + off, mask=msk, other=0.0)
         tot += tl.sum(st * w, 0)
         q += tl.sum((tl.load(PQ + off, mask=msk, other=0.0) + (m - big[None, :]) * st) * w, 0)
-    tl.store(OM + rows, big, mask=rmask)
-    tl.store(OS + rows, tot, mask=rmask)
-    tl.store(OQ + rows, q, mask=rmask)
+    if FINAL:
+        ls = tl.log(tl.where(rmask, tot, 1.0))
+        tl.store(OM + rows, big + ls, mask=rmask)
+        tl.store(OS + rows, ls - q / tl.where(rmask, tot, 1.0), mask=rmask)
+    else:
+        tl.store(OM + rows, big, mask=rmask)
+        tl.store(OS + rows, tot, mask=rmask)
+        tl.store(OQ + rows, q, mask=rmask)
 
 
 @triton.jit
@@ -209,17 +267,18 @@ def _hidden_grad_kernel(A, AH, LSE, ENT, GH, PTR, TOK, EG, TGT, W, OUT, GOUT, IN
 
 
 @triton.jit
-def _logit_grad_kernel(X, W, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w, stride_dz,
-                       H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
-                       PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr, F32: tl.constexpr):
-    # axis 0 over the block's column tiles: consecutive programs share a tile of X rows
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+def _grad_tile(pid_n, pid_m, X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w,
+               stride_dz, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
+               PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr):
+    """One ``[BM, BN]`` tile of :func:`logit_grad`: GEMM, then ``dz`` in the epilogue."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < T
     rc = tl.minimum(rows, T - 1)
-    acc = _x_wt(X, W, rc, tl.minimum(cols, nb - 1), stride_x, stride_w, H, BM, BN, BK, ACC, PREC, F32)
+    if TMA:
+        acc = _x_wt_tma(XD, WD, pid_m * BM, pid_n * BN, H, BM, BN, BK, ACC, PREC, F32)
+    else:
+        acc = _x_wt(X, W, rc, tl.minimum(cols, nb - 1), stride_x, stride_w, H, BM, BN, BK, ACC, PREC, F32)
     inv_t = tl.load(INV)
     lp = acc * inv_t - tl.load(LSE + rc)[:, None]
     p = tl.exp(lp)
@@ -241,25 +300,94 @@ def _logit_grad_kernel(X, W, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV
              mask=rmask[:, None] & (cols < nb)[None, :])
 
 
+@triton.jit
+def _logit_grad_kernel(X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w,
+                       stride_dz, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr,
+                       F32: tl.constexpr, TMA: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr,
+                       NP: tl.constexpr, INTERP: tl.constexpr):
+    # tile t: column tile t % nn, row tile t // nn, so that consecutive tiles share a tile of X rows
+    # (PERSIST, FLAT, NP as in _logit_tiles_kernel; else a 2-D grid, axis 0 over column tiles)
+    if PERSIST:
+        nn = tl.cdiv(nb, BN)
+        tiles = nn * tl.cdiv(T, BM)
+        pid = tl.program_id(0)
+        if INTERP:
+            it = 0
+            while it < tiles:
+                t = tl.minimum(pid + it, tiles - 1)
+                _grad_tile(t % nn, t // nn, X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV,
+                           stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA)
+                it += NP
+        else:
+            for t in tl.range(pid, tiles, NP, flatten=FLAT):
+                _grad_tile(t % nn, t // nn, X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV,
+                           stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA)
+    else:
+        _grad_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0,
+                   INV, stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA)
+
+
 # ----------------------------------------------------------------------------------------------
 # configurations: explicit (tests, the CPU interpreter) or autotuned on first use per shape (CUDA)
 
-_MM_CONFIGS = {  # (BM, BN, BK, num_warps, num_stages); chosen on an H200 among these on first use
-    "logit_tiles": [(128, TILE_N, 64, 8, 3), (128, TILE_N, 64, 8, 4), (256, TILE_N, 64, 8, 3), (256, TILE_N, 64, 8, 4),
-                    (64, TILE_N, 64, 4, 4)],
-    "logit_grad": [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3),
-                   (128, 128, 64, 4, 4)],
+# (BM, BN, BK, num_warps, num_stages, TMA, PERSIST, FLAT, programs per SM): the autotuner times
+# these on first use per shape and keeps the fastest. Two families: the pointer-based kernels
+# (cp.async pipelines, one program per tile) and tensor-descriptor (TMA) kernels, most of them
+# persistent (one program per SM walking the tiles; FLAT: the loop over tiles and K is one
+# software pipeline, so the next tile's loads overlap this tile's epilogue).
+_MM_CONFIGS = {
+    "logit_tiles": [(256, TILE_N, 64, 8, 3, False, False, False, 1), (128, TILE_N, 64, 8, 4, False, False, False, 1),
+                    (128, TILE_N, 64, 8, 3, True, True, True, 1), (128, TILE_N, 64, 8, 4, True, True, True, 1),
+                    (256, TILE_N, 64, 8, 3, True, True, True, 1), (128, TILE_N, 64, 4, 3, True, True, True, 2),
+                    (256, TILE_N, 64, 8, 3, True, True, False, 1), (256, TILE_N, 64, 8, 3, True, False, False, 1)],
+    "logit_grad": [(128, 256, 64, 8, 3, False, False, False, 1), (128, 128, 64, 8, 3, False, False, False, 1),
+                   (128, 256, 64, 8, 3, True, True, True, 1), (128, 256, 64, 8, 4, True, True, True, 1),
+                   (256, 128, 64, 8, 3, True, True, True, 1), (128, 128, 64, 4, 3, True, True, True, 2),
+                   (128, 256, 64, 8, 3, True, True, False, 1), (128, 256, 64, 8, 3, True, False, False, 1)],
 }
 _KERNELS = {"logit_tiles": _logit_tiles_kernel, "logit_grad": _logit_grad_kernel}
 _INTERPRET_CONFIG = {"BM": 16, "BN": 16, "BK": 16}
+_FLAGS = {"TMA": False, "PERSIST": False, "FLAT": False, "NP": 1}
+_TMA_FAILED: list[str] = []  # kernels whose descriptor launch failed in this process (then pointer-only)
+
+
+def _set_blocks(nargs: dict) -> None:
+    """Autotuner pre-hook: the tensor descriptors' block shapes of the configuration about to run."""
+    if nargs.get("XD") is not None:
+        nargs["XD"].block_shape = [nargs["BM"], nargs["BK"]]
+        nargs["WD"].block_shape = [nargs["BN"], nargs["BK"]]
+
+
+def _bench_or_inf(kernel_call, quantiles):
+    """The autotuner's timing, with any failure of a configuration (one that does not compile or
+    launch with this Triton and GPU, not only the out-of-resources cases Triton skips itself)
+    counted as never fastest."""
+    try:
+        return triton.testing.do_bench(kernel_call, quantiles=quantiles)
+    except Exception:  # noqa: BLE001 - a failing candidate is skipped, the others decide
+        return [float("inf")] * len(quantiles)
 
 
 @functools.cache
-def _tuned(name: str):
-    configs = [triton.Config({"BM": bm, "BK": bk} if name == "logit_tiles" else {"BM": bm, "BN": bn, "BK": bk},
-                             num_warps=w, num_stages=s)  # logit_tiles: BN is fixed (the partials' layout)
-               for bm, bn, bk, w, s in _MM_CONFIGS[name]]
-    return triton.autotune(configs=configs, key=["H", "V"] if name == "logit_tiles" else ["H"])(_KERNELS[name])
+def _tuned(name: str, tma: bool, sms: int):
+    """Autotuned kernel ``name`` over its configurations (only the pointer-based ones unless ``tma``);
+    ``sms``: the device's multiprocessor count (persistent grids)."""
+    configs = []
+    for bm, bn, bk, w, st, use_tma, persist, flat, occ in _MM_CONFIGS[name]:
+        if use_tma and not tma:
+            continue
+        kw = {"BM": bm, "BK": bk, "TMA": use_tma, "PERSIST": persist, "FLAT": flat, "NP": sms * occ if persist else 1}
+        if name != "logit_tiles":  # logit_tiles: BN is fixed (the partials' layout)
+            kw["BN"] = bn
+        configs.append(triton.Config(kw, num_warps=w, num_stages=st, pre_hook=_set_blocks))
+    return triton.autotune(configs=configs, key=["H", "V"] if name == "logit_tiles" else ["H"],
+                           do_bench=_bench_or_inf)(_KERNELS[name])
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _interpreting() -> bool:
@@ -268,22 +396,80 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launch(name: str, grid, args: dict, config: dict | None):
-    """Run kernel ``name`` with ``config`` ({BM, BN, BK, num_warps, num_stages}); ``None``: the
-    autotuned kernel on CUDA, the small interpreter tiles elsewhere."""
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether ``ts`` (2-D, rows dense) can be read through tensor descriptors: 16-byte aligned base
+    and row stride, no empty dimension; on CUDA also compute capability 9.0 or newer."""
+    for t in ts:
+        if t.dim() != 2 or min(t.shape) == 0 or t.stride(-1) != 1 or t.data_ptr() % 16 \
+                or (t.stride(0) * t.element_size()) % 16:
+            return False
+    if _interpreting():
+        return True
+    return ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] >= 9
+
+
+def _descriptors(x: torch.Tensor, w: torch.Tensor, config: dict | None, bn: int | None = None):
+    """Tensor descriptors of ``x [rows, H]`` and ``w [cols, H]`` with the block shapes of an explicit
+    ``config`` (``bn``: a fixed column tile), or of the interpreter's tiles; placeholders under the
+    autotuner, whose pre-hook sets them per configuration."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = config or (_INTERPRET_CONFIG if _interpreting() else {"BM": 16, "BN": 16, "BK": 16})
+    bm, bk, bn = cfg["BM"], cfg["BK"], bn or cfg["BN"]
+    return (TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, bk]),
+            TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk]))
+
+
+def _launch(name: str, grid, args: dict, config: dict | None, tma: bool):
+    """Run kernel ``name`` with ``config`` ({BM, BN, BK, TMA, PERSIST, FLAT, NP, num_warps,
+    num_stages}; missing flags False, NP 1); ``None``: the autotuned kernel on CUDA, the small
+    interpreter tiles elsewhere. ``tma``: the descriptors ``XD, WD`` in ``args`` are usable."""
     if config is None and not _interpreting():
-        _tuned(name)[grid](**args)
+        sms = _sm_count(args["X"].device.index or 0)
+        if tma and not _TMA_FAILED:
+            try:
+                _tuned(name, True, sms)[grid](**args, INTERP=False)
+                return
+            except Exception as e:  # noqa: BLE001 - e.g. a descriptor this driver refuses: pointer kernels instead
+                import warnings
+
+                warnings.warn(f"harts.lm_head_triton: {name} through tensor descriptors failed ({e!r}); using the "
+                              "pointer-based kernels from now on", RuntimeWarning, stacklevel=2)
+                _TMA_FAILED.append(name)
+        _tuned(name, False, sms)[grid](**{**args, "XD": None, "WD": None}, INTERP=False)
         return
-    cfg = dict(config or _INTERPRET_CONFIG)
+    cfg = {**_FLAGS, **(config or _INTERPRET_CONFIG)}
+    if cfg["TMA"] and not tma:
+        raise ValueError(f"{name}: config {config} reads through tensor descriptors, which these operands do not allow")
     if name == "logit_tiles":
         cfg.pop("BN", None)  # fixed: the partials' layout
-    _KERNELS[name][grid](**args, **cfg)
+    _KERNELS[name][grid](**args, **cfg, INTERP=_interpreting())
 
 
 def tuned_config(name: str) -> dict | None:
-    """The configuration the autotuner chose for kernel ``name`` (None before its first run)."""
-    best = getattr(_tuned(name), "best_config", None)
+    """The configuration the autotuner chose for kernel ``name`` on the current device (None before
+    its first run)."""
+    if not torch.cuda.is_available():
+        return None
+    best = None
+    for tma in (True, False):
+        best = best or getattr(_tuned(name, tma, _sm_count(torch.cuda.current_device())), "best_config", None)
     return None if best is None else {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+
+
+def tuning_record(name: str) -> list[dict]:
+    """Every configuration the autotuner timed for kernel ``name`` (last tuned shape), with its
+    median ms (inf: failed or out of resources), fastest first."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for tma in (True, False):
+        timings = getattr(_tuned(name, tma, _sm_count(torch.cuda.current_device())), "configs_timings", None) or {}
+        for c, t in timings.items():
+            ms = t[0] if isinstance(t, (list, tuple)) else t
+            out.append({**{k: v for k, v in c.kwargs.items()}, "num_warps": c.num_warps, "num_stages": c.num_stages,
+                        "ms": float(ms)})
+    return sorted(out, key=lambda r: r["ms"])
 
 
 def _acc(dtype: torch.dtype):
@@ -334,20 +520,32 @@ def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: to
     pm, ps, pq = torch.empty(3, nt, n, dtype=acc, device=h.device)
     # rows padded to a multiple of 64 elements: aligned rows let the GEMM loads pipeline (cp.async)
     e = torch.empty(n, -(-v // 64) * 64, dtype=w.dtype, device=h.device)[:, :v] if store_e else None
-    args = dict(X=h, W=w, E=pm if e is None else e, PM=pm, PS=ps, PQ=pq, TGT=tgt, PTR=row_ptr, TOK=tok, n=n,
-                INV=inv_t, stride_x=h.stride(0), stride_w=w.stride(0), stride_e=0 if e is None else e.stride(0), H=hd,
-                V=v, BN=TILE_N, ACC=_acc(h.dtype), PREC=_prec(h.dtype), LOW=_low(w.dtype), STORE_E=store_e,
-                F32=_f32_dots(h.dtype))
-    _launch("logit_tiles", lambda meta: (triton.cdiv(n, meta["BM"]), nt), args, config)
+    tma = _tma_ok(h, w)
+    xd, wd = _descriptors(h, w, config, TILE_N) if tma else (None, None)
+    args = dict(X=h, W=w, XD=xd, WD=wd, E=pm if e is None else e, PM=pm, PS=ps, PQ=pq, TGT=tgt, PTR=row_ptr, TOK=tok,
+                n=n, V=v, INV=inv_t, stride_x=h.stride(0), stride_w=w.stride(0),
+                stride_e=0 if e is None else e.stride(0), H=hd, BN=TILE_N, ACC=_acc(h.dtype), PREC=_prec(h.dtype),
+                LOW=_low(w.dtype), STORE_E=store_e, F32=_f32_dots(h.dtype))
+
+    def grid(meta):
+        tiles_m = triton.cdiv(n, meta["BM"])
+        return (min(meta["NP"], tiles_m * nt),) if meta["PERSIST"] else (tiles_m, nt)
+    _launch("logit_tiles", grid, args, config, tma)
     return e, pm, ps, pq
 
 
-def combine_tiles(pm: torch.Tensor, ps: torch.Tensor, pq: torch.Tensor):
-    """``(M, S, Q) [n]`` of the tile partials ``[tiles, n]`` (module docstring)."""
+def combine_tiles(pm: torch.Tensor, ps: torch.Tensor, pq: torch.Tensor, *, lse: torch.Tensor | None = None,
+                  ent: torch.Tensor | None = None):
+    """``(M, S, Q) [n]`` of the tile partials ``[tiles, n]`` (module docstring); with ``lse`` and
+    ``ent`` given (``[n]`` each, the partials' dtype), writes ``lse = M + log S`` and the entropy
+    ``log S − Q / S`` there instead and returns ``(lse, ent)``."""
     nt, n = pm.shape
-    out = torch.empty(3, n, dtype=pm.dtype, device=pm.device)
     br, bt = (16, 16) if _interpreting() else (32, 64)
-    _combine_kernel[(triton.cdiv(n, br),)](pm, ps, pq, out[0], out[1], out[2], n, NT=nt, BR=br, BT=bt)
+    if lse is not None:
+        _combine_kernel[(triton.cdiv(n, br),)](pm, ps, pq, lse, ent, lse, n, NT=nt, BR=br, BT=bt, FINAL=True)
+        return lse, ent
+    out = torch.empty(3, n, dtype=pm.dtype, device=pm.device)
+    _combine_kernel[(triton.cdiv(n, br),)](pm, ps, pq, out[0], out[1], out[2], n, NT=nt, BR=br, BT=bt, FINAL=False)
     return out[0], out[1], out[2]
 
 
@@ -389,11 +587,17 @@ def logit_grad(h: torch.Tensor, w_block: torch.Tensor, col0: int, lse: torch.Ten
     nb = w_block.shape[0]
     h, w_block = _rows_dense(h), _rows_dense(w_block)
     has_ent = g_ent is not None
-    args = dict(X=h, W=w_block, DZ=out, LSE=lse, G=gsum, GH=g_ent if has_ent else lse, ENT=ent, PTR=row_ptr, TOK=tok,
-                EG=g_edge, T=t, nb=nb, col0=col0, INV=inv_t, stride_x=h.stride(0), stride_w=w_block.stride(0),
-                stride_dz=out.stride(0), H=hd, ACC=_acc(h.dtype), PREC=_prec(h.dtype), LOW=_low(out.dtype),
-                HAS_ENT=has_ent, F32=_f32_dots(h.dtype))
-    _launch("logit_grad", lambda meta: (triton.cdiv(nb, meta["BN"]), triton.cdiv(t, meta["BM"])), args, config)
+    tma = _tma_ok(h, w_block)
+    xd, wd = _descriptors(h, w_block, config) if tma else (None, None)
+    args = dict(X=h, W=w_block, XD=xd, WD=wd, DZ=out, LSE=lse, G=gsum, GH=g_ent if has_ent else lse, ENT=ent,
+                PTR=row_ptr, TOK=tok, EG=g_edge, T=t, nb=nb, col0=col0, INV=inv_t, stride_x=h.stride(0),
+                stride_w=w_block.stride(0), stride_dz=out.stride(0), H=hd, ACC=_acc(h.dtype), PREC=_prec(h.dtype),
+                LOW=_low(out.dtype), HAS_ENT=has_ent, F32=_f32_dots(h.dtype))
+
+    def grid(meta):
+        tiles_n, tiles_m = triton.cdiv(nb, meta["BN"]), triton.cdiv(t, meta["BM"])
+        return (min(meta["NP"], tiles_n * tiles_m),) if meta["PERSIST"] else (tiles_n, tiles_m)
+    _launch("logit_grad", grid, args, config, tma)
     return out
 
 

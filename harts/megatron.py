@@ -341,14 +341,17 @@ def make_tree_params(forest: Forest, *, backend: AttentionBackend | str = Attent
 
 
 def _head_edges_host(tokens: torch.Tensor, parent: np.ndarray) -> HeadEdges:
-    """:func:`harts.lm_head.head_edges` from the host copy of ``parent`` (the same edges and
-    offsets, uploaded in one non-blocking copy; the tokens are gathered on their device)."""
+    """:func:`harts.lm_head.head_edges` from the host copy of ``parent`` (the same edges, offsets
+    and device CSR ``row_ptr``, uploaded in one non-blocking copy; the tokens are gathered on their
+    device). Without ``row_ptr`` the head would copy the offsets itself, a pageable copy that waits
+    for the GPU once per microbatch."""
     child = np.flatnonzero(parent >= 0)
     child = child[np.argsort(parent[child], kind="stable")]
     e_parent = parent[child]
     off = np.searchsorted(e_parent, np.arange(parent.size + 1))
-    child_d, parent_d = upload([child, e_parent], tokens.device)
-    return HeadEdges(child=child_d, parent=parent_d, token=tokens.index_select(0, child_d), offsets=tuple(off.tolist()))
+    child_d, parent_d, off_d = upload([child, e_parent, off], tokens.device)
+    return HeadEdges(child=child_d, parent=parent_d, token=tokens.index_select(0, child_d), offsets=tuple(off.tolist()),
+                     row_ptr=off_d.to(torch.int32))
 
 
 def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, temperature: float,

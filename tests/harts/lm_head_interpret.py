@@ -4,7 +4,7 @@ interpreter. Started by ``tests/harts/test_lm_head.py`` in a subprocess with ``T
 to the reference's scale (``max |out − ref| / max(max |ref|, 1e-300)``):
 
 * ``kernel …``: each Triton kernel against its plain-torch reference (same contract, same inputs) in
-  fp64, fp32 and bf16, on a forest with forks, a vocabulary shard that some targets fall outside of,
+  fp64, fp32 and bf16 (the GEMM kernels in each variant the GPU's autotuner chooses among), on a forest with forks, a vocabulary shard that some targets fall outside of,
   ``H`` and ``V`` that are not multiples of the tiles;
 * ``head …``: :func:`harts.lm_head.tree_lm_head` with ``impl="triton"`` in fp64 against the
   full-logits reference (forward and backward), with and without a differentiable entropy, several
@@ -26,6 +26,14 @@ from harts.reference import tree_head_reference
 
 SEQS = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [5, 6, 7, 13], [1, 2, 3, 4, 7], [1, 2, 3, 8, 9], [1, 2, 3, 8, 10],
         [1, 2, 12], [3, 4, 5, 6], [3, 4, 5, 6], [9, 3, 4, 5], [4, 4, 4, 4], [2, 5], [250, 251, 1, 299, 298]]
+
+
+# the GEMM kernels' variants (harts.lm_head_triton._MM_CONFIGS): pointer loads, one program per tile
+# (the interpreter's default tiles); tensor descriptors (TMA); persistent programs walking the tiles
+# (fewer programs than tiles, so each takes several, and a repeated last one), with and without TMA
+VARIANTS = {"": None, " tma": {"BM": 16, "BK": 8, "TMA": True},
+            " persistent": {"BM": 32, "BK": 16, "PERSIST": True, "NP": 3},
+            " tma-persistent": {"BM": 16, "BK": 16, "TMA": True, "PERSIST": True, "FLAT": True, "NP": 4}}
 
 
 def _err(out, ref) -> float:
@@ -50,15 +58,20 @@ def kernels(dtype: torch.dtype) -> dict[str, float]:
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     inv = torch.full((1,), 1 / 0.7, dtype=acc)
     out = {}
-    tgt, tgt_r = torch.zeros(tok.numel(), dtype=acc), torch.zeros(tok.numel(), dtype=acc)
-    e, pm, ps, pq = tri.logit_tiles(h, w, row_ptr, tok, tgt, inv)
+    tgt_r = torch.zeros(tok.numel(), dtype=acc)
     er, pmr, psr, pqr = tri.logit_tiles_reference(h, w, row_ptr, tok, tgt_r, inv)
-    for name, a, b in (("E", e, er), ("m", pm, pmr), ("S", ps, psr), ("Q", pq, pqr), ("tgt", tgt, tgt_r)):
-        out[f"kernel logit_tiles {name}"] = _err(a, b)
+    for variant, cfg in VARIANTS.items():  # H = 24: 16-byte aligned rows in every dtype, so TMA applies
+        tgt = torch.zeros(tok.numel(), dtype=acc)
+        e, pm, ps, pq = tri.logit_tiles(h, w, row_ptr, tok, tgt, inv, config=cfg and {**cfg, "BN": 16})
+        for name, a, b in (("E", e, er), ("m", pm, pmr), ("S", ps, psr), ("Q", pq, pqr), ("tgt", tgt, tgt_r)):
+            out[f"kernel logit_tiles{variant} {name}"] = _err(a, b)
     m, se, es = tri.combine_tiles(pm, ps, pq)
     for name, a, b in zip("MSQ", (m, se, es), tri.combine_tiles_reference(pm, ps, pq), strict=True):
         out[f"kernel combine {name}"] = _err(a, b)
     lse, ent = m + torch.log(se), torch.log(se) - es / se
+    lse_f, ent_f = torch.empty_like(lse), torch.empty_like(ent)
+    tri.combine_tiles(pm, ps, pq, lse=lse_f, ent=ent_f)
+    out["kernel combine lse"], out["kernel combine entropy"] = _err(lse_f, lse), _err(ent_f, ent)
     p_ref = tri.scale_tiles_reference(e, pm, lse, ent)
     out["kernel scale_tiles p"] = _err(tri.scale_tiles(e.clone(), pm, lse, ent), p_ref)
     out["kernel scale_tiles entropy"] = _err(tri.scale_tiles(p_ref.clone(), pm, lse, ent, entropy=True),
@@ -74,10 +87,11 @@ def kernels(dtype: torch.dtype) -> dict[str, float]:
         out[f"kernel hidden_grad ent={with_ent}"] = _err(dh, dh_r)
         out[f"kernel hidden_grad G ent={with_ent}"] = _err(gs, gs_r)
         for c0, nb in ((0, 128), (128, 100), (250, 50)):
-            dz = tri.logit_grad(h, w[c0:c0 + nb], c0, lse, gs, ge, ent, row_ptr, tok, g_edge, inv,
-                                torch.empty(t, nb, dtype=dtype))
             ref = tri.logit_grad_reference(h, w[c0:c0 + nb], c0, lse, gs_r, ge, ent, row_ptr, tok, g_edge, inv)
-            out[f"kernel logit_grad ent={with_ent} cols {c0}+{nb}"] = _err(dz, ref)
+            for variant, cfg in VARIANTS.items():
+                dz = tri.logit_grad(h, w[c0:c0 + nb], c0, lse, gs, ge, ent, row_ptr, tok, g_edge, inv,
+                                    torch.empty(t, nb, dtype=dtype), config=cfg and {**cfg, "BN": 32})
+                out[f"kernel logit_grad{variant} ent={with_ent} cols {c0}+{nb}"] = _err(dz, ref)
     return {f"{k} {str(dtype)[6:]}": val for k, val in out.items()}
 
 
@@ -121,6 +135,15 @@ def heads() -> dict[str, float]:
                    sum_objective=True)
     for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
         out[f"head fp64 sum-objective H=32 {name}"] = val
+    # the same through the persistent TMA kernels (what the GPU's autotuner may pick)
+    default = tri._INTERPRET_CONFIG
+    tri._INTERPRET_CONFIG = {"BM": 16, "BN": 32, "BK": 16, "TMA": True, "PERSIST": True, "FLAT": True, "NP": 3}
+    try:
+        e = _head_case(f, v=301, hd=32, dtype=torch.float64, chunk=24, vocab_block=96, temp=0.8, ent_grad=True)
+    finally:
+        tri._INTERPRET_CONFIG = default
+    for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
+        out[f"head fp64 tma-persistent H=32 {name}"] = val
     e = _head_case(f, v=301, hd=20, dtype=torch.bfloat16, chunk=16, vocab_block=128, temp=1.0, ent_grad=True)
     for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
         out[f"head bf16 {name}"] = val
