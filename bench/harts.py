@@ -38,7 +38,7 @@ Run: ``python -m bench.harts`` on a GPU (≈2 min on an H200: providers thdv, tr
 ``--providers all`` for the FlexAttention ones and ``--fused-head`` for the head's compiled torch
 path, each costing compile time; ``--cases rho=0.75 --profile rho=0.75`` adds GPU kernel time by kind
 per provider and chrome traces), ``python -m bench.harts --quick`` for a CPU smoke run (dense
-attention backend, tiny sizes). Writes ``harts.json`` and ``harts.png``
+attention backend, tiny sizes). Writes ``harts.json``, ``harts.png`` (and with ``--runs`` > 1 ``harts_xc_min5.json`` and ``harts_xc_min5.png``)
 into ``bench._common.out_dir()`` and prints the tables last.
 """
 
@@ -376,6 +376,34 @@ def _plot(plots, path):
                       path, ylabel="fwd+bwd step speedup")
 
 
+def plot_xc_runs(xc: dict, path) -> None:
+    """x/C of every run per case (dots), the minimum over the runs (bar) and the 0.90 target line,
+    from ``harts_xc_min5.json``'s ``runs`` and ``min_x_over_C``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(xc["min_x_over_C"])
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, case in enumerate(cases):
+        vals = [run[case]["x_over_C"] for run in xc["runs"] if case in run]
+        ax.bar(i, xc["min_x_over_C"][case], color="tab:green" if xc["min_x_over_C"][case] >= 0.9 else "tab:red",
+               alpha=0.35, width=0.6)
+        ax.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
+        ax.annotate(f"min {xc['min_x_over_C'][case]:.3f}", (i + 0.31, xc["min_x_over_C"][case]), ha="left",
+                    va="center", fontsize=7)
+    ax.axhline(0.9, color="black", linestyle=":", linewidth=1, label="target 0.90")
+    ax.set_xticks(range(len(cases)), cases, fontsize=8)
+    lo = min(min(run[c]["x_over_C"] for run in xc["runs"] if c in run) for c in cases)
+    ax.set_ylim(min(0.7, lo - 0.02), 1.0)
+    ax.set_ylabel("x / C")
+    ax.set_title(f"harts x/C: {len(xc['runs'])} interleaved runs (dots), minimum (bar)", fontsize=9)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     from harts.config import PlannerConfig
 
@@ -428,6 +456,7 @@ def main():
     path = write_results("harts", rows, extra)
     if args.xc and args.xc["min_x_over_C"]:
         extra["xc_min_path"] = str(write_xc_min(args.xc, args))
+        plot_xc_runs(args.xc, out_dir() / "harts_xc_min5.png")
     if plots:
         _plot(plots, out_dir() / "harts.png")
     print(f"wrote {path} in {extra['wall_s']:.0f} s; fallback_compression used {args.fallback}; crossover "
