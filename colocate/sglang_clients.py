@@ -132,24 +132,42 @@ def engine_devices(server_args: dict[str, Any], devices: Sequence[int] | None) -
 
 class EngineClient:
     """An in-process ``sglang.Engine`` (``checksum_fn``: stands in for :func:`sglang_checksum`).
-    Its weight version is kept here (the engine has no version of its own in 0.5.17)."""
+    Its weight version is kept here (the engine has no version of its own in 0.5.17).
+
+    ``call_timeout_s``: the deadline of each engine call (None: none). The engine's calls block
+    on its asyncio loop until the scheduler answers; with a deadline each runs in a helper thread
+    and a call that does not return in time raises :class:`~colocate.errors.ReceiverTimeout`
+    (a hung or SIGKILLed scheduler: nothing answers). The engine is unusable after that (its
+    loop is still inside the abandoned call): later calls raise
+    :class:`~colocate.errors.ReceiverDied` and only :meth:`shutdown` runs. A scheduler that
+    *raises* makes SGLang kill the owning process itself (its SIGQUIT handler), which no
+    deadline can turn into an exception: run the engine as a server
+    (:meth:`HTTPClient.launch`) where the owner must survive a crashed engine."""
 
     ipc = "cuda"
     owner = "sglang"
 
-    def __init__(self, engine: Any, *, checksum_fn: Any = None):
+    def __init__(self, engine: Any, *, checksum_fn: Any = None, call_timeout_s: float | None = None):
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ConfigError(f"EngineClient call_timeout_s must be > 0 or None, got {call_timeout_s!r}")
         self.engine = engine
         self._checksum = checksum_fn or sglang_checksum
         self._version: str | None = None
+        self.call_timeout_s = call_timeout_s
+        self.broken: str | None = None
+        """Why the engine cannot be called any more (a call that missed its deadline), or None."""
         self.tp_size = int(getattr(getattr(engine, "server_args", None), "tp_size", 1) or 1)
         self.has_bracket = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
         self.allocator = allocator_config()  # SGLang's schedulers inherit this process's environment
 
     @classmethod
-    def launch(cls, *, hide_megatron: bool = True, **engine_kwargs: Any) -> EngineClient:
+    def launch(cls, *, hide_megatron: bool = True, call_timeout_s: float | None = None,
+               **engine_kwargs: Any) -> EngineClient:
         """Start ``sglang.Engine(**engine_kwargs)`` (lazy import). With ``hide_megatron`` the engine
         starts with :func:`~colocate.sglang_engine.hide_megatron_dir` first on ``sys.path``, which
-        SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once."""
+        SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once.
+        (The start has no deadline here: SGLang's own start-up raises when a process it spawned
+        dies, e.g. for a bad ``model_path``.)"""
         import sglang
 
         from colocate.sglang_engine import hide_megatron_dir
@@ -162,37 +180,65 @@ class EngineClient:
         finally:
             if shadow is not None and shadow in sys.path:
                 sys.path.remove(shadow)
-        return cls(engine)
+        return cls(engine, call_timeout_s=call_timeout_s)
 
-    def _checked(self, what: str, result: Any) -> Any:
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` within :attr:`call_timeout_s` (see the class docstring)."""
+        if self.broken is not None:
+            raise ReceiverDied(f"sglang engine unusable ({self.broken}); shut it down and start another")
+        if self.call_timeout_s is None:
+            return fn(*args, **kwargs)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"sglang-{what}", daemon=True).start()
+        if not done.wait(self.call_timeout_s):
+            self.broken = f"{what} did not return within {self.call_timeout_s:.1f}s"
+            raise ReceiverTimeout(f"sglang engine: {self.broken} (scheduler hung or dead)")
+        if "error" in box:
+            raise box.pop("error")
+        return box["result"]
+
+    def _checked(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        result = self._call(what, fn, *args, **kwargs)
         ok, msg = _ok(result)
         if not ok:
             raise UpdateError(f"sglang {what} failed: {msg}")
         return result
 
     def begin_weight_update(self) -> None:
-        self._checked("begin_weight_update", self.engine.begin_weight_update())
+        self._checked("begin_weight_update", self.engine.begin_weight_update)
 
     def end_weight_update(self) -> None:
-        self._checked("end_weight_update", self.engine.end_weight_update())
+        self._checked("end_weight_update", self.engine.end_weight_update)
 
-    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self._checked("update_weights_from_tensor",
-                      self.engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=False))
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]], *, flush_cache: bool = False) -> None:
+        """One load of HF-named tensors; ``flush_cache``: SGLang flushes its radix cache after the
+        load, in the same call (it asserts, in the scheduler, that no request is running)."""
+        self._checked("update_weights_from_tensor", self.engine.update_weights_from_tensor, named_tensors=named,
+                      load_format=None, flush_cache=flush_cache)
 
     def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
-        self._checked(f"update_weights_from_disk({model_path!r})", self.engine.update_weights_from_disk(model_path))
+        self._checked(f"update_weights_from_disk({model_path!r})", self.engine.update_weights_from_disk, model_path)
         self._version = version
 
     def memory_occupation(self, op: str, tag: str) -> None:
         """``release`` or ``resume`` one tag."""
-        self._checked(f"{op}_memory_occupation({tag})", getattr(self.engine, f"{op}_memory_occupation")(tags=[tag]))
+        self._checked(f"{op}_memory_occupation({tag})", getattr(self.engine, f"{op}_memory_occupation"), tags=[tag])
 
     def flush_cache(self) -> None:
-        self.engine.flush_cache()
+        self._checked("flush_cache", self.engine.flush_cache)
 
     def checksum(self) -> str:
-        return self._checksum(self.engine)
+        return self._call("checksum", self._checksum, self.engine)
 
     def weight_version(self) -> str | None:
         return self._version
@@ -203,8 +249,8 @@ class EngineClient:
     def generate(self, input_ids: list[list[int]], sampling_params: dict, *, return_logprob: bool,
                  logprob_start_len: int | None = None) -> list[dict]:
         extra = {} if logprob_start_len is None else {"logprob_start_len": logprob_start_len}
-        return self.engine.generate(input_ids=input_ids, sampling_params=sampling_params,
-                                    return_logprob=return_logprob, **extra)
+        return self._call("generate", self.engine.generate, input_ids=input_ids, sampling_params=sampling_params,
+                          return_logprob=return_logprob, **extra)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -309,11 +355,11 @@ class HTTPClient:
     def end_weight_update(self) -> None:
         self.post("/end_weight_update", {})
 
-    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]], *, flush_cache: bool = False) -> None:
         # one payload per TP rank (each rank opens and releases its own handles)
         payloads = [serialize_named_tensors(named) for _ in range(self.tp_size)]
         self.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads, "load_format": None,
-                                                  "flush_cache": False})
+                                                  "flush_cache": flush_cache})
 
     def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
         self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})

@@ -52,7 +52,8 @@ def probe() -> dict:
         megatron = "imported"
     except ImportError as e:
         megatron = f"ImportError: {e}"
-    keys = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTHONPATH", "COLOCATE_ROLE", "MCD_ROLE_VAR")
+    keys = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTHONPATH", "COLOCATE_ROLE",
+            "MCD_ROLE_VAR", "SGLANG_MEMORY_SAVER_CUDA_GRAPH", "HF_HUB_OFFLINE")
     return {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
             "megatron": megatron}
 
@@ -75,6 +76,8 @@ class ContractServer:
         self.busy = False
         self.fail_next_update = False
         self.delay_s = 0.0
+        self.generate_delay_s = 0.0
+        self.version_suffix = ""  # injected fault: the stamped version reads back changed
         self.trickle_s = 0.0  # > 0: every reply is written one byte at a time, this far apart
         self.log: list[str] = []
         outer = self
@@ -152,6 +155,8 @@ class ContractServer:
             with torch.no_grad():
                 for n, t in named:
                     self.views[n].copy_(t)  # in place, as SGLang's loaders do
+            if body.get("flush_cache"):
+                self.log.append("flush(in update)")
             return 200, ok
         if path == "/update_weights_from_disk":
             f = os.path.join(body["model_path"], "model.safetensors")
@@ -166,7 +171,7 @@ class ContractServer:
                 self.version = body["weight_version"]
             return 200, ok
         if path == "/update_weight_version":
-            self.version = body["new_version"]
+            self.version = body["new_version"] + (self.version_suffix if body["new_version"] != "poisoned" else "")
             return 200, ok
         if path == "/weights_checker":
             return 200, {"success": True, "message": "", "per_engine_checksum": self.checksum()}
@@ -189,6 +194,7 @@ class ContractServer:
                 self.released -= set(tags)
             return 200, None
         if path == "/generate":
+            time.sleep(self.generate_delay_s)
             return 200, self.generate(body)
         if path == "/probe":  # what the process was started with (launch tests)
             return 200, probe()
@@ -221,6 +227,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--bracket", action="store_true")
+    ap.add_argument("--generate-delay-s", type=float, default=0.0)  # a long generation (crash tests)
     args, _ = ap.parse_known_args()  # the other sglang flags (tp-size, base-gpu-id, ...) are ignored
     if os.environ.get("MCD_MP_AUTHKEY"):  # shared-memory CPU tensors (file descriptors) come from the owner:
         import multiprocessing  # its resource sharer accepts processes with its authkey only
@@ -230,6 +237,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="eager")
     server = ContractServer(bracket=args.bracket, model=model.eval(), host=args.host, port=args.port)
+    server.generate_delay_s = args.generate_delay_s
     print(f"serving {server.url}", flush=True)
     threading.Event().wait()
 
