@@ -203,11 +203,13 @@ class ContractServer:
     @torch.no_grad()
     def generate(self, body):
         single = body["input_ids"] and isinstance(body["input_ids"][0], int)
+        prompts = [body["input_ids"]] if single else body["input_ids"]
+        starts = body.get("logprob_start_len")
+        starts = starts if isinstance(starts, list) else [starts] * len(prompts)  # per row, or one for all
         outs = []
-        for ids in [body["input_ids"]] if single else body["input_ids"]:
+        for ids, start in zip(prompts, starts, strict=True):
             ids = list(ids)
             lp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
-            rows = [[None, ids[0], None]] + [[lp[i - 1, ids[i]].item(), ids[i], None] for i in range(1, len(ids))]
             out_ids, out_lp = [], []
             for _ in range(body["sampling_params"]["max_new_tokens"]):
                 last = torch.log_softmax(self.model(input_ids=torch.tensor([ids + out_ids])).logits[0, -1].double(), -1)
@@ -215,8 +217,9 @@ class ContractServer:
                 out_ids.append(tok)
                 out_lp.append([last[tok].item(), tok, None])
             meta = {"output_token_logprobs": out_lp}
-            if body.get("logprob_start_len") == 0:
-                meta["input_token_logprobs"] = rows
+            if start is not None and start >= 0:  # SGLang pads the first entry (token ``start``) with None
+                meta["input_token_logprobs"] = [[None, ids[start], None]] + [
+                    [lp[i - 1, ids[i]].item(), ids[i], None] for i in range(start + 1, len(ids))]
             outs.append({"output_ids": out_ids, "meta_info": meta})
         return outs[0] if single else outs
 
