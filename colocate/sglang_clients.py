@@ -46,6 +46,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import urllib.parse
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -60,7 +61,7 @@ from colocate.residency import allocator_config
 from colocate.workers import LocalScheduler, merge_env
 
 __all__ = ["EngineClient", "HTTPClient", "serialize_named_tensors", "server_args_to_cli", "sglang_checksum",
-           "engine_devices"]
+           "engine_devices", "flattened_bucket"]
 
 
 def _ok(result: Any) -> tuple[bool, str]:
@@ -79,6 +80,32 @@ def sglang_checksum(engine: Any) -> str:
     r = engine.loop.run_until_complete(
         engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
     return str(r[-1] if isinstance(r, tuple | list) else r)
+
+
+def flattened_bucket(buffer: torch.Tensor, entries: Sequence[Any]) -> dict[str, Any]:
+    """SGLang's ``load_format="flattened_bucket"`` payload for tensors at byte offsets of one
+    buffer (a packed bucket, or a trainer storage sent in place): ``{"flattened_tensor": the
+    buffer as bytes, "metadata": [name, shape, dtype, start_idx, end_idx, numel (bytes)]}``.
+    SGLang rebuilds the tensors as views of the buffer (``FlattenedTensorBucket``), so one CUDA
+    IPC handle and one event cross instead of one per tensor. The metadata are
+    ``types.SimpleNamespace`` objects: SGLang reads them by attribute, and its unpickler
+    (``SafeUnpickler``) admits ``types`` and ``torch`` classes, none of ours. ``entries``:
+    objects with ``name``, ``shape``, ``dtype``, ``offset`` (:class:`~colocate.buckets.Entry`)."""
+    flat = buffer.view(torch.uint8).reshape(-1)
+    meta = []
+    for e in entries:
+        n = e.dtype.itemsize
+        for x in e.shape:
+            n *= int(x)
+        meta.append(types.SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=e.dtype,
+                                          start_idx=int(e.offset), end_idx=int(e.offset) + n, numel=n))
+    return {"flattened_tensor": flat, "metadata": meta}
+
+
+def _dump(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -226,6 +253,13 @@ class EngineClient:
         self._checked("update_weights_from_tensor", self.engine.update_weights_from_tensor, named_tensors=named,
                       load_format=None, flush_cache=flush_cache)
 
+    def update_weights_from_bucket(self, payload: dict[str, Any], *, flush_cache: bool = False) -> None:
+        """One load of a :func:`flattened_bucket` payload (``load_format="flattened_bucket"``;
+        the engine takes it pre-serialized, one payload per TP rank)."""
+        data = [_dump(payload) for _ in range(self.tp_size)]  # one dump per rank: each releases its own handles
+        self._checked("update_weights_from_tensor(flattened_bucket)", self.engine.update_weights_from_tensor,
+                      named_tensors=data, load_format="flattened_bucket", flush_cache=flush_cache)
+
     def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
         self._checked(f"update_weights_from_disk({model_path!r})", self.engine.update_weights_from_disk, model_path)
         self._version = version
@@ -360,6 +394,12 @@ class HTTPClient:
         payloads = [serialize_named_tensors(named) for _ in range(self.tp_size)]
         self.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads, "load_format": None,
                                                   "flush_cache": flush_cache})
+
+    def update_weights_from_bucket(self, payload: dict[str, Any], *, flush_cache: bool = False) -> None:
+        """One load of a :func:`flattened_bucket` payload, one base64 copy per TP rank."""
+        data = [base64.b64encode(_dump(payload)).decode("ascii") for _ in range(self.tp_size)]
+        self.post("/update_weights_from_tensor", {"serialized_named_tensors": data,
+                                                  "load_format": "flattened_bucket", "flush_cache": flush_cache})
 
     def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
         self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})

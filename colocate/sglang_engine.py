@@ -32,6 +32,7 @@ or a ``sglang.launch_server`` over HTTP (:meth:`SGLangEngine.connect`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -46,7 +47,7 @@ from colocate.config import HFModelSpec, SGLangServerConfig
 from colocate.convert import check_params, hf_param_specs
 from colocate.errors import BusyError, UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
-from colocate.sglang_clients import EngineClient, HTTPClient, sglang_checksum
+from colocate.sglang_clients import EngineClient, HTTPClient, flattened_bucket, sglang_checksum
 from mcore_distill.atomic import atomic_write_bytes, publish_directory, temp_directory_for
 
 __all__ = ["SGLangEngine", "hide_megatron_dir", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args",
@@ -176,19 +177,21 @@ class SGLangEngine:
     :class:`~colocate.sglang_clients.EngineClient` or :class:`~colocate.sglang_clients.HTTPClient`;
     see the module docstring). ``dtype`` is the dtype the publisher sends. ``commit_checksum``:
     read SGLang's weight checksum at every commit into :attr:`last_checksum` (a hash of every
-    weight, ~5–25 ms; off by default: :meth:`checksum` reads it on demand)."""
+    weight, ~5–25 ms; off by default: :meth:`checksum` reads it on demand). ``flattened``: hand
+    each buffer over as SGLang's ``flattened_bucket`` (one IPC handle and event per buffer, the
+    tensors rebuilt as views there) instead of one tensor per name (one each)."""
 
     unsynced_acks = True
     verifies_checksums = False
 
     def __init__(self, client: EngineClient | HTTPClient, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16,
-                 commit_checksum: bool = False):
+                 commit_checksum: bool = False, flattened: bool = False):
         self.client, self.spec, self.dtype = client, spec, dtype
-        self.commit_checksum = commit_checksum
+        self.commit_checksum, self.flattened = commit_checksum, flattened
         self._specs = hf_param_specs(spec, dtype=dtype)
         self._open: int | None = None
         self._committed: int | None = None  # the last version end_update stamped
-        self._pending: list[tuple[str, torch.Tensor]] | None = None  # the last load, sent by end_update
+        self._pending: Any = None  # the last load, sent by end_update
         self.last_checksum: str | None = None
         """SGLang's checksum read at the last commit (``commit_checksum``), else None."""
         self.residency = Residency({t: (self._tag_hook("release", t), self._tag_hook("resume", t)) for t in ENGINE_TAGS},
@@ -278,11 +281,23 @@ class SGLangEngine:
         if (self.client.ipc == "cuda") != buffer.is_cuda:
             kind = "CUDA" if self.client.ipc == "cuda" else "CPU (shared-memory)"
             raise UpdateError(f"this SGLang engine takes {kind} tensors only, got a buffer on {buffer.device}")
-        named = list(unpack_bucket(buffer, entries).items())
-        check_params({n: (tuple(t.shape), t.dtype) for n, t in named}, self._specs, require_all=False)
-        previous, self._pending = self._pending, sglang_named_tensors(named, self.spec)
+        check_params({e.name: (tuple(e.shape), e.dtype) for e in entries}, self._specs, require_all=False)
+        if self.flattened:
+            tied = self.spec.arch == "qwen3_moe" and self.spec.tie_embeddings  # as sglang_named_tensors
+            extra = [dataclasses.replace(e, name="lm_head.weight") for e in entries
+                     if tied and e.name == "model.embed_tokens.weight"]
+            load = flattened_bucket(buffer, [*entries, *extra])
+        else:
+            load = sglang_named_tensors(list(unpack_bucket(buffer, entries).items()), self.spec)
+        previous, self._pending = self._pending, load
         if previous is not None:
-            self.client.update_weights_from_tensor(previous, flush_cache=False)
+            self._send(previous, flush_cache=False)
+
+    def _send(self, load: Any, *, flush_cache: bool) -> None:
+        if isinstance(load, dict):
+            self.client.update_weights_from_bucket(load, flush_cache=flush_cache)
+        else:
+            self.client.update_weights_from_tensor(load, flush_cache=flush_cache)
 
     def end_update(self, version: int, checksums: dict[str, int] | None = None) -> None:
         """Send the last load (with SGLang's cache flush when the KV pool is resident; a
@@ -295,7 +310,7 @@ class SGLangEngine:
         flush = self.residency.is_resident("kv_cache")
         last, self._pending = self._pending, None
         if last is not None:
-            self.client.update_weights_from_tensor(last, flush_cache=flush and not self.client.has_bracket)
+            self._send(last, flush_cache=flush and not self.client.has_bracket)
         if self.client.has_bracket:
             self.client.end_weight_update()
         if flush and (last is None or self.client.has_bracket):

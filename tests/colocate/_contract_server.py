@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -43,6 +44,23 @@ def sha(w: dict[str, torch.Tensor]) -> str:
     for n in sorted(w):
         h.update(w[n].contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang's ``SafeUnpickler`` rule for tensor payloads (0.5.17, ``srt/utils/common.py``): only
+    classes of allow-listed modules load (here the subset a payload of ours may need)."""
+
+    ALLOWED = ("builtins.", "collections.", "copyreg.", "types.", "torch.", "multiprocessing.resource_sharer.",
+               "multiprocessing.reduction.")
+
+    def find_class(self, module, name):
+        if any((module + ".").startswith(p) for p in self.ALLOWED):
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe class loading ({module}.{name})")
+
+
+def _safe_loads(data: bytes):
+    return _SafeUnpickler(io.BytesIO(data)).load()
 
 
 def probe() -> dict:
@@ -151,7 +169,11 @@ class ContractServer:
                 self.fail_next_update = False
                 return 400, {"success": False, "message": "injected failure"}
             assert len(body["serialized_named_tensors"]) == 1  # one payload per TP rank
-            named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            named = _safe_loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            if body.get("load_format") == "flattened_bucket":  # SGLang's FlattenedTensorBucket: views of one buffer
+                flat = named["flattened_tensor"]
+                named = [(m.name, flat[m.start_idx: m.end_idx].view(m.dtype).reshape(m.shape)) for m in named["metadata"]]
+                self.log.append("flattened")
             with torch.no_grad():
                 for n, t in named:
                     self.views[n].copy_(t)  # in place, as SGLang's loaders do

@@ -361,3 +361,40 @@ def test_in_process_engine_calls_have_a_deadline():
     # without a deadline the call is made directly (no thread)
     direct = EngineClient(RuleEngine(bracket=False), checksum_fn=lambda e: threading.current_thread().name)
     assert direct.checksum() == threading.current_thread().name
+
+
+def test_flattened_payload_metadata_and_tied_moe_alias():
+    """The ``flattened_bucket`` payload names every entry with its byte span in the buffer
+    (the buffer itself, as bytes); a tied Qwen3-MoE's embedding is named again as
+    ``lm_head.weight`` over the same bytes (SGLang's MoE keeps its own head)."""
+    from colocate.sglang_clients import flattened_bucket
+
+    moe = HFModelSpec(arch="qwen3_moe", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
+                      head_dim=4, ffn_hidden_size=16, vocab_size=32, num_experts=2, tie_embeddings=True)
+    entries = plan_buckets([("model.norm.weight", (8,), torch.bfloat16),
+                            ("model.embed_tokens.weight", (32, 8), torch.bfloat16)], bucket_bytes=1 << 20)[0]
+    buf = torch.randn(4096).to(torch.bfloat16)
+    p = flattened_bucket(buf, entries)
+    assert p["flattened_tensor"].dtype == torch.uint8 and p["flattened_tensor"].data_ptr() == buf.data_ptr()
+    for m, e in zip(p["metadata"], entries, strict=True):
+        assert (m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx - m.start_idx) == \
+            (e.name, e.shape, e.dtype, e.offset, e.nbytes)
+        view = p["flattened_tensor"][m.start_idx: m.end_idx].view(m.dtype).reshape(m.shape)  # as SGLang rebuilds
+        assert torch.equal(view, buf.view(torch.uint8)[e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape))
+
+    sent = []
+
+    class Client:
+        ipc, owner, allocator, has_bracket = "cpu", "fake", "default", False
+
+        def update_weights_from_bucket(self, payload, *, flush_cache):
+            sent.append(([m.name for m in payload["metadata"]], flush_cache))
+
+        def set_weight_version(self, v):
+            pass
+
+    ad = SGLangEngine(Client(), spec=moe, flattened=True)
+    ad.begin_update(1)
+    ad.load_bucket(entries, buf.view(torch.uint8))
+    ad.end_update(1)
+    assert sent == [(["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"], True)]

@@ -212,3 +212,35 @@ def test_real_sglang_http_server(tmp_path):
         assert [o["output_ids"] for o in eng.generate([PROMPT], max_new_tokens=8)] == g1
     finally:
         eng.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_flattened_bucket_hand_over(tmp_path):
+    """``flattened=True``: each buffer (packed bucket, or the storage shared in place) crosses as
+    SGLang's ``flattened_bucket`` payload, one handle for all its tensors, through an unpickler
+    that admits SGLang's allow-listed modules only; the server's weights are bit-exact."""
+    server = ContractServer(SPEC, bracket=False)
+    try:
+        eng = SGLangEngine(SGLangEngine.connect(server.url, spec=SPEC, dtype=torch.float32, ipc="cpu").client,
+                           spec=SPEC, dtype=torch.float32, flattened=True)
+        pub = Publisher(eng, PublishConfig(bucket_bytes=16 << 10), share_min_bytes=None)
+        w1 = weights(1)
+        rep = pub.publish(w1, version=1)
+        assert rep.num_buckets > 2 and server.log.count("flattened") == rep.num_buckets
+        assert eng.checksum() == sha(w1) and eng.weight_version() == 1
+        w2 = weights(2)
+        flat = torch.empty(sum(t.numel() for t in w2.values())).share_memory_()
+        inplace, off = {}, 0
+        for n, t in w2.items():
+            inplace[n] = flat[off: off + t.numel()].view(t.shape).copy_(t)
+            off += t.numel()
+        direct = Publisher(eng, PublishConfig(), share_min_bytes=1)
+        direct.last_good = 1
+        n0 = server.log.count("flattened")
+        rep = direct.publish(inplace, version=2)
+        assert rep.num_shared == 1 and rep.num_buckets == 0 and server.log.count("flattened") == n0 + 1
+        assert eng.checksum() == sha(w2) and eng.weight_version() == 2
+        got = torch.tensor(eng.prompt_logprobs(PROMPT), dtype=torch.float64)
+        assert (got - _reference_logprobs(w2)).abs().max().item() <= 1e-5
+    finally:
+        server.close()
