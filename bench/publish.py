@@ -337,6 +337,7 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
     the engine's weights. After every call the source storage is overwritten at once (negated,
     exact, undone after) and SGLang's checksum read (untimed) must equal the one of the set
     just published: the call returned only after the engine's copies ran."""
+    from colocate.sglang_clients import flattened_bucket
     from colocate.sglang_engine import SGLangEngine, sglang_engine_args, write_hf_checkpoint
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -364,6 +365,7 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
     sets = {"A": views_of(1), "B": views_of(2)}
     eng = SGLangEngine.launch(spec=spec, **sglang_engine_args(d, cuda_graph=False, memory_saver=False))
     checked = SGLangEngine(eng.client, spec=spec, commit_checksum=True)  # same engine, checksum at commit
+    flat_eng = SGLangEngine(eng.client, spec=spec, flattened=True)  # same engine, flattened_bucket hand-over
     e = eng.client.engine  # the sglang.Engine itself, for its own calls
     version = iter(range(1, 1_000_000))
     runs: list[dict] = []
@@ -379,6 +381,7 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
         if len({initial, *ref.values()}) != 3:
             raise RuntimeError(f"checksums of the initial weights and sets A/B must differ: {initial} {ref}")
         pubs = {"publisher_inplace": Publisher(eng, PublishConfig(bucket_bytes=512 << 20)),
+                "publisher_inplace_flattened": Publisher(flat_eng, PublishConfig(bucket_bytes=512 << 20)),
                 "publisher_inplace_checksum": Publisher(checked, PublishConfig(bucket_bytes=512 << 20)),
                 "publisher_packed": Publisher(eng, PublishConfig(bucket_bytes=512 << 20), share_min_bytes=None)}
 
@@ -402,28 +405,47 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
             e.update_weights_from_tensor(named_tensors=list(views.items()), load_format=None, flush_cache=False)
             e.flush_cache()
 
+        def engine_flattened_call(views):  # SGLang's own flattened_bucket load of the same storage
+            from colocate.buckets import Entry
+
+            flat = sets[state][0]
+            entries = [Entry(n, t.dtype, tuple(t.shape), t.storage_offset() * t.element_size()) for n, t in views.items()]
+            eng.client.update_weights_from_bucket(flattened_bucket(flat.view(torch.uint8), entries), flush_cache=True)
+
         def naive_loop(views):
             for n, t in views.items():
                 e.update_weights_from_tensor(named_tensors=[(n, t)], load_format=None, flush_cache=False)
             e.flush_cache()
 
         methods = {"engine_single_call": single_call, "publisher_inplace": ours("publisher_inplace"),
+                   "engine_flattened_bucket_call": engine_flattened_call,
+                   "publisher_inplace_flattened": ours("publisher_inplace_flattened"),
                    "engine_single_call+checksum": single_call_checksum,
                    "publisher_inplace_checksum": ours("publisher_inplace_checksum"),
                    "engine_single_call+flush_request": single_call_then_flush_request,
                    "publisher_packed": ours("publisher_packed"), "naive_per_tensor_loop": naive_loop}
         names = list(methods)
+        failed: dict[str, str] = {}
         state = "B"
         for r in range(rounds + 1):  # round 0: warm-up, not reported
             order = names[r % len(names):] + names[: r % len(names)]
             row: dict = {"round": r, "order": order}
             for name in order:
+                if name in failed:
+                    continue
                 state = "A" if state == "B" else "B"
                 flat, views = sets[state]
                 _sync()
-                t0 = time.perf_counter()
-                methods[name](views)
-                ms = (time.perf_counter() - t0) * 1e3
+                try:
+                    t0 = time.perf_counter()
+                    methods[name](views)
+                    ms = (time.perf_counter() - t0) * 1e3
+                except Exception as err:  # noqa: BLE001 - recorded; the other methods go on
+                    failed[name] = f"{type(err).__name__}: {err}"[:2000]
+                    print(f"{name} failed: {failed[name]}", flush=True)
+                    eng.restore_from_disk(d)
+                    state = "init"
+                    continue
                 flat.neg_()  # the trainer writes its storage the moment the call returns
                 got = eng.checksum()
                 flat.neg_()
@@ -437,23 +459,28 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
             if r:
                 runs.append(row)
             print(f"round {r}: " + ", ".join(f"{k} {row[k]:.2f}" for k in names + ["flush_cache_request",
-                                                                                 "checksum_request"]), flush=True)
+                                                                                 "checksum_request"] if k in row),
+                  flush=True)
     finally:
         eng.shutdown()
     rows = []
     for name in names + ["flush_cache_request", "checksum_request"]:
-        xs = [run[name] for run in runs]
+        xs = [run[name] for run in runs if name in run]
+        if not xs:
+            rows.append({"case": "sglang", "provider": name, "error": failed.get(name, "no run")})
+            continue
         rows.append({"case": "sglang", "provider": name, "min_ms": min(xs), "median_ms": _median(xs),
                      "GBps": nbytes / min(xs) / 1e6 if name in names else None,
                      "copied_on_return": all(run.get(name + ":copied", True) for run in runs)})
     base = next(r for r in rows if r["provider"] == "engine_single_call")["min_ms"]
     for r in rows:
-        r["x_vs_single_call"] = r["min_ms"] / base
-    bad = [r["provider"] for r in rows if not r["copied_on_return"]]
+        if "min_ms" in r:
+            r["x_vs_single_call"] = r["min_ms"] / base
+    bad = [r["provider"] for r in rows if not r.get("copied_on_return", True)]
     ph = {n: {k: min(p[k] for p in ps[1:] or ps) for k in ps[0]} for n, ps in phases.items()}
     extra = {"model_bytes": nbytes, "num_tensors": len(specs), "rounds": rounds, "runs": runs,
              "publisher_phases_ms_min": ph, "checksums": {"initial": initial, **ref},
-             "not_copied_on_return": bad,
+             "not_copied_on_return": bad, "failed": failed,
              "note": "every method ends when SGLang answered; '+checksum' rows also read SGLang's weight checksum "
                      "(a hash of every weight). After each call the source storage was overwritten at once and "
                      "the engine's checksum compared with the reference of the set published."}
@@ -461,20 +488,26 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
 
 
 def _write_single_call(rows: list[dict], extra: dict) -> Path:
-    """``publish_sglang_single_call.json``: our in-place publish against SGLang's single call."""
-    from bench._common import machine_header
+    """``publish_sglang_single_call.json``: our in-place publish (the adapter's default hand-over)
+    against SGLang's single call with every tensor, both ending when SGLang answered."""
+    import inspect
 
-    ms = {r["provider"]: r["min_ms"] for r in rows}
+    from bench._common import machine_header
+    from colocate import SGLangEngine
+
+    flattened = inspect.signature(SGLangEngine.__init__).parameters["flattened"].default
+    ours = "publisher_inplace_flattened" if flattened else "publisher_inplace"
+    ms = {r["provider"]: r.get("min_ms") for r in rows}
+    keep = ("round", ours, "engine_single_call", "publisher_inplace_checksum", "engine_single_call+checksum")
     path = out_dir() / "publish_sglang_single_call.json"
     path.write_text(json.dumps({
         "header": machine_header(), "model_bytes": extra["model_bytes"], "num_tensors": extra["num_tensors"],
-        "publish_ms": ms["publisher_inplace"], "engine_single_call_ms": ms["engine_single_call"],
-        "publish_checksum_ms": ms["publisher_inplace_checksum"],
-        "engine_single_call_checksum_ms": ms["engine_single_call+checksum"],
-        "statistic": f"min over {extra['rounds']} interleaved rounds", "copied_on_return": not extra["not_copied_on_return"],
-        "runs": [{k: v for k, v in run.items() if k in ("round", "publisher_inplace", "engine_single_call",
-                                                          "publisher_inplace_checksum", "engine_single_call+checksum")}
-                 for run in extra["runs"]]}, indent=1, default=str))
+        "publish_ms": ms.get(ours), "engine_single_call_ms": ms.get("engine_single_call"), "publish_variant": ours,
+        "publish_checksum_ms": ms.get("publisher_inplace_checksum"),
+        "engine_single_call_checksum_ms": ms.get("engine_single_call+checksum"),
+        "statistic": f"min over {extra['rounds']} interleaved rounds",
+        "copied_on_return": not extra["not_copied_on_return"],
+        "runs": [{k: v for k, v in run.items() if k in keep} for run in extra["runs"]]}, indent=1, default=str))
     return path
 
 
@@ -523,7 +556,7 @@ def main() -> None:
     if args.overhead:
         _plot(rows, name, "ms", "ms per publish of 399 tiny tensors (lower is better)")
     elif args.sglang:
-        _plot([r for r in rows if r["GBps"] is not None], name, "min_ms",
+        _plot([r for r in rows if r.get("GBps") is not None], name, "min_ms",
               f"ms per full publish of {extra['model_bytes'] / 1e9:.2f} GB, min of {args.rounds} (lower is better)")
     else:
         _plot(rows, name)
