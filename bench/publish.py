@@ -363,9 +363,11 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
         return flat, views
 
     sets = {"A": views_of(1), "B": views_of(2)}
-    eng = SGLangEngine.launch(spec=spec, **sglang_engine_args(d, cuda_graph=False, memory_saver=False))
-    checked = SGLangEngine(eng.client, spec=spec, commit_checksum=True)  # same engine, checksum at commit
-    flat_eng = SGLangEngine(eng.client, spec=spec, flattened=True)  # same engine, flattened_bucket hand-over
+    eng = SGLangEngine.launch(spec=spec, flattened=False, **sglang_engine_args(d, cuda_graph=False, memory_saver=False))
+    # adapters over the same engine: one tensor per name (``eng``, the default before 2026-12-01's
+    # run), the same with SGLang's checksum read at commit, and flattened_bucket hand-overs
+    checked = SGLangEngine(eng.client, spec=spec, commit_checksum=True, flattened=False)
+    flat_eng = SGLangEngine(eng.client, spec=spec, flattened=True)
     e = eng.client.engine  # the sglang.Engine itself, for its own calls
     version = iter(range(1, 1_000_000))
     runs: list[dict] = []
@@ -487,23 +489,23 @@ def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
     return rows, extra
 
 
-def _write_single_call(rows: list[dict], extra: dict) -> Path:
-    """``publish_sglang_single_call.json``: our in-place publish (the adapter's default hand-over)
-    against SGLang's single call with every tensor, both ending when SGLang answered."""
-    import inspect
-
+def _write_single_call(rows: list[dict], extra: dict, header: dict | None = None) -> Path:
+    """``publish_sglang_single_call.json``: our in-place publish with the adapter's default
+    hand-over (``flattened_bucket``) against SGLang's single ``update_weights_from_tensor`` call
+    with every tensor, both ending when SGLang answered; also the one-tensor-per-name variant."""
     from bench._common import machine_header
-    from colocate import SGLangEngine
 
-    flattened = inspect.signature(SGLangEngine.__init__).parameters["flattened"].default
-    ours = "publisher_inplace_flattened" if flattened else "publisher_inplace"
     ms = {r["provider"]: r.get("min_ms") for r in rows}
-    keep = ("round", ours, "engine_single_call", "publisher_inplace_checksum", "engine_single_call+checksum")
+    keep = ("round", "publisher_inplace_flattened", "publisher_inplace", "engine_single_call",
+            "engine_flattened_bucket_call", "publisher_inplace_checksum", "engine_single_call+checksum")
     path = out_dir() / "publish_sglang_single_call.json"
     path.write_text(json.dumps({
-        "header": machine_header(), "model_bytes": extra["model_bytes"], "num_tensors": extra["num_tensors"],
-        "publish_ms": ms.get(ours), "engine_single_call_ms": ms.get("engine_single_call"), "publish_variant": ours,
-        "publish_checksum_ms": ms.get("publisher_inplace_checksum"),
+        "header": header or machine_header(), "model_bytes": extra["model_bytes"], "num_tensors": extra["num_tensors"],
+        "publish_ms": ms.get("publisher_inplace_flattened"), "engine_single_call_ms": ms.get("engine_single_call"),
+        "publish_variant": "publisher_inplace_flattened (SGLangEngine default: flattened=True)",
+        "publish_named_ms": ms.get("publisher_inplace"),
+        "engine_flattened_bucket_call_ms": ms.get("engine_flattened_bucket_call"),
+        "publish_named_checksum_ms": ms.get("publisher_inplace_checksum"),
         "engine_single_call_checksum_ms": ms.get("engine_single_call+checksum"),
         "statistic": f"min over {extra['rounds']} interleaved rounds",
         "copied_on_return": not extra["not_copied_on_return"],

@@ -177,15 +177,17 @@ class SGLangEngine:
     :class:`~colocate.sglang_clients.EngineClient` or :class:`~colocate.sglang_clients.HTTPClient`;
     see the module docstring). ``dtype`` is the dtype the publisher sends. ``commit_checksum``:
     read SGLang's weight checksum at every commit into :attr:`last_checksum` (a hash of every
-    weight, ~5–25 ms; off by default: :meth:`checksum` reads it on demand). ``flattened``: hand
-    each buffer over as SGLang's ``flattened_bucket`` (one IPC handle and event per buffer, the
-    tensors rebuilt as views there) instead of one tensor per name (one each)."""
+    weight, ~5–25 ms; off by default: :meth:`checksum` reads it on demand). ``flattened`` (default):
+    hand each buffer over as SGLang's ``flattened_bucket`` (one IPC handle and event per buffer,
+    the tensors rebuilt as views there); False: one tensor per name (an IPC event each), which
+    made a 1.88 GB in-place publish 1–4.5 ms slower than SGLang's own single call on the H200
+    (docs/benchmarks.md, 2026-12-01)."""
 
     unsynced_acks = True
     verifies_checksums = False
 
     def __init__(self, client: EngineClient | HTTPClient, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16,
-                 commit_checksum: bool = False, flattened: bool = False):
+                 commit_checksum: bool = False, flattened: bool = True):
         self.client, self.spec, self.dtype = client, spec, dtype
         self.commit_checksum, self.flattened = commit_checksum, flattened
         self._specs = hf_param_specs(spec, dtype=dtype)
