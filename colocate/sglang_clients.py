@@ -3,7 +3,8 @@
 Both offer the same calls, named after SGLang's ``Engine`` methods, and raise
 :class:`~colocate.errors.UpdateError` when SGLang reports a failure:
 
-* :class:`EngineClient` — an in-process ``sglang.Engine`` (its calls have no timeouts of their own).
+* :class:`EngineClient` — an in-process ``sglang.Engine`` (its calls have no timeouts of their own;
+  ``call_timeout_s`` bounds each one, see the class).
 * :class:`HTTPClient` — a running ``sglang.launch_server``; every request has one deadline over
   the whole exchange (connect, send, headers, body), so a server that trickles its answer fails
   with :class:`~colocate.errors.ReceiverTimeout` in time. A refused or broken connection raises
@@ -19,8 +20,10 @@ The HTTP contract used (SGLang 0.5.17, ``sglang/srt/entrypoints/http_server.py``
 ``GET /model_info``                    ``weight_version`` (a string; ours are decimal integers)
 ``POST /update_weights_from_tensor``   ``{serialized_named_tensors: [base64 per TP rank], load_format,
                                        flush_cache}`` → ``{success, message}``; each payload is a
-                                       ``ForkingPickler`` dump of ``[(hf_name, tensor), ...]``, so a
-                                       CUDA tensor crosses as an IPC handle (server on the same node)
+                                       ``ForkingPickler`` dump of ``[(hf_name, tensor), ...]``, or
+                                       with ``load_format="flattened_bucket"`` of
+                                       :func:`flattened_bucket`'s dict, so a CUDA tensor crosses
+                                       as an IPC handle (server on the same node)
 ``POST /update_weights_from_disk``     ``{model_path, weight_version}``; SGLang rolls back a failed load
 ``POST /update_weight_version``        ``{new_version, abort_all_requests}``
 ``POST /weights_checker``              ``{action: "checksum"}`` → ``per_engine_checksum``

@@ -6,16 +6,21 @@
 or a ``sglang.launch_server`` over HTTP (:meth:`SGLangEngine.connect`,
 :meth:`SGLangEngine.launch_server`, the latter a guarded colocated worker of this process).
 
-* ``load_bucket`` hands SGLang the tensors as views into one buffer (a packed bucket, or a
-  trainer storage sent in place by the publisher) through
-  ``update_weights_from_tensor(load_format=None)`` (HF names; SGLang stacks q/k/v and gate/up
-  and slices per TP rank). Torch's CUDA IPC shares an allocation once, so one buffer is one IPC
-  memory handle whatever its tensor count.
+* ``load_bucket`` hands SGLang one buffer (a packed bucket, or a trainer storage sent in place by
+  the publisher) with the byte span of each HF-named tensor in it, as SGLang's
+  ``load_format="flattened_bucket"`` (default; one CUDA IPC handle and event for the buffer,
+  SGLang rebuilds the tensors as views) or, with ``flattened=False``, as one tensor per name
+  through ``load_format=None``. Either way SGLang stacks q/k/v and gate/up and slices per TP rank.
+* Each load is held back until the next one arrives; ``end_update`` sends the last with
+  ``flush_cache`` (SGLang flushes its radix cache in the same call) — one request fewer.
 * The ``begin_weight_update`` / ``end_weight_update`` bracket (mandatory from SGLang 0.5.21,
   absent in 0.5.17) is used when the engine has it — feature-detected, not version-parsed.
-* SGLang acknowledges a load before its device copies finish, so the adapter sets
-  ``unsynced_acks``: the publisher then gives every bucket a fresh buffer and frees them only
-  after ``end_update``, which reads SGLang's weight checksum (a device sync in the scheduler).
+* SGLang answers a tensor load after its copies ran (its scheduler drops the received tensors
+  first, and torch synchronizes the receiving stream when a CUDA-IPC storage is freed; the GPU
+  test and ``bench/publish.py --sglang`` overwrite the source right after the answer and find
+  the published bytes in the engine), so no checksum is needed as a device sync at commit
+  (``commit_checksum`` reads it anyway). ``unsynced_acks`` stays set: the publisher gives every
+  packed bucket a fresh buffer and frees them only after ``end_update`` (conservative).
 * SGLang's checker hashes its own (fused) layout, so per-tensor checksums cannot be compared:
   ``verifies_checksums = False``; tests compare the engine checksum against a disk load of the
   same weights and the engine's logprobs against a reference HF model.

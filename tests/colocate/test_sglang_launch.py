@@ -213,3 +213,29 @@ def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_server_config_validates_and_builds_the_role_env():
+    from omegaconf import OmegaConf
+
+    from colocate.config import SGLangServerConfig
+    from colocate.sglang_engine import sglang_server_launch_args
+
+    cfg = SGLangServerConfig(model_path="/ckpt", role="teacher", devices=[1], env={"A": "1", "B": ""})
+    assert cfg.role_env() == {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": None,
+                              "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "HF_HUB_OFFLINE": "1", "A": "1", "B": None}
+    assert SGLangServerConfig(model_path="/c", cuda_graph=False).role_env()["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] is None
+    args = sglang_server_launch_args(cfg)
+    assert (args["role"], args["devices"], args["port"], args["model_path"], args["enable_memory_saver"]) == \
+        ("teacher", [1], None, "/ckpt", True)
+    assert args["cuda_graph_bs_decode"] == [1, 2, 4] and args["timeout_s"] == 600.0
+    back = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SGLangServerConfig),
+                                               {"model_path": "/m", "tp_size": 2, "env": {"X": "y"}}))
+    assert isinstance(back, SGLangServerConfig) and back.tp_size == 2 and back.env == {"X": "y"}
+    for kw, field in (({"model_path": ""}, "model_path"), ({"port": 70000}, "port"), ({"tp_size": 0}, "tp_size"),
+                      ({"mem_fraction_static": 1.5}, "mem_fraction_static"), ({"role": "a b"}, "role"),
+                      ({"start_timeout_s": 0}, "start_timeout_s"),
+                      ({"alloc_conf": "expandable_segments:True"}, "alloc_conf")):
+        with pytest.raises(ConfigError, match=f"SGLangServerConfig.{field}"):
+            SGLangServerConfig(**{"model_path": "/m", **kw})
+    SGLangServerConfig(model_path="/m", alloc_conf="expandable_segments:True", memory_saver=False)  # allowed then
