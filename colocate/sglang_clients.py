@@ -45,6 +45,7 @@ import http.client
 import io
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -59,7 +60,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor reductions (shared memory, CUDA IPC)
 
 from colocate.config import WorkerSpec
-from colocate.errors import ConfigError, ReceiverDied, ReceiverTimeout, UpdateError
+from colocate.errors import ConfigError, EngineStartError, ReceiverDied, ReceiverTimeout, UpdateError
 from colocate.residency import allocator_config
 from colocate.workers import LocalScheduler, merge_env
 
@@ -196,8 +197,10 @@ class EngineClient:
         """Start ``sglang.Engine(**engine_kwargs)`` (lazy import). With ``hide_megatron`` the engine
         starts with :func:`~colocate.sglang_engine.hide_megatron_dir` first on ``sys.path``, which
         SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once.
-        (The start has no deadline here: SGLang's own start-up raises when a process it spawned
-        dies, e.g. for a bad ``model_path``.)"""
+        A start that raises (e.g. no checkpoint at ``model_path``; SGLang's own start-up raises
+        when a process it spawned dies) raises :class:`~colocate.errors.EngineStartError`, after
+        the processes the engine had started (this process's new children and their
+        descendants) were killed. The start itself has no deadline."""
         import sglang
 
         from colocate.sglang_engine import hide_megatron_dir
@@ -205,8 +208,14 @@ class EngineClient:
         shadow = hide_megatron_dir() if hide_megatron else None
         if shadow is not None:
             sys.path.insert(0, shadow)
+        before = _children(os.getpid())
         try:
             engine = sglang.Engine(**engine_kwargs)
+        except Exception as e:  # noqa: BLE001 - any start failure becomes one typed error
+            started = _kill_new_children(before)
+            raise EngineStartError(f"sglang.Engine(model_path={engine_kwargs.get('model_path')!r}) failed to start: "
+                                   f"{type(e).__name__}: {e}" + (f" (killed the {started} process(es) it had started)"
+                                                                if started else "")) from e
         finally:
             if shadow is not None and shadow in sys.path:
                 sys.path.remove(shadow)
@@ -488,6 +497,47 @@ class HTTPClient:
             raise
 
 
+def _children(pid: int) -> set[int]:
+    """Direct children of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    out = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in entries:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(d))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _kill_new_children(before: set[int]) -> int:
+    """SIGKILL this process's children that are not in ``before``, with their descendants;
+    returns how many children there were."""
+    new = _children(os.getpid()) - before
+    todo, seen = list(new), set()
+    while todo:  # descendants first collected, so none is reparented away before it is found
+        p = todo.pop()
+        if p not in seen:
+            seen.add(p)
+            todo.extend(_children(p))
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in new:  # reap our own children
+        try:
+            os.waitpid(p, 0)
+        except OSError:
+            pass
+    return len(new)
+
+
 def _shut(sock: socket.socket) -> None:
     """Shut a socket down: a read blocked on it returns at once (the request's deadline)."""
     try:
@@ -503,8 +553,8 @@ def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None)
     deadline = time.monotonic() + timeout_s
     while True:
         if not worker.alive():
-            raise ReceiverDied(f"{worker.spec.command[2]} (role {worker.spec.role!r}) exited during start; "
-                               f"log: {log_path}")
+            raise EngineStartError(f"{worker.spec.command[2]} (role {worker.spec.role!r}) exited during start; "
+                                   f"log: {log_path}")
         conn = http.client.HTTPConnection(host, port, timeout=2)
         try:
             conn.request("GET", "/health")

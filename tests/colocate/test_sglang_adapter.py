@@ -398,3 +398,32 @@ def test_flattened_payload_metadata_and_tied_moe_alias():
     ad.load_bucket(entries, buf.view(torch.uint8))
     ad.end_update(1)
     assert sent == [(["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"], True)]
+
+
+def test_in_process_start_failure_is_typed_and_kills_what_it_started(monkeypatch):
+    """``sglang.Engine(...)`` raising during start (as for a model path without a checkpoint,
+    after its scheduler processes were spawned): ``EngineStartError`` naming the model path, and
+    the processes the start had spawned (children and their children) are gone."""
+    import subprocess
+    import sys
+    import types
+
+    from colocate.errors import EngineStartError
+
+    from .test_workers import _gone
+
+    spawned = []
+
+    class FailingEngine:
+        def __init__(self, **kw):
+            # a "scheduler" that itself started a "detokenizer"
+            p = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                  "q = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                                  "print(q.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+            spawned.extend([p.pid, int(p.stdout.readline())])
+            raise OSError(f"{kw['model_path']} does not appear to have a file named config.json")
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FailingEngine))
+    with pytest.raises(EngineStartError, match=r"model_path='/no/such/ckpt'.*config.json.*killed the 1 process"):
+        SGLangEngine.launch(spec=SPEC, model_path="/no/such/ckpt")
+    assert len(spawned) == 2 and all(_gone(p) for p in spawned), spawned

@@ -2,7 +2,7 @@
 failure paths of ``SGLangEngine.launch_server``, each also covered on CPU against the contract
 server (``test_sglang_launch.py``):
 
-* start failure: a model path without a checkpoint → ``ReceiverDied`` before the start
+* start failure: a model path without a checkpoint → ``EngineStartError`` before the start
   deadline, and no process of the server's group is left;
 * crash mid-generate: the server's main process is SIGKILLed while a long generation runs →
   ``generate`` raises ``ReceiverDied`` at once (well before the request deadline); the owner's
@@ -22,7 +22,7 @@ import torch
 from colocate import HFModelSpec, SGLangEngine
 from colocate.config import SGLangServerConfig
 from colocate.engines import build_hf_model, hf_checkpoint_views
-from colocate.errors import ReceiverDied
+from colocate.errors import EngineStartError, ReceiverDied
 from colocate.sglang_engine import write_hf_checkpoint
 from colocate.workers import LocalScheduler
 
@@ -46,7 +46,7 @@ def test_real_server_start_failure_is_typed_and_leaves_no_process(tmp_path):
     cfg = SGLangServerConfig(model_path=str(tmp_path / "missing"), cuda_graph=False, start_timeout_s=150,
                              log_path=_log("sglang_fault_start.log", tmp_path))
     t0 = time.monotonic()
-    with pytest.raises(ReceiverDied, match="exited during start"):
+    with pytest.raises(EngineStartError, match="exited during start"):
         SGLangEngine.launch_server(cfg, spec=SPEC, scheduler=sched)
     took = time.monotonic() - t0
     (worker,) = sched.workers

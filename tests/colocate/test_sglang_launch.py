@@ -149,15 +149,15 @@ def test_config_launch_sets_the_role_env_and_the_teacher_owns_its_server(tmp_pat
 @pytest.mark.timeout(120)
 def test_start_failure_is_typed_and_leaves_no_process(tmp_path):
     """A server that cannot start (no checkpoint at ``model_path``) exits during start:
-    ``ReceiverDied`` naming the log, raised before the start deadline, and its process group is gone."""
+    ``EngineStartError`` (a ``ReceiverDied``) naming the log, raised before the start deadline, and its process group is gone."""
     from colocate.config import SGLangServerConfig
-    from colocate.errors import ReceiverDied
+    from colocate.errors import EngineStartError
 
     sched = LocalScheduler(owner_env=_env())
     cfg = SGLangServerConfig(model_path=str(tmp_path / "missing"), log_path=str(tmp_path / "server.log"),
                              start_timeout_s=100)
     t0 = time.monotonic()
-    with pytest.raises(ReceiverDied, match="exited during start"):
+    with pytest.raises(EngineStartError, match="exited during start"):
         SGLangEngine.launch_server(cfg, spec=SPEC, param_dtype=torch.float32, scheduler=sched, ipc="cpu",
                                    server_module=SERVER)
     assert time.monotonic() - t0 < 90
