@@ -6,7 +6,7 @@ Exports what a trainer calls; everything else is importable from its module (``c
 nor megatron.core (each imported when used).
 """
 
-from colocate.config import EngineConfig, HFModelSpec, PublishConfig, SGLangServerConfig, WorkerSpec
+from colocate.config import EngineConfig, HFModelSpec, PublishConfig, WorkerSpec
 from colocate.cycle import ColocatedCycle
 from colocate.engines import HFEngine
 from colocate.errors import (
@@ -29,7 +29,7 @@ __all__ = [
     "ColocatedCycle", "Residency", "megatron_residency_hooks",
     "Publisher", "PublishConfig", "PublishReport", "publish_megatron", "spawn_receiver",
     "HFModelSpec", "model_spec_from_megatron",
-    "WeightReceiver", "RolloutEngine", "HFEngine", "EngineConfig", "SGLangEngine", "SGLangServerConfig",
+    "WeightReceiver", "RolloutEngine", "HFEngine", "EngineConfig", "SGLangEngine",
     "WorkerSpec", "LocalScheduler", "SlurmScheduler", "RayScheduler",
     "ColocateError", "ConfigError", "PublishError", "PoisonedVersionError", "BusyError", "NotResidentError",
 ]
