@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import math
 import os
 import pstats
@@ -320,71 +321,196 @@ def bench_overhead(iters: int = 50) -> tuple[list[dict], dict]:
     return rows, extra
 
 
-def bench_sglang() -> tuple[list[dict], dict]:
+_SGL_DEVICE, _SGL_SPEC = "cuda", SGL_1GB  # (a CPU dry run of the harness swaps these)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_sglang(rounds: int = 7) -> tuple[list[dict], dict]:
+    """Publish into a real in-process ``sglang.Engine``: our publisher against SGLang's own
+    single ``update_weights_from_tensor`` call with every tensor, on the same tensors (views of
+    one CUDA storage, as in a DDP param buffer), ``rounds`` interleaved rounds (the order rotates
+    each round), min and median per method. Two weight sets A/B alternate, so every call changes
+    the engine's weights. After every call the source storage is overwritten at once (negated,
+    exact, undone after) and SGLang's checksum read (untimed) must equal the one of the set
+    just published: the call returned only after the engine's copies ran."""
+    from colocate.sglang_clients import flattened_bucket
     from colocate.sglang_engine import SGLangEngine, sglang_engine_args, write_hf_checkpoint
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    spec = SGL_1GB
+    spec = _SGL_SPEC
     specs = hf_param_specs(spec, dtype=torch.bfloat16)
     d = os.path.join(tempfile.mkdtemp(prefix="sgl-bench-"), "init")
     g = torch.Generator().manual_seed(0)
     write_hf_checkpoint(d, {n: (0.02 * torch.randn(s, generator=g)).to(dt) for n, (s, dt) in specs.items()},
                         spec=spec)
-    # the published weights: views of one CUDA storage (in place) and separate tensors (packed, naive)
     total = sum(math.prod(s) for s, _ in specs.values())
-    flat = (0.02 * torch.randn(total, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-            ).to(torch.bfloat16)
-    inplace, off = {}, 0
-    for n, (s, _) in specs.items():
-        inplace[n] = flat[off: off + math.prod(s)].view(s)
-        off += math.prod(s)
-    weights = {n: t.clone() for n, t in inplace.items()}
     nbytes = total * 2
-    eng = SGLangEngine.launch(spec=spec, **sglang_engine_args(d, cuda_graph=False, memory_saver=False))
-    rows: list[dict] = []
-    sums = {}
+
+    def views_of(seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        dev = _SGL_DEVICE
+        flat = (0.02 * torch.randn(total, device=dev, generator=torch.Generator(device=dev).manual_seed(seed))
+                ).to(torch.bfloat16)
+        if dev == "cpu":
+            flat.share_memory_()
+        views, off = {}, 0
+        for n, (s, _) in specs.items():
+            views[n] = flat[off: off + math.prod(s)].view(s)
+            off += math.prod(s)
+        return flat, views
+
+    sets = {"A": views_of(1), "B": views_of(2)}
+    eng = SGLangEngine.launch(spec=spec, flattened=False, **sglang_engine_args(d, cuda_graph=False, memory_saver=False))
+    # adapters over the same engine: one tensor per name (``eng``, the default before 2026-12-01's
+    # run), the same with SGLang's checksum read at commit, and flattened_bucket hand-overs
+    checked = SGLangEngine(eng.client, spec=spec, commit_checksum=True, flattened=False)
+    flat_eng = SGLangEngine(eng.client, spec=spec, flattened=True)
+    e = eng.client.engine  # the sglang.Engine itself, for its own calls
+    version = iter(range(1, 1_000_000))
+    runs: list[dict] = []
+    phases: dict[str, list[dict]] = {}
     try:
-        e = eng.client.engine  # the sglang.Engine itself, for the baselines
         initial = eng.checksum()
+        ref = {}
+        for k, (_, views) in sets.items():  # reference checksums, taken well after the load
+            e.update_weights_from_tensor(named_tensors=list(views.items()), load_format=None, flush_cache=True)
+            _sync()
+            time.sleep(0.5)
+            ref[k] = eng.checksum()
+        if len({initial, *ref.values()}) != 3:
+            raise RuntimeError(f"checksums of the initial weights and sets A/B must differ: {initial} {ref}")
+        pubs = {"publisher_inplace": Publisher(eng, PublishConfig(bucket_bytes=512 << 20)),
+                "publisher_inplace_flattened": Publisher(flat_eng, PublishConfig(bucket_bytes=512 << 20)),
+                "publisher_inplace_checksum": Publisher(checked, PublishConfig(bucket_bytes=512 << 20)),
+                "publisher_packed": Publisher(eng, PublishConfig(bucket_bytes=512 << 20), share_min_bytes=None)}
 
-        def naive_loop():
-            for n, t in weights.items():
-                e.update_weights_from_tensor(named_tensors=[(n, t)], load_format=None, flush_cache=False)
-            e.flush_cache()
-            eng.checksum()  # SGLang acks before its copies finish: the checker synchronizes
+        def ours(name: str):
+            def run(views):
+                v = next(version)
+                for p in pubs.values():
+                    p.last_good = v - 1
+                rep = pubs[name].publish(views, version=v)
+                phases.setdefault(name, []).append({k: x * 1e3 for k, x in rep.timings.items()})
+            return run
 
-        def one_call():
-            e.update_weights_from_tensor(named_tensors=list(weights.items()), load_format=None, flush_cache=True)
+        def single_call(views):
+            e.update_weights_from_tensor(named_tensors=list(views.items()), load_format=None, flush_cache=True)
+
+        def single_call_checksum(views):
+            single_call(views)
             eng.checksum()
 
-        packed = Publisher(eng, PublishConfig(transport="auto", bucket_bytes=512 << 20), share_min_bytes=None)
-        direct = Publisher(eng, PublishConfig(transport="auto", bucket_bytes=512 << 20))
-        version = iter(range(1, 10_000))
+        def single_call_then_flush_request(views):  # the pre-2026-12-01 adapter's calls, minus the checksum
+            e.update_weights_from_tensor(named_tensors=list(views.items()), load_format=None, flush_cache=False)
+            e.flush_cache()
 
-        def ours_packed():
-            packed.publish(weights, version=next(version))
+        def engine_flattened_call(views):  # SGLang's own flattened_bucket load of the same storage
+            from colocate.buckets import Entry
 
-        def ours_inplace():
-            direct.last_good = packed.last_good
-            direct.publish(inplace, version=next(version))
-            packed.last_good = direct.last_good
+            flat = sets[state][0]
+            entries = [Entry(n, t.dtype, tuple(t.shape), t.storage_offset() * t.element_size()) for n, t in views.items()]
+            eng.client.update_weights_from_bucket(flattened_bucket(flat.view(torch.uint8), entries), flush_cache=True)
 
-        for name, fn in (("naive_per_tensor_loop", naive_loop), ("single_call_all_tensors", one_call),
-                         ("publisher_packed", ours_packed), ("publisher_inplace", ours_inplace)):
-            eng.restore_from_disk(d)  # start from other weights, so every method must change them
-            t = time_cpu(fn, warmup=1, iters=3)
-            sums[name] = eng.checksum()
-            rows.append({"case": "sglang", "provider": name, "ms": t["p50"], "GBps": nbytes / t["p50"] / 1e6})
+        def naive_loop(views):
+            for n, t in views.items():
+                e.update_weights_from_tensor(named_tensors=[(n, t)], load_format=None, flush_cache=False)
+            e.flush_cache()
+
+        methods = {"engine_single_call": single_call, "publisher_inplace": ours("publisher_inplace"),
+                   "engine_flattened_bucket_call": engine_flattened_call,
+                   "publisher_inplace_flattened": ours("publisher_inplace_flattened"),
+                   "engine_single_call+checksum": single_call_checksum,
+                   "publisher_inplace_checksum": ours("publisher_inplace_checksum"),
+                   "engine_single_call+flush_request": single_call_then_flush_request,
+                   "publisher_packed": ours("publisher_packed"), "naive_per_tensor_loop": naive_loop}
+        names = list(methods)
+        failed: dict[str, str] = {}
+        state = "B"
+        for r in range(rounds + 1):  # round 0: warm-up, not reported
+            order = names[r % len(names):] + names[: r % len(names)]
+            row: dict = {"round": r, "order": order}
+            for name in order:
+                if name in failed:
+                    continue
+                state = "A" if state == "B" else "B"
+                flat, views = sets[state]
+                _sync()
+                try:
+                    t0 = time.perf_counter()
+                    methods[name](views)
+                    ms = (time.perf_counter() - t0) * 1e3
+                except Exception as err:  # noqa: BLE001 - recorded; the other methods go on
+                    failed[name] = f"{type(err).__name__}: {err}"[:2000]
+                    print(f"{name} failed: {failed[name]}", flush=True)
+                    eng.restore_from_disk(d)
+                    state = "init"
+                    continue
+                flat.neg_()  # the trainer writes its storage the moment the call returns
+                got = eng.checksum()
+                flat.neg_()
+                row[name] = ms
+                row[name + ":copied"] = got == ref[state]
+            for name, fn in (("flush_cache_request", e.flush_cache), ("checksum_request", eng.checksum)):
+                _sync()
+                t0 = time.perf_counter()
+                fn()
+                row[name] = (time.perf_counter() - t0) * 1e3
+            if r:
+                runs.append(row)
+            print(f"round {r}: " + ", ".join(f"{k} {row[k]:.2f}" for k in names + ["flush_cache_request",
+                                                                                 "checksum_request"] if k in row),
+                  flush=True)
     finally:
         eng.shutdown()
-    base = rows[0]["ms"]
+    rows = []
+    for name in names + ["flush_cache_request", "checksum_request"]:
+        xs = [run[name] for run in runs if name in run]
+        if not xs:
+            rows.append({"case": "sglang", "provider": name, "error": failed.get(name, "no run")})
+            continue
+        rows.append({"case": "sglang", "provider": name, "min_ms": min(xs), "median_ms": _median(xs),
+                     "GBps": nbytes / min(xs) / 1e6 if name in names else None,
+                     "copied_on_return": all(run.get(name + ":copied", True) for run in runs)})
+    base = next(r for r in rows if r["provider"] == "engine_single_call")["min_ms"]
     for r in rows:
-        r["speedup_vs_naive"] = base / r["ms"]
-    if len(set(sums.values())) != 1 or initial in sums.values():
-        raise RuntimeError(f"SGLang checksums differ between methods or equal the initial weights: {sums}, "
-                           f"initial {initial}")
-    return rows, {"nbytes": nbytes, "num_tensors": len(weights), "checksum": next(iter(sums.values())),
-                  "note": "every method includes SGLang's weight checksum (the end-of-update device sync)"}
+        if "min_ms" in r:
+            r["x_vs_single_call"] = r["min_ms"] / base
+    bad = [r["provider"] for r in rows if not r.get("copied_on_return", True)]
+    ph = {n: {k: min(p[k] for p in ps[1:] or ps) for k in ps[0]} for n, ps in phases.items()}
+    extra = {"model_bytes": nbytes, "num_tensors": len(specs), "rounds": rounds, "runs": runs,
+             "publisher_phases_ms_min": ph, "checksums": {"initial": initial, **ref},
+             "not_copied_on_return": bad, "failed": failed,
+             "note": "every method ends when SGLang answered; '+checksum' rows also read SGLang's weight checksum "
+                     "(a hash of every weight). After each call the source storage was overwritten at once and "
+                     "the engine's checksum compared with the reference of the set published."}
+    return rows, extra
+
+
+def _write_single_call(rows: list[dict], extra: dict, header: dict | None = None) -> Path:
+    """``publish_sglang_single_call.json``: our in-place publish with the adapter's default
+    hand-over (``flattened_bucket``) against SGLang's single ``update_weights_from_tensor`` call
+    with every tensor, both ending when SGLang answered; also the one-tensor-per-name variant."""
+    from bench._common import machine_header
+
+    ms = {r["provider"]: r.get("min_ms") for r in rows}
+    keep = ("round", "publisher_inplace_flattened", "publisher_inplace", "engine_single_call",
+            "engine_flattened_bucket_call", "publisher_inplace_checksum", "engine_single_call+checksum")
+    path = out_dir() / "publish_sglang_single_call.json"
+    path.write_text(json.dumps({
+        "header": header or machine_header(), "model_bytes": extra["model_bytes"], "num_tensors": extra["num_tensors"],
+        "publish_ms": ms.get("publisher_inplace_flattened"), "engine_single_call_ms": ms.get("engine_single_call"),
+        "publish_variant": "publisher_inplace_flattened (SGLangEngine default: flattened=True)",
+        "publish_named_ms": ms.get("publisher_inplace"),
+        "engine_flattened_bucket_call_ms": ms.get("engine_flattened_bucket_call"),
+        "publish_named_checksum_ms": ms.get("publisher_inplace_checksum"),
+        "engine_single_call_checksum_ms": ms.get("engine_single_call+checksum"),
+        "statistic": f"min over {extra['rounds']} interleaved rounds",
+        "copied_on_return": not extra["not_copied_on_return"],
+        "runs": [{k: v for k, v in run.items() if k in keep} for run in extra["runs"]]}, indent=1, default=str))
+    return path
 
 
 def _plot(rows: list[dict], name: str, metric: str = "GBps", label: str = "payload GB/s (higher is better)") -> None:
@@ -411,6 +537,7 @@ def main() -> None:
     ap.add_argument("--sglang", action="store_true", help="publish into a real SGLang engine (GPU + sglang)")
     ap.add_argument("--overhead", action="store_true", help="fixed per-publish CPU cost of 399 tiny tensors")
     ap.add_argument("--iters", type=int, default=50, help="publishes timed per variant (--overhead)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per method (--sglang, >= 5)")
     args = ap.parse_args()
     t0 = time.time()
     if args.overhead:
@@ -418,20 +545,25 @@ def main() -> None:
         name, cols = "publish_overhead", ["case", "provider", "ms", "cpu_ms", "untimed_ms", "convert_ms", "begin_ms", "plan_ms", "bucket_ms",
                                           "transfer_ms", "load_ms", "verify_ms", "buckets", "shared_storages"]
     elif args.sglang:
-        rows, extra = bench_sglang()
-        name, cols = "publish_sglang", ["case", "provider", "ms", "GBps", "speedup_vs_naive"]
+        rows, extra = bench_sglang(args.rounds)
+        name, cols = "publish_sglang", ["provider", "min_ms", "median_ms", "GBps", "x_vs_single_call", "copied_on_return"]
     else:
         rows, extra = bench_ipc(args.quick)
         name, cols = "publish", ["case", "provider", "ms", "cpu_ms", "GBps", "x_vs_d2d_flat", "handles_first", "handles_later",
                                  "shared_storages", "buckets", "trainer_peak_extra_MiB", "arena_MiB"]
     extra["wall_s"] = time.time() - t0
     path = write_results(name, rows, extra)
+    if args.sglang:
+        _write_single_call(rows, extra)
     if args.overhead:
         _plot(rows, name, "ms", "ms per publish of 399 tiny tensors (lower is better)")
+    elif args.sglang:
+        _plot([r for r in rows if r.get("GBps") is not None], name, "min_ms",
+              f"ms per full publish of {extra['model_bytes'] / 1e9:.2f} GB, min of {args.rounds} (lower is better)")
     else:
         _plot(rows, name)
     print(f"wrote {path}")
-    print({k: v for k, v in extra.items() if k not in ("phases_ms_median", "profile_top")})
+    print({k: v for k, v in extra.items() if k not in ("phases_ms_median", "profile_top", "runs")})
     if "phases_ms_median" in extra:
         for provider, ph in extra["phases_ms_median"].items():
             print(f"phases (ms, median) {provider}:", {k: round(v, 3) for k, v in ph.items()})

@@ -14,7 +14,7 @@ from colocate.errors import ConfigError, ConfigTypeError
 from mcore_distill.validate import validate_fields
 
 __all__ = ["ConfigError", "ConfigTypeError", "HFModelSpec", "PublishConfig", "EngineConfig", "WorkerSpec",
-           "Transport", "Verify"]
+           "SGLangServerConfig", "Transport", "Verify"]
 
 MiB = 1 << 20
 
@@ -214,3 +214,72 @@ class WorkerSpec:
             raise ConfigError(f"WorkerSpec.health_timeout_s must be > 0, got {self.health_timeout_s!r}")
         if not self.kill_grace_s >= 0:
             raise ConfigError(f"WorkerSpec.kill_grace_s must be >= 0, got {self.kill_grace_s!r}")
+
+
+@dataclass(kw_only=True)
+class SGLangServerConfig:
+    """One ``sglang.launch_server`` started as a colocated worker of the trainer
+    (:meth:`colocate.SGLangEngine.launch_server`): its server arguments and its role's
+    environment (:meth:`role_env`), e.g. a rollout engine beside the trainer, or a teacher of
+    another size that mopd's :class:`~mopd.backends.HTTPTeacher` scores against."""
+
+    model_path: str
+    """HF checkpoint folder the server loads (``config.json`` + safetensors)."""
+    role: str = "rollout"
+    """Worker role name (``COLOCATE_ROLE`` in the server's environment), e.g. ``rollout``, ``teacher``."""
+    port: int = 0
+    """TCP port on 127.0.0.1; 0 picks a free one."""
+    tp_size: int = 1
+    """SGLang tensor-parallel size."""
+    devices: list[int] | None = None
+    """The owner's logical GPUs the server gets (see :func:`colocate.sglang_clients.engine_devices`); None: all."""
+    mem_fraction_static: float = 0.3
+    """SGLang's static memory fraction (weights + KV pool) of the GPU."""
+    max_total_tokens: int = 65536
+    """Token slots of the KV pool."""
+    cuda_graph: bool = True
+    """Capture decode CUDA graphs (batch sizes 1, 2, 4)."""
+    memory_saver: bool = True
+    """Start with SGLang's memory saver, so ``kv_cache`` / ``weights`` / ``cuda_graph`` can be released."""
+    alloc_conf: str | None = None
+    """The server's ``PYTORCH_CUDA_ALLOC_CONF`` (the owner's value and ``PYTORCH_ALLOC_CONF`` are
+    removed); None: unset. ``expandable_segments:True`` is refused with ``memory_saver``: it
+    silently disables SGLang's memory saver."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Further role overrides merged over the owner's environment (``""`` removes a variable)."""
+    start_timeout_s: float = 300.0
+    """Deadline for ``GET /health`` to answer 200 after the start (a fresh box builds kernels first)."""
+    request_timeout_s: float = 600.0
+    """Deadline of every request to the server (:class:`~colocate.sglang_clients.HTTPClient`)."""
+    log_path: str | None = None
+    """File that receives the server's output; None: the owner's."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if not self.model_path:
+            raise ConfigError("SGLangServerConfig.model_path must name an HF checkpoint folder, got ''")
+        if not self.role or not self.role.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"SGLangServerConfig.role must be a non-empty identifier, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"SGLangServerConfig.port must be in [0, 65535], got {self.port!r}")
+        _positive(self, "tp_size", "max_total_tokens")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"SGLangServerConfig.mem_fraction_static must be in (0, 1), got {self.mem_fraction_static!r}")
+        if self.memory_saver and self.alloc_conf and "expandable_segments:true" in self.alloc_conf.replace(" ", "").lower():
+            raise ConfigError(f"SGLangServerConfig.alloc_conf={self.alloc_conf!r} with memory_saver=True: expandable "
+                              "segments silently disable SGLang's memory saver (set memory_saver=False or drop them)")
+        for n in ("start_timeout_s", "request_timeout_s"):
+            if not getattr(self, n) > 0:
+                raise ConfigError(f"SGLangServerConfig.{n} must be > 0, got {getattr(self, n)!r}")
+
+    def role_env(self) -> dict[str, str | None]:
+        """The role's environment overrides (None removes a variable): the allocator settings
+        (``PYTORCH_CUDA_ALLOC_CONF`` = :attr:`alloc_conf`, ``PYTORCH_ALLOC_CONF`` removed),
+        ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` when graphs are captured under the memory saver (it
+        must be set before capture, or ``cuda_graph`` cannot be released), ``HF_HUB_OFFLINE=1``
+        (nothing is downloaded), then :attr:`env`."""
+        out: dict[str, str | None] = {"PYTORCH_CUDA_ALLOC_CONF": self.alloc_conf or None, "PYTORCH_ALLOC_CONF": None,
+                                      "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1" if self.cuda_graph and self.memory_saver
+                                      else None, "HF_HUB_OFFLINE": "1"}
+        out.update({k: (v or None) for k, v in self.env.items()})
+        return out

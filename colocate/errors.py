@@ -14,7 +14,7 @@ from mcore_distill import errors as base
 from mcore_distill.hf.errors import ConversionError
 
 __all__ = ["ColocateError", "ConfigError", "ConfigTypeError", "ResidencyError", "BusyError", "NotResidentError", "TransportError",
-           "ReceiverTimeout", "ReceiverDied", "RemoteError", "UpdateError", "PublishError", "PoisonedVersionError",
+           "ReceiverTimeout", "ReceiverDied", "EngineStartError", "RemoteError", "UpdateError", "PublishError", "PoisonedVersionError",
            "ControlTimeoutError", "GenerationAbortedError", "EngineDestroyedError", "WorkerError",
            "WorkerStartTimeout", "AwexUnavailable", "ParamMismatchError", "ArenaCapacityError"]
 
@@ -55,6 +55,11 @@ class ReceiverTimeout(TransportError, TimeoutError):
 
 class ReceiverDied(TransportError):
     """The receiver process exited (or its pipe closed, or its server is unreachable) before answering."""
+
+
+class EngineStartError(ReceiverDied):
+    """An SGLang engine or server failed to start (e.g. no checkpoint at its model path); the
+    processes it had started are gone."""
 
 
 class RemoteError(TransportError):

@@ -125,6 +125,11 @@ class Residency:
             with self._lock:
                 self._busy -= 1
 
+    @property
+    def is_busy(self) -> bool:
+        """Inside :meth:`busy` (e.g. an engine generating)."""
+        return self._busy > 0
+
     def require(self, *tags: str) -> None:
         """Raise :class:`NotResidentError` naming any of ``tags`` that is released."""
         missing = [t for t in self._check(tags) if t in self._released]

@@ -3,7 +3,8 @@
 Both offer the same calls, named after SGLang's ``Engine`` methods, and raise
 :class:`~colocate.errors.UpdateError` when SGLang reports a failure:
 
-* :class:`EngineClient` — an in-process ``sglang.Engine`` (its calls have no timeouts of their own).
+* :class:`EngineClient` — an in-process ``sglang.Engine`` (its calls have no timeouts of their own;
+  ``call_timeout_s`` bounds each one, see the class).
 * :class:`HTTPClient` — a running ``sglang.launch_server``; every request has one deadline over
   the whole exchange (connect, send, headers, body), so a server that trickles its answer fails
   with :class:`~colocate.errors.ReceiverTimeout` in time. A refused or broken connection raises
@@ -19,8 +20,10 @@ The HTTP contract used (SGLang 0.5.17, ``sglang/srt/entrypoints/http_server.py``
 ``GET /model_info``                    ``weight_version`` (a string; ours are decimal integers)
 ``POST /update_weights_from_tensor``   ``{serialized_named_tensors: [base64 per TP rank], load_format,
                                        flush_cache}`` → ``{success, message}``; each payload is a
-                                       ``ForkingPickler`` dump of ``[(hf_name, tensor), ...]``, so a
-                                       CUDA tensor crosses as an IPC handle (server on the same node)
+                                       ``ForkingPickler`` dump of ``[(hf_name, tensor), ...]``, or
+                                       with ``load_format="flattened_bucket"`` of
+                                       :func:`flattened_bucket`'s dict, so a CUDA tensor crosses
+                                       as an IPC handle (server on the same node)
 ``POST /update_weights_from_disk``     ``{model_path, weight_version}``; SGLang rolls back a failed load
 ``POST /update_weight_version``        ``{new_version, abort_all_requests}``
 ``POST /weights_checker``              ``{action: "checksum"}`` → ``per_engine_checksum``
@@ -42,10 +45,12 @@ import http.client
 import io
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 import time
+import types
 import urllib.parse
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -55,12 +60,12 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers tensor reductions (shared memory, CUDA IPC)
 
 from colocate.config import WorkerSpec
-from colocate.errors import ConfigError, ReceiverDied, ReceiverTimeout, UpdateError
+from colocate.errors import ConfigError, EngineStartError, ReceiverDied, ReceiverTimeout, UpdateError
 from colocate.residency import allocator_config
 from colocate.workers import LocalScheduler, merge_env
 
 __all__ = ["EngineClient", "HTTPClient", "serialize_named_tensors", "server_args_to_cli", "sglang_checksum",
-           "engine_devices"]
+           "engine_devices", "flattened_bucket"]
 
 
 def _ok(result: Any) -> tuple[bool, str]:
@@ -79,6 +84,32 @@ def sglang_checksum(engine: Any) -> str:
     r = engine.loop.run_until_complete(
         engine.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None))
     return str(r[-1] if isinstance(r, tuple | list) else r)
+
+
+def flattened_bucket(buffer: torch.Tensor, entries: Sequence[Any]) -> dict[str, Any]:
+    """SGLang's ``load_format="flattened_bucket"`` payload for tensors at byte offsets of one
+    buffer (a packed bucket, or a trainer storage sent in place): ``{"flattened_tensor": the
+    buffer as bytes, "metadata": [name, shape, dtype, start_idx, end_idx, numel (bytes)]}``.
+    SGLang rebuilds the tensors as views of the buffer (``FlattenedTensorBucket``), so one CUDA
+    IPC handle and one event cross instead of one per tensor. The metadata are
+    ``types.SimpleNamespace`` objects: SGLang reads them by attribute, and its unpickler
+    (``SafeUnpickler``) admits ``types`` and ``torch`` classes, none of ours. ``entries``:
+    objects with ``name``, ``shape``, ``dtype``, ``offset`` (:class:`~colocate.buckets.Entry`)."""
+    flat = buffer.view(torch.uint8).reshape(-1)
+    meta = []
+    for e in entries:
+        n = e.dtype.itemsize
+        for x in e.shape:
+            n *= int(x)
+        meta.append(types.SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=e.dtype,
+                                          start_idx=int(e.offset), end_idx=int(e.offset) + n, numel=n))
+    return {"flattened_tensor": flat, "metadata": meta}
+
+
+def _dump(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -132,24 +163,44 @@ def engine_devices(server_args: dict[str, Any], devices: Sequence[int] | None) -
 
 class EngineClient:
     """An in-process ``sglang.Engine`` (``checksum_fn``: stands in for :func:`sglang_checksum`).
-    Its weight version is kept here (the engine has no version of its own in 0.5.17)."""
+    Its weight version is kept here (the engine has no version of its own in 0.5.17).
+
+    ``call_timeout_s``: the deadline of each engine call (None: none). The engine's calls block
+    on its asyncio loop until the scheduler answers; with a deadline each runs in a helper thread
+    and a call that does not return in time raises :class:`~colocate.errors.ReceiverTimeout`
+    (a hung or SIGKILLed scheduler: nothing answers). The engine is unusable after that (its
+    loop is still inside the abandoned call): later calls raise
+    :class:`~colocate.errors.ReceiverDied` and only :meth:`shutdown` runs. A scheduler that
+    *raises* makes SGLang kill the owning process itself (its SIGQUIT handler), which no
+    deadline can turn into an exception: run the engine as a server
+    (:meth:`HTTPClient.launch`) where the owner must survive a crashed engine."""
 
     ipc = "cuda"
     owner = "sglang"
 
-    def __init__(self, engine: Any, *, checksum_fn: Any = None):
+    def __init__(self, engine: Any, *, checksum_fn: Any = None, call_timeout_s: float | None = None):
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ConfigError(f"EngineClient call_timeout_s must be > 0 or None, got {call_timeout_s!r}")
         self.engine = engine
         self._checksum = checksum_fn or sglang_checksum
         self._version: str | None = None
+        self.call_timeout_s = call_timeout_s
+        self.broken: str | None = None
+        """Why the engine cannot be called any more (a call that missed its deadline), or None."""
         self.tp_size = int(getattr(getattr(engine, "server_args", None), "tp_size", 1) or 1)
         self.has_bracket = hasattr(engine, "begin_weight_update") and hasattr(engine, "end_weight_update")
         self.allocator = allocator_config()  # SGLang's schedulers inherit this process's environment
 
     @classmethod
-    def launch(cls, *, hide_megatron: bool = True, **engine_kwargs: Any) -> EngineClient:
+    def launch(cls, *, hide_megatron: bool = True, call_timeout_s: float | None = None,
+               **engine_kwargs: Any) -> EngineClient:
         """Start ``sglang.Engine(**engine_kwargs)`` (lazy import). With ``hide_megatron`` the engine
         starts with :func:`~colocate.sglang_engine.hide_megatron_dir` first on ``sys.path``, which
-        SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once."""
+        SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once.
+        A start that raises (e.g. no checkpoint at ``model_path``; SGLang's own start-up raises
+        when a process it spawned dies) raises :class:`~colocate.errors.EngineStartError`, after
+        the processes the engine had started (this process's new children and their
+        descendants) were killed. The start itself has no deadline."""
         import sglang
 
         from colocate.sglang_engine import hide_megatron_dir
@@ -157,42 +208,83 @@ class EngineClient:
         shadow = hide_megatron_dir() if hide_megatron else None
         if shadow is not None:
             sys.path.insert(0, shadow)
+        before = _children(os.getpid())
         try:
             engine = sglang.Engine(**engine_kwargs)
+        except Exception as e:  # noqa: BLE001 - any start failure becomes one typed error
+            started = _kill_new_children(before)
+            raise EngineStartError(f"sglang.Engine(model_path={engine_kwargs.get('model_path')!r}) failed to start: "
+                                   f"{type(e).__name__}: {e}" + (f" (killed the {started} process(es) it had started)"
+                                                                if started else "")) from e
         finally:
             if shadow is not None and shadow in sys.path:
                 sys.path.remove(shadow)
-        return cls(engine)
+        return cls(engine, call_timeout_s=call_timeout_s)
 
-    def _checked(self, what: str, result: Any) -> Any:
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` within :attr:`call_timeout_s` (see the class docstring)."""
+        if self.broken is not None:
+            raise ReceiverDied(f"sglang engine unusable ({self.broken}); shut it down and start another")
+        if self.call_timeout_s is None:
+            return fn(*args, **kwargs)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"sglang-{what}", daemon=True).start()
+        if not done.wait(self.call_timeout_s):
+            self.broken = f"{what} did not return within {self.call_timeout_s:.1f}s"
+            raise ReceiverTimeout(f"sglang engine: {self.broken} (scheduler hung or dead)")
+        if "error" in box:
+            raise box.pop("error")
+        return box["result"]
+
+    def _checked(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        result = self._call(what, fn, *args, **kwargs)
         ok, msg = _ok(result)
         if not ok:
             raise UpdateError(f"sglang {what} failed: {msg}")
         return result
 
     def begin_weight_update(self) -> None:
-        self._checked("begin_weight_update", self.engine.begin_weight_update())
+        self._checked("begin_weight_update", self.engine.begin_weight_update)
 
     def end_weight_update(self) -> None:
-        self._checked("end_weight_update", self.engine.end_weight_update())
+        self._checked("end_weight_update", self.engine.end_weight_update)
 
-    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self._checked("update_weights_from_tensor",
-                      self.engine.update_weights_from_tensor(named_tensors=named, load_format=None, flush_cache=False))
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]], *, flush_cache: bool = False) -> None:
+        """One load of HF-named tensors; ``flush_cache``: SGLang flushes its radix cache after the
+        load, in the same call (it asserts, in the scheduler, that no request is running)."""
+        self._checked("update_weights_from_tensor", self.engine.update_weights_from_tensor, named_tensors=named,
+                      load_format=None, flush_cache=flush_cache)
+
+    def update_weights_from_bucket(self, payload: dict[str, Any], *, flush_cache: bool = False) -> None:
+        """One load of a :func:`flattened_bucket` payload (``load_format="flattened_bucket"``;
+        the engine takes it pre-serialized, one payload per TP rank)."""
+        data = [_dump(payload) for _ in range(self.tp_size)]  # one dump per rank: each releases its own handles
+        self._checked("update_weights_from_tensor(flattened_bucket)", self.engine.update_weights_from_tensor,
+                      named_tensors=data, load_format="flattened_bucket", flush_cache=flush_cache)
 
     def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
-        self._checked(f"update_weights_from_disk({model_path!r})", self.engine.update_weights_from_disk(model_path))
+        self._checked(f"update_weights_from_disk({model_path!r})", self.engine.update_weights_from_disk, model_path)
         self._version = version
 
     def memory_occupation(self, op: str, tag: str) -> None:
         """``release`` or ``resume`` one tag."""
-        self._checked(f"{op}_memory_occupation({tag})", getattr(self.engine, f"{op}_memory_occupation")(tags=[tag]))
+        self._checked(f"{op}_memory_occupation({tag})", getattr(self.engine, f"{op}_memory_occupation"), tags=[tag])
 
     def flush_cache(self) -> None:
-        self.engine.flush_cache()
+        self._checked("flush_cache", self.engine.flush_cache)
 
     def checksum(self) -> str:
-        return self._checksum(self.engine)
+        return self._call("checksum", self._checksum, self.engine)
 
     def weight_version(self) -> str | None:
         return self._version
@@ -203,8 +295,8 @@ class EngineClient:
     def generate(self, input_ids: list[list[int]], sampling_params: dict, *, return_logprob: bool,
                  logprob_start_len: int | None = None) -> list[dict]:
         extra = {} if logprob_start_len is None else {"logprob_start_len": logprob_start_len}
-        return self.engine.generate(input_ids=input_ids, sampling_params=sampling_params,
-                                    return_logprob=return_logprob, **extra)
+        return self._call("generate", self.engine.generate, input_ids=input_ids, sampling_params=sampling_params,
+                          return_logprob=return_logprob, **extra)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -309,11 +401,17 @@ class HTTPClient:
     def end_weight_update(self) -> None:
         self.post("/end_weight_update", {})
 
-    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]], *, flush_cache: bool = False) -> None:
         # one payload per TP rank (each rank opens and releases its own handles)
         payloads = [serialize_named_tensors(named) for _ in range(self.tp_size)]
         self.post("/update_weights_from_tensor", {"serialized_named_tensors": payloads, "load_format": None,
-                                                  "flush_cache": False})
+                                                  "flush_cache": flush_cache})
+
+    def update_weights_from_bucket(self, payload: dict[str, Any], *, flush_cache: bool = False) -> None:
+        """One load of a :func:`flattened_bucket` payload, one base64 copy per TP rank."""
+        data = [base64.b64encode(_dump(payload)).decode("ascii") for _ in range(self.tp_size)]
+        self.post("/update_weights_from_tensor", {"serialized_named_tensors": data,
+                                                  "load_format": "flattened_bucket", "flush_cache": flush_cache})
 
     def update_weights_from_disk(self, model_path: str, version: str | None) -> None:
         self.post("/update_weights_from_disk", {"model_path": model_path, "weight_version": version})
@@ -399,6 +497,47 @@ class HTTPClient:
             raise
 
 
+def _children(pid: int) -> set[int]:
+    """Direct children of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    out = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in entries:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.add(int(d))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _kill_new_children(before: set[int]) -> int:
+    """SIGKILL this process's children that are not in ``before``, with their descendants;
+    returns how many children there were."""
+    new = _children(os.getpid()) - before
+    todo, seen = list(new), set()
+    while todo:  # descendants first collected, so none is reparented away before it is found
+        p = todo.pop()
+        if p not in seen:
+            seen.add(p)
+            todo.extend(_children(p))
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in new:  # reap our own children
+        try:
+            os.waitpid(p, 0)
+        except OSError:
+            pass
+    return len(new)
+
+
 def _shut(sock: socket.socket) -> None:
     """Shut a socket down: a read blocked on it returns at once (the request's deadline)."""
     try:
@@ -414,8 +553,8 @@ def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None)
     deadline = time.monotonic() + timeout_s
     while True:
         if not worker.alive():
-            raise ReceiverDied(f"{worker.spec.command[2]} (role {worker.spec.role!r}) exited during start; "
-                               f"log: {log_path}")
+            raise EngineStartError(f"{worker.spec.command[2]} (role {worker.spec.role!r}) exited during start; "
+                                   f"log: {log_path}")
         conn = http.client.HTTPConnection(host, port, timeout=2)
         try:
             conn.request("GET", "/health")

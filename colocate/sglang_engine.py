@@ -6,16 +6,21 @@
 or a ``sglang.launch_server`` over HTTP (:meth:`SGLangEngine.connect`,
 :meth:`SGLangEngine.launch_server`, the latter a guarded colocated worker of this process).
 
-* ``load_bucket`` hands SGLang the tensors as views into one buffer (a packed bucket, or a
-  trainer storage sent in place by the publisher) through
-  ``update_weights_from_tensor(load_format=None)`` (HF names; SGLang stacks q/k/v and gate/up
-  and slices per TP rank). Torch's CUDA IPC shares an allocation once, so one buffer is one IPC
-  memory handle whatever its tensor count.
+* ``load_bucket`` hands SGLang one buffer (a packed bucket, or a trainer storage sent in place by
+  the publisher) with the byte span of each HF-named tensor in it, as SGLang's
+  ``load_format="flattened_bucket"`` (default; one CUDA IPC handle and event for the buffer,
+  SGLang rebuilds the tensors as views) or, with ``flattened=False``, as one tensor per name
+  through ``load_format=None``. Either way SGLang stacks q/k/v and gate/up and slices per TP rank.
+* Each load is held back until the next one arrives; ``end_update`` sends the last with
+  ``flush_cache`` (SGLang flushes its radix cache in the same call) — one request fewer.
 * The ``begin_weight_update`` / ``end_weight_update`` bracket (mandatory from SGLang 0.5.21,
   absent in 0.5.17) is used when the engine has it — feature-detected, not version-parsed.
-* SGLang acknowledges a load before its device copies finish, so the adapter sets
-  ``unsynced_acks``: the publisher then gives every bucket a fresh buffer and frees them only
-  after ``end_update``, which reads SGLang's weight checksum (a device sync in the scheduler).
+* SGLang answers a tensor load after its copies ran (its scheduler drops the received tensors
+  first, and torch synchronizes the receiving stream when a CUDA-IPC storage is freed; the GPU
+  test and ``bench/publish.py --sglang`` overwrite the source right after the answer and find
+  the published bytes in the engine), so no checksum is needed as a device sync at commit
+  (``commit_checksum`` reads it anyway). ``unsynced_acks`` stays set: the publisher gives every
+  packed bucket a fresh buffer and frees them only after ``end_update`` (conservative).
 * SGLang's checker hashes its own (fused) layout, so per-tensor checksums cannot be compared:
   ``verifies_checksums = False``; tests compare the engine checksum against a disk load of the
   same weights and the engine's logprobs against a reference HF model.
@@ -32,6 +37,7 @@ or a ``sglang.launch_server`` over HTTP (:meth:`SGLangEngine.connect`,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -42,15 +48,15 @@ from typing import Any
 import torch
 
 from colocate.buckets import Entry, unpack_bucket
-from colocate.config import HFModelSpec
+from colocate.config import HFModelSpec, SGLangServerConfig
 from colocate.convert import check_params, hf_param_specs
-from colocate.errors import UpdateError
+from colocate.errors import BusyError, UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
-from colocate.sglang_clients import EngineClient, HTTPClient, sglang_checksum
+from colocate.sglang_clients import EngineClient, HTTPClient, flattened_bucket, sglang_checksum
 from mcore_distill.atomic import atomic_write_bytes, publish_directory, temp_directory_for
 
 __all__ = ["SGLangEngine", "hide_megatron_dir", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args",
-           "sglang_named_tensors", "sglang_process_env", "write_hf_checkpoint"]
+           "sglang_named_tensors", "sglang_process_env", "sglang_server_launch_args", "write_hf_checkpoint"]
 
 _MEGATRON_STUB = (
     '"""Stand-in that hides Megatron from SGLang\'s processes (mcore-distill colocate.sglang_engine)."""\n'
@@ -144,6 +150,19 @@ def sglang_engine_args(model_path: str, *, cuda_graph: bool = True, memory_saver
     return kw
 
 
+def sglang_server_launch_args(config: SGLangServerConfig) -> dict[str, Any]:
+    """:meth:`~colocate.sglang_clients.HTTPClient.launch` arguments for ``config``: the server's
+    (:func:`sglang_engine_args`, log level ``warning``) and the launch's (role, its environment
+    :meth:`~colocate.config.SGLangServerConfig.role_env`, port, devices, deadlines, log)."""
+    args = sglang_engine_args(config.model_path, cuda_graph=config.cuda_graph, memory_saver=config.memory_saver,
+                              tp_size=config.tp_size, mem_fraction_static=config.mem_fraction_static,
+                              max_total_tokens=config.max_total_tokens, log_level="warning")
+    return {**args, "role": config.role, "env": config.role_env(), "port": config.port or None,
+            "devices": None if config.devices is None else list(config.devices),
+            "start_timeout_s": config.start_timeout_s, "timeout_s": config.request_timeout_s,
+            "log_path": config.log_path}
+
+
 def logprobs_of_prompt(rows: Sequence[Sequence[Any]], prompt: Sequence[int]) -> list[float]:
     """SGLang's ``input_token_logprobs`` rows ``(logprob, token_id, text)`` for a prompt scored
     from position 0 → log-probs of tokens 1..T-1. Raises :class:`UpdateError` when the rows do
@@ -161,28 +180,40 @@ def logprobs_of_prompt(rows: Sequence[Sequence[Any]], prompt: Sequence[int]) -> 
 class SGLangEngine:
     """Receiver + residency adapter over an SGLang engine reached through ``client`` (an
     :class:`~colocate.sglang_clients.EngineClient` or :class:`~colocate.sglang_clients.HTTPClient`;
-    see the module docstring). ``dtype`` is the dtype the publisher sends."""
+    see the module docstring). ``dtype`` is the dtype the publisher sends. ``commit_checksum``:
+    read SGLang's weight checksum at every commit into :attr:`last_checksum` (a hash of every
+    weight, ~5–25 ms; off by default: :meth:`checksum` reads it on demand). ``flattened`` (default):
+    hand each buffer over as SGLang's ``flattened_bucket`` (one IPC handle and event per buffer,
+    the tensors rebuilt as views there); False: one tensor per name (an IPC event each), which
+    made a 1.88 GB in-place publish 1–4.5 ms slower than SGLang's own single call on the H200
+    (docs/benchmarks.md, 2026-12-01)."""
 
     unsynced_acks = True
     verifies_checksums = False
 
-    def __init__(self, client: EngineClient | HTTPClient, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, client: EngineClient | HTTPClient, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16,
+                 commit_checksum: bool = False, flattened: bool = True):
         self.client, self.spec, self.dtype = client, spec, dtype
+        self.commit_checksum, self.flattened = commit_checksum, flattened
         self._specs = hf_param_specs(spec, dtype=dtype)
         self._open: int | None = None
         self._committed: int | None = None  # the last version end_update stamped
+        self._pending: Any = None  # the last load, sent by end_update
         self.last_checksum: str | None = None
+        """SGLang's checksum read at the last commit (``commit_checksum``), else None."""
         self.residency = Residency({t: (self._tag_hook("release", t), self._tag_hook("resume", t)) for t in ENGINE_TAGS},
                                    owner=client.owner, allocator=client.allocator)
 
     # ----- starting ---------------------------------------------------------------------------
     @classmethod
     def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16, hide_megatron: bool = True,
+               call_timeout_s: float | None = None, commit_checksum: bool = False,
                **engine_kwargs: Any) -> SGLangEngine:
         """An in-process ``sglang.Engine(**engine_kwargs)`` (``engine_kwargs`` may hold the engine's
-        own ``dtype``; ``param_dtype`` is the dtype the publisher sends; see
-        :meth:`~colocate.sglang_clients.EngineClient.launch`)."""
-        return cls(EngineClient.launch(hide_megatron=hide_megatron, **engine_kwargs), spec=spec, dtype=param_dtype)
+        own ``dtype``; ``param_dtype`` is the dtype the publisher sends; ``call_timeout_s``: the
+        deadline of each engine call; see :meth:`~colocate.sglang_clients.EngineClient.launch`)."""
+        return cls(EngineClient.launch(hide_megatron=hide_megatron, call_timeout_s=call_timeout_s, **engine_kwargs),
+                   spec=spec, dtype=param_dtype, commit_checksum=commit_checksum)
 
     @classmethod
     def connect(cls, base_url: str, *, spec: HFModelSpec, dtype: torch.dtype = torch.bfloat16,
@@ -191,12 +222,20 @@ class SGLangEngine:
         return cls(HTTPClient(base_url, timeout_s=timeout_s, ipc=ipc), spec=spec, dtype=dtype)
 
     @classmethod
-    def launch_server(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16,
+    def launch_server(cls, config: SGLangServerConfig | None = None, *, spec: HFModelSpec,
+                      param_dtype: torch.dtype = torch.bfloat16, commit_checksum: bool = False,
                       **launch_args: Any) -> SGLangEngine:
         """Start ``sglang.launch_server`` as a guarded colocated worker of this process (it dies
-        with its owner) and connect (``launch_args``: :meth:`~colocate.sglang_clients.HTTPClient.launch`,
-        the server's arguments included); :meth:`shutdown` stops it."""
-        return cls(HTTPClient.launch(**launch_args), spec=spec, dtype=param_dtype)
+        with its owner) and connect; :meth:`shutdown` stops it. ``config``
+        (:class:`~colocate.config.SGLangServerConfig`): the server arguments and the role's
+        environment (:func:`sglang_server_launch_args`); ``launch_args``:
+        :meth:`~colocate.sglang_clients.HTTPClient.launch`'s, the server's arguments included,
+        given alone or replacing the config's (``env`` is merged over the config's)."""
+        if config is not None:
+            base = sglang_server_launch_args(config)
+            env = {**base.pop("env"), **(launch_args.pop("env", None) or {})}
+            launch_args = {**base, **launch_args, "env": env}
+        return cls(HTTPClient.launch(**launch_args), spec=spec, dtype=param_dtype, commit_checksum=commit_checksum)
 
     @property
     def has_bracket(self) -> bool:
@@ -235,28 +274,55 @@ class SGLangEngine:
 
     def begin_update(self, version: int) -> None:
         self.residency.require("weights")
+        if self.residency.is_busy:  # SGLang's post-load flush asserts in its scheduler when requests run
+            raise BusyError(f"SGLang engine: update to {version} while this adapter is generating")
         if self.client.has_bracket:
             self.client.begin_weight_update()
-        self._open = version
+        self._open, self._pending = version, None
 
     def load_bucket(self, entries: list[Entry], buffer: torch.Tensor) -> None:
+        """Check and queue one hand-over; the previous one is sent now, the last by
+        :meth:`end_update` (one call fewer per publish: the cache flush rides on it)."""
         if self._open is None:
             raise UpdateError("load without begin_update")
         if (self.client.ipc == "cuda") != buffer.is_cuda:
             kind = "CUDA" if self.client.ipc == "cuda" else "CPU (shared-memory)"
             raise UpdateError(f"this SGLang engine takes {kind} tensors only, got a buffer on {buffer.device}")
-        named = list(unpack_bucket(buffer, entries).items())
-        check_params({n: (tuple(t.shape), t.dtype) for n, t in named}, self._specs, require_all=False)
-        self.client.update_weights_from_tensor(sglang_named_tensors(named, self.spec))
+        check_params({e.name: (tuple(e.shape), e.dtype) for e in entries}, self._specs, require_all=False)
+        if self.flattened:
+            tied = self.spec.arch == "qwen3_moe" and self.spec.tie_embeddings  # as sglang_named_tensors
+            extra = [dataclasses.replace(e, name="lm_head.weight") for e in entries
+                     if tied and e.name == "model.embed_tokens.weight"]
+            load = flattened_bucket(buffer, [*entries, *extra])
+        else:
+            load = sglang_named_tensors(list(unpack_bucket(buffer, entries).items()), self.spec)
+        previous, self._pending = self._pending, load
+        if previous is not None:
+            self._send(previous, flush_cache=False)
+
+    def _send(self, load: Any, *, flush_cache: bool) -> None:
+        if isinstance(load, dict):
+            self.client.update_weights_from_bucket(load, flush_cache=flush_cache)
+        else:
+            self.client.update_weights_from_tensor(load, flush_cache=flush_cache)
 
     def end_update(self, version: int, checksums: dict[str, int] | None = None) -> None:
+        """Send the last load (with SGLang's cache flush when the KV pool is resident; a
+        released pool comes back empty anyway), close the bracket, stamp ``version``. SGLang
+        answers a tensor load after its copies ran (its scheduler drops the received tensors
+        before answering, and torch synchronizes the receiving stream when a CUDA-IPC storage
+        is freed), so the publisher may hand the trainer's memory back once this returns."""
         if self._open != version:
             raise UpdateError(f"end_update({version}) without a matching begin_update (open: {self._open})")
+        flush = self.residency.is_resident("kv_cache")
+        last, self._pending = self._pending, None
+        if last is not None:
+            self._send(last, flush_cache=flush and not self.client.has_bracket)
         if self.client.has_bracket:
             self.client.end_weight_update()
-        if self.residency.is_resident("kv_cache"):  # a released pool comes back empty anyway
+        if flush and (last is None or self.client.has_bracket):
             self.client.flush_cache()
-        self.last_checksum = self.client.checksum()  # also: scheduler-side device sync
+        self.last_checksum = self.client.checksum() if self.commit_checksum else None
         self.client.set_weight_version(str(version))
         self._open, self._committed = None, version
 
@@ -264,7 +330,7 @@ class SGLangEngine:
         """Close the update to ``version``; the loads were in place, so whether it was open or
         already committed (a publisher that gave up waiting), no version is valid afterwards."""
         if self._open == version:
-            self._open = None
+            self._open, self._pending = None, None
             try:
                 if self.client.has_bracket:
                     self.client.end_weight_update()

@@ -191,13 +191,15 @@ class HTTPTeacher:
     so nothing of the caller's frames (its tensors) outlives a retry. One connection per
     attempt (``Connection: close``): the forward pass dominates a request, and no attempt
     can read a stale reply of an earlier one. Server memory is managed by the server:
-    ``offload``/``onload`` are no-ops.
+    ``offload``/``onload`` are no-ops. ``server``: an object with ``shutdown()`` this teacher
+    owns (the server process it scores against, started by
+    :meth:`colocate.SGLangEngine.launch_server`); :meth:`close` shuts it down.
     """
 
     def __init__(self, teacher_id: str, url: str, *, temperature: float = 1.0, timeout_s: float = 60.0,
                  max_retries: int = 2, retry_backoff_s: float = 0.5, max_batch: int = 64,
                  max_new_tokens: int = 1, server_scales_temperature: bool = False,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, server: Any = None) -> None:
         if not (math.isfinite(temperature) and temperature > 0):
             raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
         if temperature != 1.0 and not server_scales_temperature:
@@ -234,6 +236,7 @@ class HTTPTeacher:
         self.max_new_tokens = max_new_tokens
         self.requests = 0
         self.closed = False
+        self.server = server
 
     @classmethod
     def from_spec(cls, teacher_id: str, spec: Any, *, temperature: float) -> HTTPTeacher:
@@ -332,7 +335,12 @@ class HTTPTeacher:
         return None
 
     def close(self) -> None:
+        """Closed for scoring; a ``server`` this teacher owns (e.g. a
+        :meth:`colocate.SGLangEngine.launch_server` engine, killed with its process group) is shut down."""
         self.closed = True
+        server, self.server = self.server, None
+        if server is not None:
+            server.shutdown()
 
     def _check_open(self) -> None:
         if self.closed:

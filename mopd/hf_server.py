@@ -18,7 +18,10 @@ its source: ``scheduler_components/logprob_result_processor.py`` and ``schedule_
   vocabulary id comes back as 0 (the value is still computed for the true id);
 * request ids outside ``[0, vocab_size)`` are rejected (HTTP 400), as its tokenizer manager does.
 
-Run: ``python -m mopd.hf_server --model-dir DIR --port P [--mode sglang-0.5.17]``.
+Run: ``python -m mopd.hf_server --model-dir DIR --port P [--mode sglang-0.5.17]``. It also
+stands in for ``sglang.launch_server`` under :meth:`colocate.sglang_clients.HTTPClient.launch`
+(``server_module="mopd.hf_server"``): ``--model-path`` is accepted, SGLang's other flags are
+ignored (named on stderr), and ``GET /server_info`` answers ``tp_size`` 1.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import math
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -161,7 +165,12 @@ class HFTeacherServer:
             def do_GET(self):
                 if self._fault():
                     return
-                self._send(200, {}) if self.path == "/health" else self._send(404, {"error": self.path})
+                if self.path == "/health":
+                    self._send(200, {})
+                elif self.path == "/server_info":  # what an SGLang client reads at connect
+                    self._send(200, {"tp_size": 1, "server": "mopd.hf_server"})
+                else:
+                    self._send(404, {"error": self.path})
 
             def do_POST(self):
                 if self._fault():
@@ -245,11 +254,15 @@ class HFTeacherServer:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--model-dir", "--model-path", dest="model_dir", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--mode", choices=MODES, default="reference")
-    args = ap.parse_args(argv)
+    # started in sglang.launch_server's place (colocate.SGLangEngine/HTTPClient.launch with
+    # server_module="mopd.hf_server"), it gets SGLang's flags too: they do not apply here
+    args, ignored = ap.parse_known_args(argv)
+    if ignored:
+        print(f"mopd.hf_server: ignoring SGLang server flags {ignored}", file=sys.stderr, flush=True)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)

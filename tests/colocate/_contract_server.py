@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -45,6 +46,23 @@ def sha(w: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang's ``SafeUnpickler`` rule for tensor payloads (0.5.17, ``srt/utils/common.py``): only
+    classes of allow-listed modules load (here the subset a payload of ours may need)."""
+
+    ALLOWED = ("builtins.", "collections.", "copyreg.", "types.", "torch.", "multiprocessing.resource_sharer.",
+               "multiprocessing.reduction.")
+
+    def find_class(self, module, name):
+        if any((module + ".").startswith(p) for p in self.ALLOWED):
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe class loading ({module}.{name})")
+
+
+def _safe_loads(data: bytes):
+    return _SafeUnpickler(io.BytesIO(data)).load()
+
+
 def probe() -> dict:
     try:
         import megatron.core  # noqa: F401
@@ -52,7 +70,8 @@ def probe() -> dict:
         megatron = "imported"
     except ImportError as e:
         megatron = f"ImportError: {e}"
-    keys = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTHONPATH", "COLOCATE_ROLE", "MCD_ROLE_VAR")
+    keys = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTHONPATH", "COLOCATE_ROLE",
+            "MCD_ROLE_VAR", "SGLANG_MEMORY_SAVER_CUDA_GRAPH", "HF_HUB_OFFLINE")
     return {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
             "megatron": megatron}
 
@@ -75,6 +94,8 @@ class ContractServer:
         self.busy = False
         self.fail_next_update = False
         self.delay_s = 0.0
+        self.generate_delay_s = 0.0
+        self.version_suffix = ""  # injected fault: the stamped version reads back changed
         self.trickle_s = 0.0  # > 0: every reply is written one byte at a time, this far apart
         self.log: list[str] = []
         outer = self
@@ -148,10 +169,16 @@ class ContractServer:
                 self.fail_next_update = False
                 return 400, {"success": False, "message": "injected failure"}
             assert len(body["serialized_named_tensors"]) == 1  # one payload per TP rank
-            named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            named = _safe_loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            if body.get("load_format") == "flattened_bucket":  # SGLang's FlattenedTensorBucket: views of one buffer
+                flat = named["flattened_tensor"]
+                named = [(m.name, flat[m.start_idx: m.end_idx].view(m.dtype).reshape(m.shape)) for m in named["metadata"]]
+                self.log.append("flattened")
             with torch.no_grad():
                 for n, t in named:
                     self.views[n].copy_(t)  # in place, as SGLang's loaders do
+            if body.get("flush_cache"):
+                self.log.append("flush(in update)")
             return 200, ok
         if path == "/update_weights_from_disk":
             f = os.path.join(body["model_path"], "model.safetensors")
@@ -166,7 +193,7 @@ class ContractServer:
                 self.version = body["weight_version"]
             return 200, ok
         if path == "/update_weight_version":
-            self.version = body["new_version"]
+            self.version = body["new_version"] + (self.version_suffix if body["new_version"] != "poisoned" else "")
             return 200, ok
         if path == "/weights_checker":
             return 200, {"success": True, "message": "", "per_engine_checksum": self.checksum()}
@@ -189,6 +216,7 @@ class ContractServer:
                 self.released -= set(tags)
             return 200, None
         if path == "/generate":
+            time.sleep(self.generate_delay_s)
             return 200, self.generate(body)
         if path == "/probe":  # what the process was started with (launch tests)
             return 200, probe()
@@ -197,11 +225,13 @@ class ContractServer:
     @torch.no_grad()
     def generate(self, body):
         single = body["input_ids"] and isinstance(body["input_ids"][0], int)
+        prompts = [body["input_ids"]] if single else body["input_ids"]
+        starts = body.get("logprob_start_len")
+        starts = starts if isinstance(starts, list) else [starts] * len(prompts)  # per row, or one for all
         outs = []
-        for ids in [body["input_ids"]] if single else body["input_ids"]:
+        for ids, start in zip(prompts, starts, strict=True):
             ids = list(ids)
             lp = torch.log_softmax(self.model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
-            rows = [[None, ids[0], None]] + [[lp[i - 1, ids[i]].item(), ids[i], None] for i in range(1, len(ids))]
             out_ids, out_lp = [], []
             for _ in range(body["sampling_params"]["max_new_tokens"]):
                 last = torch.log_softmax(self.model(input_ids=torch.tensor([ids + out_ids])).logits[0, -1].double(), -1)
@@ -209,8 +239,9 @@ class ContractServer:
                 out_ids.append(tok)
                 out_lp.append([last[tok].item(), tok, None])
             meta = {"output_token_logprobs": out_lp}
-            if body.get("logprob_start_len") == 0:
-                meta["input_token_logprobs"] = rows
+            if start is not None and start >= 0:  # SGLang pads the first entry (token ``start``) with None
+                meta["input_token_logprobs"] = [[None, ids[start], None]] + [
+                    [lp[i - 1, ids[i]].item(), ids[i], None] for i in range(start + 1, len(ids))]
             outs.append({"output_ids": out_ids, "meta_info": meta})
         return outs[0] if single else outs
 
@@ -221,6 +252,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--bracket", action="store_true")
+    ap.add_argument("--generate-delay-s", type=float, default=0.0)  # a long generation (crash tests)
     args, _ = ap.parse_known_args()  # the other sglang flags (tp-size, base-gpu-id, ...) are ignored
     if os.environ.get("MCD_MP_AUTHKEY"):  # shared-memory CPU tensors (file descriptors) come from the owner:
         import multiprocessing  # its resource sharer accepts processes with its authkey only
@@ -230,6 +262,7 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32, attn_implementation="eager")
     server = ContractServer(bracket=args.bracket, model=model.eval(), host=args.host, port=args.port)
+    server.generate_delay_s = args.generate_delay_s
     print(f"serving {server.url}", flush=True)
     threading.Event().wait()
 

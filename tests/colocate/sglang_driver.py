@@ -84,7 +84,9 @@ def _driver(case_file: str, result_file: str) -> None:
 
     rec["engine_class_has_bracket"] = hasattr(sgl_engine_mod.Engine, "begin_weight_update")
     t = time.time()
-    eng = SGLangEngine.launch(spec=spec, **sglang_engine_args(init_dir, cuda_graph=True, tp_size=tp))
+    # the MoE case runs every engine call through the deadline's helper thread (call_timeout_s)
+    eng = SGLangEngine.launch(spec=spec, call_timeout_s=case.get("call_timeout_s"),
+                              **sglang_engine_args(init_dir, cuda_graph=True, tp_size=tp))
     rec["engine_start_s"] = round(time.time() - t, 1)
     try:
         rec["has_bracket"] = eng.has_bracket
@@ -97,7 +99,7 @@ def _driver(case_file: str, result_file: str) -> None:
         rep = packed.publish(((n, t.cuda()) for n, t in weights.items()), version=1, meta=meta)
         rec["packed"] = {"num_buckets": rep.num_buckets, "num_shared": rep.num_shared, "handles": rep.handles,
                          "ms": {k: round(v * 1e3, 2) for k, v in rep.timings.items()}, "verify": rep.verify}
-        rec["checksum_publish"] = eng.last_checksum
+        rec["checksum_publish"] = eng.checksum()
         rec["lp_after"] = _lp_stats([eng.prompt_logprobs(p) for p in PROMPTS], ref_lp)
 
         eng.restore_from_disk(same_dir, version=1)
@@ -117,9 +119,28 @@ def _driver(case_file: str, result_file: str) -> None:
         direct.last_good = 1
         eng.restore_from_disk(init_dir, version=None)  # other weights first, so the check can fail
         rep = direct.publish(inplace, version=2)
+        # the trainer writes its storage the moment publish returns (negated: exact, undone below):
+        # the engine must already hold the published bytes (SGLang answered after its copies)
+        flat.neg_()
+        rec["checksum_inplace"] = eng.checksum()
+        flat.neg_()
         rec["inplace"] = {"num_buckets": rep.num_buckets, "num_shared": rep.num_shared, "handles": rep.handles,
                           "ms": {k: round(v * 1e3, 2) for k, v in rep.timings.items()}}
-        rec["checksum_inplace"] = eng.last_checksum
+        # the same storage as SGLang's flattened_bucket (one handle for all tensors), and packed that way
+        flat_ad = SGLangEngine(eng.client, spec=spec, flattened=True)
+        eng.restore_from_disk(init_dir, version=None)
+        rep = Publisher(flat_ad, PublishConfig(bucket_bytes=1 << 20), share_min_bytes=1).publish(inplace, version=20)
+        flat.neg_()
+        rec["checksum_flattened_inplace"] = eng.checksum()
+        flat.neg_()
+        rec["flattened_inplace"] = {"num_buckets": rep.num_buckets, "num_shared": rep.num_shared}
+        eng.restore_from_disk(init_dir, version=None)
+        rep = Publisher(flat_ad, PublishConfig(bucket_bytes=256 << 10), share_min_bytes=None).publish(
+            ((n, t.cuda()) for n, t in weights.items()), version=21, meta=meta)
+        rec["checksum_flattened_packed"] = eng.checksum()
+        rec["flattened_packed"] = {"num_buckets": rep.num_buckets, "num_shared": rep.num_shared}
+        rec["lp_flattened"] = _lp_stats([eng.prompt_logprobs(p) for p in PROMPTS], ref_lp)
+        direct.publish(inplace, version=22)  # back to the adapter under test (same bytes)
 
         rec["greedy_before_cycle"] = [o["output_ids"] for o in eng.generate(PROMPTS, max_new_tokens=8)]
         rec["freed"] = eng.release_memory(["kv_cache", "weights", "cuda_graph"])
@@ -130,7 +151,7 @@ def _driver(case_file: str, result_file: str) -> None:
         except NotResidentError:
             rec["generate_refused_while_released"] = True
         rec["resumed_weights"] = eng.resume_memory(["weights"])
-        direct.publish(inplace, version=3)
+        direct.publish(inplace, version=23)
         rec["resumed_rest"] = eng.resume_memory(["cuda_graph", "kv_cache"])
         rec["checksum_after_cycle"] = eng.checksum()
         rec["greedy_after_cycle"] = [o["output_ids"] for o in eng.generate(PROMPTS, max_new_tokens=8)]

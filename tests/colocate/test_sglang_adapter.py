@@ -5,13 +5,16 @@ begin/end bracket, CUDA-only tensors). The real engine runs the same adapter on 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from colocate import HFModelSpec, NotResidentError, PublishConfig, SGLangEngine
 from colocate.buckets import plan_buckets
-from colocate.errors import TransportError, UpdateError
-from colocate.publish import Publisher
+from colocate.errors import BusyError, ConfigError, ReceiverDied, ReceiverTimeout, TransportError, UpdateError
+from colocate.publish import Publisher, PublishError
 from colocate.sglang_clients import EngineClient
 
 SPEC = HFModelSpec(arch="qwen3", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
@@ -59,7 +62,8 @@ class RuleEngine:
             return False, "tensor updates need begin_weight_update"
         if "weights" in self.released:
             return False, "weights released"
-        self.calls.append(f"update:{len(named_tensors)}")
+        assert not (flush_cache and self.busy), "Cache flush failed after updating weights"  # SGLang's scheduler
+        self.calls.append(f"update:{len(named_tensors)}" + ("+flush" if flush_cache else ""))
         return True, "Success"
 
     def flush_cache(self):
@@ -74,7 +78,7 @@ class RuleEngine:
 def test_bracket_detection_versions_and_residency(bracket):
     eng = RuleEngine(bracket=bracket)
     sums = iter(range(100))
-    ad = SGLangEngine(EngineClient(eng, checksum_fn=lambda e: f"sum{next(sums)}"), spec=SPEC)
+    ad = SGLangEngine(EngineClient(eng, checksum_fn=lambda e: f"sum{next(sums)}"), spec=SPEC, commit_checksum=True)
     assert ad.has_bracket is bracket and ad.capabilities() == {"cuda_ipc"}
     if not torch.cuda.is_available():  # the probe refuses: SGLang takes CUDA tensors only
         with pytest.raises(TransportError, match="no common transport"):
@@ -251,3 +255,175 @@ def test_abort_of_a_committed_version_leaves_no_valid_version():
     ad.end_update(2)
     ad.abort_update(1)
     assert ad.weight_version() == 2
+
+
+def _cpu_adapter(eng, **kw) -> SGLangEngine:
+    """The adapter over ``eng`` taking CPU shared-memory tensors (as a CPU server would), so the
+    publisher's hand-overs reach ``load_bucket`` on a machine without CUDA."""
+    client = EngineClient(eng, checksum_fn=lambda e: "c", **kw)
+    client.ipc = "cpu"
+    return SGLangEngine(client, spec=SPEC, dtype=torch.float32)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    from colocate.convert import hf_param_specs
+
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, (s, _) in hf_param_specs(SPEC, dtype=torch.float32).items()}
+
+
+@pytest.mark.parametrize("bracket", [False, True], ids=["0.5.17-no-bracket", "0.5.21-bracket"])
+def test_last_load_carries_the_cache_flush(bracket):
+    """The adapter holds each load back until the next one (or ``end_update``) arrives, so the
+    last load of a publish goes with ``flush_cache=True`` (SGLang flushes in the same call,
+    without the separate ``flush_cache`` request, which also empties torch's allocator cache).
+    With the 0.5.21 bracket the flush follows ``end_weight_update``; with the KV pool released
+    there is nothing to flush."""
+    eng = RuleEngine(bracket=bracket)
+    ad = _cpu_adapter(eng)
+    pub = Publisher(ad, PublishConfig(bucket_bytes=1 << 10), share_min_bytes=None)
+    rep = pub.publish(_weights(1), version=1)
+    updates = [c for c in eng.calls if c.startswith("update")]
+    assert rep.num_buckets >= 3 and len(updates) == rep.num_buckets
+    if bracket:
+        assert eng.calls[0] == "begin" and eng.calls[-2:] == ["end", "flush"]
+        assert not any(c.endswith("+flush") for c in updates)
+    else:
+        assert updates[-1].endswith("+flush") and not any(c.endswith("+flush") for c in updates[:-1])
+        assert "flush" not in eng.calls
+    assert ad.weight_version() == 1 and ad.last_checksum is None  # no checksum at commit unless asked
+
+    ad.release_memory(["kv_cache"])
+    eng.calls.clear()
+    pub.publish(_weights(2), version=2)
+    assert not any("flush" in c for c in eng.calls), eng.calls
+    ad.resume_memory(["kv_cache"])
+
+    # a failure in the middle: the held-back load is dropped, the version poisoned
+    eng.calls.clear()
+    real = eng.update_weights_from_tensor
+    eng.update_weights_from_tensor = lambda **kw: (False, "injected")
+    with pytest.raises(PublishError) as ei:
+        pub.publish(_weights(3), version=3)
+    assert "injected" in str(ei.value.cause) and 3 in pub.poisoned and ad.weight_version() is None
+    assert ad._pending is None and not eng.in_bracket
+    eng.update_weights_from_tensor = real
+    pub.publish(_weights(4), version=4)
+    assert ad.weight_version() == 4
+
+
+def test_publish_refused_while_the_adapter_generates():
+    eng = RuleEngine(bracket=False)
+    ad = _cpu_adapter(eng)
+    pub = Publisher(ad, PublishConfig(bucket_bytes=1 << 10), share_min_bytes=None)
+    with ad.residency.busy():
+        with pytest.raises(PublishError) as ei:
+            pub.publish(_weights(1), version=1)
+    assert isinstance(ei.value.cause, BusyError) and ei.value.phase == "begin"
+    assert not any(c.startswith("update") for c in eng.calls)
+
+
+class HangingEngine(RuleEngine):
+    """A scheduler that stops answering (hung, or SIGKILLed: nobody replies) in ``generate``."""
+
+    def __init__(self):
+        super().__init__(bracket=False)
+        self.gate = threading.Event()
+        self.shut = False
+
+    def generate(self, **kw):
+        self.gate.wait(30)
+        return [{"output_ids": [1]}]
+
+    def shutdown(self):
+        self.shut = True
+        self.gate.set()
+
+
+def test_in_process_engine_calls_have_a_deadline():
+    eng = HangingEngine()
+    ad = _cpu_adapter(eng, call_timeout_s=0.3)
+    assert ad.client.checksum() == "c"  # calls that return in time go through the helper thread
+    t0 = time.monotonic()
+    with pytest.raises(ReceiverTimeout, match="generate did not return within 0.3s"):
+        ad.generate([[1, 2, 3]], max_new_tokens=4)
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(ReceiverDied, match="unusable"):  # its loop is still inside the abandoned call
+        ad.client.checksum()
+    pub = Publisher(ad, PublishConfig(bucket_bytes=1 << 10), share_min_bytes=None)
+    with pytest.raises(PublishError) as ei:
+        pub.publish(_weights(1), version=1)
+    assert isinstance(ei.value.cause, ReceiverDied) and 1 in pub.poisoned
+    ad.shutdown()
+    assert eng.shut
+    with pytest.raises(ConfigError, match="call_timeout_s must be > 0"):
+        EngineClient(eng, call_timeout_s=0)
+    # without a deadline the call is made directly (no thread)
+    direct = EngineClient(RuleEngine(bracket=False), checksum_fn=lambda e: threading.current_thread().name)
+    assert direct.checksum() == threading.current_thread().name
+
+
+def test_flattened_payload_metadata_and_tied_moe_alias():
+    """The ``flattened_bucket`` payload names every entry with its byte span in the buffer
+    (the buffer itself, as bytes); a tied Qwen3-MoE's embedding is named again as
+    ``lm_head.weight`` over the same bytes (SGLang's MoE keeps its own head)."""
+    from colocate.sglang_clients import flattened_bucket
+
+    moe = HFModelSpec(arch="qwen3_moe", num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1,
+                      head_dim=4, ffn_hidden_size=16, vocab_size=32, num_experts=2, tie_embeddings=True)
+    entries = plan_buckets([("model.norm.weight", (8,), torch.bfloat16),
+                            ("model.embed_tokens.weight", (32, 8), torch.bfloat16)], bucket_bytes=1 << 20)[0]
+    buf = torch.randn(4096).to(torch.bfloat16)
+    p = flattened_bucket(buf, entries)
+    assert p["flattened_tensor"].dtype == torch.uint8 and p["flattened_tensor"].data_ptr() == buf.data_ptr()
+    for m, e in zip(p["metadata"], entries, strict=True):
+        assert (m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx - m.start_idx) == \
+            (e.name, e.shape, e.dtype, e.offset, e.nbytes)
+        view = p["flattened_tensor"][m.start_idx: m.end_idx].view(m.dtype).reshape(m.shape)  # as SGLang rebuilds
+        assert torch.equal(view, buf.view(torch.uint8)[e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape))
+
+    sent = []
+
+    class Client:
+        ipc, owner, allocator, has_bracket = "cpu", "fake", "default", False
+
+        def update_weights_from_bucket(self, payload, *, flush_cache):
+            sent.append(([m.name for m in payload["metadata"]], flush_cache))
+
+        def set_weight_version(self, v):
+            pass
+
+    ad = SGLangEngine(Client(), spec=moe, flattened=True)
+    ad.begin_update(1)
+    ad.load_bucket(entries, buf.view(torch.uint8))
+    ad.end_update(1)
+    assert sent == [(["model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"], True)]
+
+
+def test_in_process_start_failure_is_typed_and_kills_what_it_started(monkeypatch):
+    """``sglang.Engine(...)`` raising during start (as for a model path without a checkpoint,
+    after its scheduler processes were spawned): ``EngineStartError`` naming the model path, and
+    the processes the start had spawned (children and their children) are gone."""
+    import subprocess
+    import sys
+    import types
+
+    from colocate.errors import EngineStartError
+
+    from .test_workers import _gone
+
+    spawned = []
+
+    class FailingEngine:
+        def __init__(self, **kw):
+            # a "scheduler" that itself started a "detokenizer"
+            p = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                  "q = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                                  "print(q.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+            spawned.extend([p.pid, int(p.stdout.readline())])
+            raise OSError(f"{kw['model_path']} does not appear to have a file named config.json")
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FailingEngine))
+    with pytest.raises(EngineStartError, match=r"model_path='/no/such/ckpt'.*config.json.*killed the 1 process"):
+        SGLangEngine.launch(spec=SPEC, model_path="/no/such/ckpt")
+    assert len(spawned) == 2 and all(_gone(p) for p in spawned), spawned

@@ -123,7 +123,7 @@ def prewarm():
 @pytest.mark.timeout(560)
 @pytest.mark.parametrize("case", [
     {"id": "dense"},
-    {"id": "moe", "experts": 4, "tied": True},
+    {"id": "moe", "experts": 4, "tied": True, "call_timeout_s": 120.0},
     pytest.param({"id": "dense-tp2", "tp": 2}, marks=TWO_GPUS),
 ], ids=lambda c: c["id"])
 def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path, prewarm):
@@ -134,7 +134,8 @@ def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path, prewa
     tp = case.get("tp", 1)
     got = run_ranks(megatron_hf_weights, tp, case, backend="nccl", timeout=240)[0]
     case_file = tmp_path / "case.pt"
-    torch.save({"spec": got["spec"], "weights": got["weights"], "tp": tp}, case_file)
+    torch.save({"spec": got["spec"], "weights": got["weights"], "tp": tp, "call_timeout_s": case.get("call_timeout_s")},
+               case_file)
     prewarm.wait()
     r = _run_driver(case_file, tmp_path / "result.json", tmp_path / "driver.log", timeout_s=420,
                     name=case["id"])
@@ -153,7 +154,11 @@ def test_publish_megatron_into_sglang_with_residency_cycle(case, tmp_path, prewa
     assert r["lp_before"]["mean"] >= 5 * LP_MEAN, ("the initial weights must be distinguishable", r["lp_before"])
     # 3. in-place path: one storage handed over, nothing packed, same bytes in the engine
     assert r["inplace"]["num_shared"] == 1 and r["inplace"]["num_buckets"] == 0, r["inplace"]
-    assert r["checksum_inplace"] == r["checksum_publish"]
+    assert r["checksum_inplace"] == r["checksum_publish"]  # also: the storage was overwritten at once after
+    # SGLang's flattened_bucket hand-over (in place: one handle; packed: per bucket), tied-MoE lm_head included
+    assert r["flattened_inplace"] == {"num_buckets": 0, "num_shared": 1}, r["flattened_inplace"]
+    assert r["checksum_flattened_inplace"] == r["checksum_flattened_packed"] == r["checksum_publish"]
+    assert r["lp_flattened"]["max"] <= LP_MAX and r["lp_flattened"]["mean"] <= LP_MEAN, r["lp_flattened"]
     # 4. residency cycle with CUDA graphs on
     assert r["cuda_graph_enabled"] is True
     freed = r["freed"]

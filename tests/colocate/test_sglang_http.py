@@ -15,7 +15,7 @@ import torch
 from colocate import HFModelSpec, NotResidentError, PublishConfig, SGLangEngine
 from colocate.engines import build_hf_model, hf_checkpoint_views
 from colocate.errors import ReceiverDied, ReceiverTimeout, UpdateError
-from colocate.publish import Publisher, PublishError
+from colocate.publish import PoisonedVersionError, Publisher, PublishError
 from colocate.sglang_clients import server_args_to_cli
 from colocate.sglang_engine import write_hf_checkpoint
 
@@ -47,7 +47,9 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
         rep = pub.publish(w1, version=1)
         assert rep.num_buckets > 2 and rep.verify == "version-only"
         assert eng.weight_version() == 1 and server.version == "1"  # stamped on the server, read back
-        assert eng.last_checksum == server.checksum() == sha(w1)  # bit-exact in the server's model
+        assert eng.last_checksum is None and eng.checksum() == server.checksum() == sha(w1)  # bit-exact
+        # the flush rides on the last load (with the 0.5.21 bracket it follows end_weight_update)
+        assert (server.log.count("flush(in update)"), server.log.count("/flush_cache")) == ((0, 1) if bracket else (1, 0))
         got = torch.tensor(eng.prompt_logprobs(PROMPT), dtype=torch.float64)
         assert (got - _reference_logprobs(w1)).abs().max().item() <= 1e-5
         n_updates = server.log.count("/update_weights_from_tensor")
@@ -101,6 +103,19 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
             eng.restore_from_disk(str(tmp_path / "missing"), version=6)
         eng.restore_from_disk(str(tmp_path / "ckpt"), version=6)
         assert eng.weight_version() == 6 and server.checksum() == sha(w1)
+
+        # verification fails after the commit (the version read back is not the one stamped):
+        # typed error, the version poisoned and never reported, the server stamped "poisoned"
+        server.version_suffix = "-stale"
+        with pytest.raises(PublishError) as ei:
+            pub.publish(w1, version=7)
+        assert ei.value.phase == "verify" and "weight_version None after publishing 7" in str(ei.value.cause)
+        assert 7 in pub.poisoned and eng.weight_version() is None and server.version == "poisoned"
+        with pytest.raises(PoisonedVersionError):
+            pub.publish(w1, version=7)
+        server.version_suffix = ""
+        pub.publish(w2, version=8)
+        assert eng.weight_version() == 8 and server.checksum() == sha(w2)
 
         server.delay_s = 0.5
         eng.client.timeout_s = 0.1
@@ -170,7 +185,7 @@ def test_real_sglang_http_server(tmp_path):
         pub = Publisher(eng, PublishConfig(bucket_bytes=1 << 20))
         rep = pub.publish({n: t.cuda() for n, t in new.items()}, version=1)
         assert rep.num_buckets >= 2 and eng.weight_version() == 1
-        c1 = eng.last_checksum
+        c1 = eng.checksum()
         assert c1 != c0
         eng.restore_from_disk(str(tmp_path / "new"), version=1)
         eng.client.flush_cache()
@@ -197,3 +212,35 @@ def test_real_sglang_http_server(tmp_path):
         assert [o["output_ids"] for o in eng.generate([PROMPT], max_new_tokens=8)] == g1
     finally:
         eng.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_flattened_bucket_hand_over(tmp_path):
+    """``flattened=True``: each buffer (packed bucket, or the storage shared in place) crosses as
+    SGLang's ``flattened_bucket`` payload, one handle for all its tensors, through an unpickler
+    that admits SGLang's allow-listed modules only; the server's weights are bit-exact."""
+    server = ContractServer(SPEC, bracket=False)
+    try:
+        eng = SGLangEngine(SGLangEngine.connect(server.url, spec=SPEC, dtype=torch.float32, ipc="cpu").client,
+                           spec=SPEC, dtype=torch.float32, flattened=True)
+        pub = Publisher(eng, PublishConfig(bucket_bytes=16 << 10), share_min_bytes=None)
+        w1 = weights(1)
+        rep = pub.publish(w1, version=1)
+        assert rep.num_buckets > 2 and server.log.count("flattened") == rep.num_buckets
+        assert eng.checksum() == sha(w1) and eng.weight_version() == 1
+        w2 = weights(2)
+        flat = torch.empty(sum(t.numel() for t in w2.values())).share_memory_()
+        inplace, off = {}, 0
+        for n, t in w2.items():
+            inplace[n] = flat[off: off + t.numel()].view(t.shape).copy_(t)
+            off += t.numel()
+        direct = Publisher(eng, PublishConfig(), share_min_bytes=1)
+        direct.last_good = 1
+        n0 = server.log.count("flattened")
+        rep = direct.publish(inplace, version=2)
+        assert rep.num_shared == 1 and rep.num_buckets == 0 and server.log.count("flattened") == n0 + 1
+        assert eng.checksum() == sha(w2) and eng.weight_version() == 2
+        got = torch.tensor(eng.prompt_logprobs(PROMPT), dtype=torch.float64)
+        assert (got - _reference_logprobs(w2)).abs().max().item() <= 1e-5
+    finally:
+        server.close()

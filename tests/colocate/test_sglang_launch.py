@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from colocate import PublishConfig, Publisher, SGLangEngine
+from colocate import PublishConfig, Publisher, PublishError, SGLangEngine
 from colocate.errors import ConfigError
 from colocate.sglang_clients import engine_devices
 from colocate.sglang_engine import hide_megatron_dir, write_hf_checkpoint
@@ -85,3 +88,154 @@ def test_launched_server_dies_with_its_killed_owner(tmp_path):
     assert out.returncode == -9, out.stderr[-3000:]
     server, guard = (int(x) for x in out.stdout.split())
     assert _gone(guard, timeout=20) and _gone(server, timeout=20), "the SGLang server outlived its owner"
+
+
+@pytest.mark.timeout(240)
+def test_config_launch_sets_the_role_env_and_the_teacher_owns_its_server(tmp_path):
+    """A teacher served by a second SGLang server, started from :class:`SGLangServerConfig`
+    through ``colocate.workers``: the role's environment (memory-saver graphs, the configured
+    allocator settings replacing the owner's, offline hub, role name), the server arguments;
+    mopd's ``HTTPTeacher`` scores against it (log-probs equal to the model's own); closing the
+    teacher's pool kills the server's whole process group (no orphan)."""
+    from mopd.backends import HTTPTeacher, TokenBatch
+    from mopd.config import RoutingSpec, TeacherPoolConfig
+    from mopd.routing import score_routed
+    from mopd.teachers import TeacherPool
+
+    from colocate.config import SGLangServerConfig
+    from colocate.engines import build_hf_model, hf_checkpoint_views
+
+    w = weights(3)
+    write_hf_checkpoint(tmp_path / "teacher", w, spec=SPEC, dtype=torch.float32)
+    sched = LocalScheduler(owner_env=_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+                                          PYTORCH_ALLOC_CONF="expandable_segments:True"))
+    cfg = SGLangServerConfig(model_path=str(tmp_path / "teacher"), role="teacher",
+                             alloc_conf="garbage_collection_threshold:0.8", log_path=str(tmp_path / "teacher.log"),
+                             start_timeout_s=180, request_timeout_s=60, env={"MCD_ROLE_VAR": "teacher"})
+    eng = SGLangEngine.launch_server(cfg, spec=SPEC, param_dtype=torch.float32, scheduler=sched, ipc="cpu",
+                                     server_module=SERVER)
+    teacher = HTTPTeacher("big", eng.client.base_url, timeout_s=60, max_retries=0, vocab_size=SPEC.vocab_size,
+                          server=eng)
+    pool = TeacherPool({"big": teacher}, config=TeacherPoolConfig(wait_timeout_s=120.0))
+    try:
+        p = eng.client.get("/probe")
+        env, argv = p["env"], p["argv"]
+        assert env["COLOCATE_ROLE"] == "teacher" and env["MCD_ROLE_VAR"] == "teacher"
+        assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+        assert env["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.8" and env["PYTORCH_ALLOC_CONF"] is None
+        assert eng.residency.allocator == "PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.8"
+        assert "--enable-memory-saver" in argv and argv[argv.index("--cuda-graph-bs-decode") + 1:][:3] == ["1", "2", "4"]
+        assert argv[argv.index("--mem-fraction-static") + 1] == "0.3" and p["ppid"] == eng.client.worker.pid
+
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, SPEC.vocab_size, (3, 12), generator=g)
+        ids[1, 5] = SPEC.vocab_size - 1
+        batch = TokenBatch(ids, torch.tensor([12, 9, 7]), torch.tensor([0, 2, 1]))
+        targets, _ = score_routed(pool, batch, ["r"] * 3, RoutingSpec(routes={"r": {"big": 1.0}}))
+        ref = build_hf_model(SPEC)
+        views = hf_checkpoint_views(ref)
+        with torch.no_grad():
+            for n, t in w.items():
+                views[n].copy_(t)
+            lp = torch.log_softmax(ref(input_ids=ids).logits[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        mask = batch.label_mask()[:, :-1]
+        got = targets.logp_sum[:, :-1]
+        assert mask.sum() > 10 and (got - lp).abs()[mask].max().item() <= 1e-5
+    finally:
+        pool.close()
+    assert teacher.server is None and _gone(p["pid"]) and not sched.workers[0].alive()
+
+
+@pytest.mark.timeout(120)
+def test_start_failure_is_typed_and_leaves_no_process(tmp_path):
+    """A server that cannot start (no checkpoint at ``model_path``) exits during start:
+    ``EngineStartError`` (a ``ReceiverDied``) naming the log, raised before the start deadline, and its process group is gone."""
+    from colocate.config import SGLangServerConfig
+    from colocate.errors import EngineStartError
+
+    sched = LocalScheduler(owner_env=_env())
+    cfg = SGLangServerConfig(model_path=str(tmp_path / "missing"), log_path=str(tmp_path / "server.log"),
+                             start_timeout_s=100)
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError, match="exited during start"):
+        SGLangEngine.launch_server(cfg, spec=SPEC, param_dtype=torch.float32, scheduler=sched, ipc="cpu",
+                                   server_module=SERVER)
+    assert time.monotonic() - t0 < 90
+    (worker,) = sched.workers
+    assert not worker.alive() and _group_gone(worker.pid)
+    assert "missing" in (tmp_path / "server.log").read_text()  # the cause is in the log
+
+
+@pytest.mark.timeout(180)
+def test_engine_crash_mid_generate_is_typed_and_in_time(tmp_path):
+    """The server process dies while a generation is in flight: ``generate`` raises
+    ``ReceiverDied`` at once (not at the request deadline), a publish afterwards fails typed and
+    poisons its version, and the owner's shutdown leaves no process of the group."""
+    from colocate.config import SGLangServerConfig
+    from colocate.errors import ReceiverDied
+
+    write_hf_checkpoint(tmp_path / "ckpt", weights(1), spec=SPEC, dtype=torch.float32)
+    sched = LocalScheduler(owner_env=_env(MCD_MP_AUTHKEY=multiprocessing.current_process().authkey.hex()))
+    cfg = SGLangServerConfig(model_path=str(tmp_path / "ckpt"), log_path=str(tmp_path / "server.log"),
+                             start_timeout_s=150, request_timeout_s=60)
+    eng = SGLangEngine.launch_server(cfg, spec=SPEC, param_dtype=torch.float32, scheduler=sched, ipc="cpu",
+                                     server_module=SERVER, generate_delay_s=30)
+    try:
+        pid = eng.client.get("/probe")["pid"]
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(ReceiverDied):
+            eng.generate([[1, 2, 3]], max_new_tokens=2)
+        assert time.monotonic() - t0 < 20  # the request deadline is 60 s, the generation 30 s
+        pub = Publisher(eng, PublishConfig(bucket_bytes=16 << 10))
+        with pytest.raises(PublishError) as ei:
+            pub.publish(weights(2), version=1)
+        assert isinstance(ei.value.cause, ReceiverDied) and 1 in pub.poisoned
+    finally:
+        eng.shutdown()
+    assert _gone(pid) and _group_gone(sched.workers[0].pid)
+
+
+def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
+    """True once no process of the process group ``pgid`` is left (zombies aside)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                except (FileNotFoundError, ProcessLookupError, IndexError):
+                    continue
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    alive.append(int(d.name))
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_server_config_validates_and_builds_the_role_env():
+    from omegaconf import OmegaConf
+
+    from colocate.config import SGLangServerConfig
+    from colocate.sglang_engine import sglang_server_launch_args
+
+    cfg = SGLangServerConfig(model_path="/ckpt", role="teacher", devices=[1], env={"A": "1", "B": ""})
+    assert cfg.role_env() == {"PYTORCH_CUDA_ALLOC_CONF": None, "PYTORCH_ALLOC_CONF": None,
+                              "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "HF_HUB_OFFLINE": "1", "A": "1", "B": None}
+    assert SGLangServerConfig(model_path="/c", cuda_graph=False).role_env()["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] is None
+    args = sglang_server_launch_args(cfg)
+    assert (args["role"], args["devices"], args["port"], args["model_path"], args["enable_memory_saver"]) == \
+        ("teacher", [1], None, "/ckpt", True)
+    assert args["cuda_graph_bs_decode"] == [1, 2, 4] and args["timeout_s"] == 600.0
+    back = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SGLangServerConfig),
+                                               {"model_path": "/m", "tp_size": 2, "env": {"X": "y"}}))
+    assert isinstance(back, SGLangServerConfig) and back.tp_size == 2 and back.env == {"X": "y"}
+    for kw, field in (({"model_path": ""}, "model_path"), ({"port": 70000}, "port"), ({"tp_size": 0}, "tp_size"),
+                      ({"mem_fraction_static": 1.5}, "mem_fraction_static"), ({"role": "a b"}, "role"),
+                      ({"start_timeout_s": 0}, "start_timeout_s"),
+                      ({"alloc_conf": "expandable_segments:True"}, "alloc_conf")):
+        with pytest.raises(ConfigError, match=f"SGLangServerConfig.{field}"):
+            SGLangServerConfig(**{"model_path": "/m", **kw})
+    SGLangServerConfig(model_path="/m", alloc_conf="expandable_segments:True", memory_saver=False)  # allowed then

@@ -47,6 +47,7 @@ def _valid_args() -> dict[str, dict[str, typing.Any]]:
         "HFModelSpec": dict(arch="qwen3", num_layers=2, hidden_size=64, num_attention_heads=4,
                             num_query_groups=2, head_dim=16, ffn_hidden_size=128, vocab_size=256),
         "WorkerSpec": dict(role="engine", command=["python", "-c", "pass"]),
+        "SGLangServerConfig": dict(model_path="/ckpt"),
         "CompatKey": dict(teacher_fingerprint="t", tokenizer="tok"),
         "NodeLimits": dict(high_samples=8, low_samples=4),
         "StudentSpec": dict(name="s", ranks_per_node={"n0": 1}),

@@ -310,3 +310,44 @@ def test_http_teacher_arguments_are_checked(kwargs, match):
     args = {"url": "http://h:1", **kwargs}
     with pytest.raises(ConfigError, match=match):
         HTTPTeacher("t", args.pop("url"), **args)
+
+
+@pytest.mark.timeout(240)
+def test_teacher_server_launched_as_a_colocated_role_and_closed_with_its_pool(model, tmp_path):
+    """The teacher's server started the way a GPU job starts ``sglang.launch_server``
+    (``colocate.sglang_clients.HTTPClient.launch`` from a ``SGLangServerConfig``: a guarded worker
+    with the teacher role's environment), here ``mopd.hf_server`` in its SGLang 0.5.17 reply mode:
+    the pool scores through it (equal to the local model, the last vocabulary id reported as 0
+    and accepted with ``vocab_size``); closing the pool kills the server's process group."""
+    import os
+    from pathlib import Path
+
+    from colocate.config import SGLangServerConfig
+    from colocate.sglang_clients import HTTPClient
+    from colocate.sglang_engine import sglang_server_launch_args
+    from colocate.workers import LocalScheduler
+    from tests.colocate.test_sglang_launch import _group_gone
+
+    model.save_pretrained(tmp_path / "teacher")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    sched = LocalScheduler(owner_env=env)
+    cfg = SGLangServerConfig(model_path=str(tmp_path / "teacher"), role="teacher", cuda_graph=False,
+                             memory_saver=False, start_timeout_s=180, log_path=str(tmp_path / "teacher.log"))
+    args = sglang_server_launch_args(cfg)
+    client = HTTPClient.launch(**args, scheduler=sched, ipc="cpu", server_module="mopd.hf_server",
+                               mode="sglang-0.5.17")
+    V = model.config.vocab_size
+    batch = token_batch(4, 12, seed=9, score_from=True)
+    batch.input_ids[1, 3] = V - 1  # a label that SGLang reports as id 0
+    pool = TeacherPool({"t": HTTPTeacher("t", client.base_url, vocab_size=V, server=client, timeout_s=60)},
+                       config=TeacherPoolConfig(wait_timeout_s=120.0))
+    group = client.worker.pid
+    try:
+        assert client.tp_size == 1 and not client.has_bracket
+        targets, _ = score_routed(pool, batch, ["r"] * 4, RoutingSpec(routes={"r": {"t": 1.0}}))
+        assert_close("logp", reference_logp(model, batch), targets.logp_sum.double(), atol=1e-5, rtol=1e-5)
+        assert "ignoring SGLang server flags" in (tmp_path / "teacher.log").read_text()
+    finally:
+        pool.close()
+    assert client.worker is None and _group_gone(group, timeout=20), "the teacher's server outlived its pool"

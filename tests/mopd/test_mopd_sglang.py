@@ -5,27 +5,24 @@ Run on the H200 with the carried SGLang batches (see ../shared/tools/sglang-gpu/
 ``bash .sgl/scripts/go.sh -m pytest -m sglang tests/mopd/test_mopd_sglang.py -q -x -s``
 (first server start ~90-110 s on a fresh box; the whole file ≤ ~4 min).
 
-The server runs in its own process group and is killed (SIGTERM, then SIGKILL) in a ``finally``;
-start-up, health and every request have timeouts, so a broken server fails these tests and
-never hangs or kills pytest. The CPU twin of the reply contract checked here is
+The server is started by ``SGLangEngine.launch_server`` from a ``SGLangServerConfig`` (role
+``teacher``): a guarded colocated worker in its own process group, killed by the fixture's
+``shutdown`` (which the test then checks left no process of the group); start-up, health and
+every request have timeouts, so a broken server fails these tests and never hangs or kills pytest. The CPU twin of the reply contract checked here is
 ``tests/mopd/test_http_teacher.py`` (``HFTeacherServer(mode="sglang-0.5.17")``).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from colocate.workers import kill_process_group
 from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, free_port, init_megatron, seed_all
 from mopd.backends import HTTPTeacher, TokenBatch
 from mopd.config import RoutingSpec, TeacherPoolConfig
-from mopd.errors import TeacherServerError, TeacherTimeoutError
+from mopd.errors import TeacherServerError
 from mopd.hf_weights import QwenShape, hf_qwen3_config, megatron_to_hf_qwen3
 from mopd.routing import score_routed
 from mopd.teachers import TeacherPool
@@ -77,34 +74,28 @@ def sglang_url(megatron_state, tmp_path_factory):
     sd = {k: v for k, v in megatron_state.state_dict().items() if isinstance(v, torch.Tensor)}
     hf.load_state_dict(megatron_to_hf_qwen3(sd, SHAPE), strict=True)
     hf.to(torch.bfloat16).save_pretrained(d)
-    port = free_port()
-    log_path = d / "server.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang.launch_server", "--model-path", str(d), "--host", "127.0.0.1", "--port",
-             str(port), "--skip-tokenizer-init", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-             "--grammar-backend", "none", "--mem-fraction-static", "0.3", "--max-total-tokens", "65536", "--dtype",
-             "bfloat16", "--disable-cuda-graph"], stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
-        try:
-            probe = HTTPTeacher("probe", url, timeout_s=5.0, max_retries=0)
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"sglang exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-                try:
-                    probe.load()
-                    break
-                except (TeacherServerError, TeacherTimeoutError):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"sglang not healthy after {START_TIMEOUT_S:.0f} s:\n"
-                                           f"{log_path.read_text()[-4000:]}") from None
-                    time.sleep(2.0)
-            yield url
-        finally:
-            kill_process_group(proc, grace_s=30.0)
+    from colocate import HFModelSpec, SGLangEngine
+    from colocate.config import SGLangServerConfig
+    from tests.colocate.test_sglang_launch import _group_gone
+
+    # the teacher's server: a colocated worker of this process with the teacher role's environment
+    log_dir = os.environ.get("MCD_TEST_ARTIFACTS") or str(d)
+    os.makedirs(log_dir, exist_ok=True)
+    cfg = SGLangServerConfig(model_path=str(d), role="teacher", cuda_graph=False, memory_saver=False,
+                             start_timeout_s=START_TIMEOUT_S, request_timeout_s=120.0,
+                             log_path=os.path.join(log_dir, "mopd_teacher_server.log"))
+    spec = HFModelSpec(arch="qwen3", num_layers=SHAPE.num_layers, hidden_size=CFG.hidden_size,
+                       num_attention_heads=SHAPE.num_attention_heads, num_query_groups=SHAPE.num_query_groups,
+                       head_dim=SHAPE.head_dim, ffn_hidden_size=CFG.ffn_hidden_size, vocab_size=V)
+    eng = SGLangEngine.launch_server(cfg, spec=spec)
+    group = eng.client.worker.pid
+    try:
+        probe = HTTPTeacher("probe", eng.client.base_url, timeout_s=5.0, max_retries=0)
+        probe.load()
+        yield eng.client.base_url
+    finally:
+        eng.shutdown()
+    assert _group_gone(group, timeout=30.0), "a process of the teacher's SGLang server outlived its owner's shutdown"
 
 
 def _batch() -> TokenBatch:
