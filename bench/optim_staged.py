@@ -342,7 +342,7 @@ PEER_PROVIDERS = {
     "staged_fit_offload[_t<k>]": "StagedAdamW.offload_plan(): the largest parameters on the host lane and slots sized "
                                  "so that slots + any slot-lane gradient <= the largest gradient (allocated peak of "
                                  "torchao's offload_gradients=True); offload_budget_bytes = 4 x the largest gradient; "
-                                 "_t<k>: host_threads=k",
+                                 "_t<k>: host_threads=k; fit2: 2 slots",
 }
 
 
@@ -528,6 +528,9 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         for t in (None, 4):
             configs["staged_fit_offload" + (f"_t{t}" if t else "")] = dict(
                 host_fraction=share, offload_gradients=True, budget=4 * big, slots=fit_slots, host_threads=t)
+        share2, fit2_slots = staged.offload_plan(num_slots=2)
+        configs["staged_fit2_offload"] = dict(host_fraction=share2, offload_gradients=True, budget=4 * big,
+                                              slots=fit2_slots)
         for offload in (False, True):  # auto_balance finds the split; timed runs then use it fixed
             staged.set_split(0.0, auto_balance=True, offload_gradients=offload)
             ps = providers["staged"]["params"]
