@@ -927,6 +927,65 @@ def peers_main(args) -> None:
                        "error"])
 
 
+def offload_ab_main(args) -> None:
+    """``--offload-ab``: on the ``--peers`` parameter set, StagedAdamW with offloaded gradients with
+    the hook prefetch on and off, ``offload_plan``'s fit, and the stream path without offload, all on
+    one set of host slabs, ``--runs`` interleaved runs; min/p50 ms and the allocated transient
+    against the largest gradient (torchao's offload_gradients transient). Writes
+    ``optim_staged_offload_ab.json``."""
+    import time
+
+    n, count, runs = (4_000_000, 16, 3) if args.quick else (1_000_000_000, 64, args.runs)
+    sizes = geometric_sizes(n, count, max(1, int(n * 1.07e6 / 1e9)))
+    h = _Harness(sizes)
+    big = 4 * max(sizes)
+    slots = SlotConfig(slot_numel=1 << 16) if args.quick else SlotConfig()
+    ps = h.params()
+    opt = StagedAdamW(ps, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, slots=slots, host_fraction=0.5)
+    share, fit = opt.offload_plan()
+    configs = {"stream": dict(host_fraction=0.0, offload_gradients=False),
+               "offload_prefetch": dict(host_fraction=0.0, offload_gradients=True),
+               "offload_noprefetch": dict(host_fraction=0.0, offload_gradients=True, prefetch=False),
+               "fit_offload": dict(host_fraction=share, offload_gradients=True, slots=fit, budget=4 * big)}
+
+    def use(c):
+        want = c.get("slots", slots)
+        if opt.slot_config != want:
+            opt.set_slot_config(want)
+        opt.offload_budget_bytes = c.get("budget")
+        opt.offload_prefetch = c.get("prefetch", True)
+        opt.set_split(c["host_fraction"], auto_balance=False, offload_gradients=c["offload_gradients"])
+
+    times = {k: [] for k in configs}
+    trans = {k: 0 for k in configs}
+    for _ in range(runs):
+        for name, c in configs.items():
+            use(c)
+            h.iteration(ps, opt)
+            _sync()
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            before = _alloc()
+            t0 = time.perf_counter()
+            h.iteration(ps, opt)
+            _sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            if CUDA:
+                trans[name] = max(trans[name], torch.cuda.max_memory_allocated() - before)
+            print(f"{name}: {times[name][-1]:.1f} ms, transient {trans[name] / 2**30:.4f} GiB", flush=True)
+    rows = []
+    for name, c in configs.items():
+        t = sorted(times[name])
+        rows.append({"case": f"offload_ab/N={n / 1e6:.0f}M", "provider": name, "ms": t[0], "ms_p50": t[len(t) // 2],
+                     "runs": len(t), "transient_GiB": trans[name] / 2**30, "largest_grad_GiB": big / 2**30,
+                     "host_fraction": c["host_fraction"], "slot_numel": c.get("slots", slots).slot_numel,
+                     "num_slots": c.get("slots", slots).num_slots})
+    path = write_results("optim_staged_offload_ab", rows, {"sizes": [min(sizes), max(sizes)], "count": count})
+    print(f"wrote {path}")
+    print_table(rows, ["provider", "ms", "ms_p50", "transient_GiB", "largest_grad_GiB", "host_fraction", "slot_numel",
+                       "num_slots"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
@@ -940,11 +999,16 @@ def main() -> None:
                     help="issue #23: 1e9 fp32 params vs torchao CPUOffloadOptimizer (both modes), host AdamW rates, "
                          "Megatron exposed optimizer time; writes optim_peers.json / .png")
     ap.add_argument("--runs", type=int, default=5, help="interleaved timed runs (--peers)")
+    ap.add_argument("--offload-ab", action="store_true",
+                    help="offloaded gradients with the hook prefetch on/off and offload_plan's fit (no peers)")
     ap.add_argument("--rewrite-peers", metavar="JSON", default=None,
                     help="re-write optim_peers.json/.png from a saved optim_staged_peers.json (no timing)")
     args = ap.parse_args()
     if args.rewrite_peers:
         rewrite_peers(args.rewrite_peers)
+        return
+    if args.offload_ab:
+        offload_ab_main(args)
         return
     if args.peers:
         peers_main(args)

@@ -115,6 +115,8 @@ class StagedAdamW(StagedOptimizerBase):
             with ``offload_gradients`` (None: the largest staged gradient).
         host_batch_numel: elements per host-lane kernel call (it uses PyTorch's intra-op threads,
             ``torch.set_num_threads``).
+        offload_prefetch: with ``offload_gradients``, each hook starts the H2D of the slot units of
+            the parameter expected next (the previous step's arrival order).
         host_threads: intra-op threads of the host lane's worker (None: one less than the
             worker's default, so the thread streaming the slot lane keeps a core). Fewer threads
             draw less host DRAM bandwidth, which the DMA engines share.
@@ -134,7 +136,8 @@ class StagedAdamW(StagedOptimizerBase):
                  auto_balance: bool = False, balance_steps: int = 8, offload_gradients: bool = False,
                  host_batch_numel: int = 16 << 20, offload_budget_bytes: int | None = None,
                  exp_avg_dtype: str | torch.dtype = "fp32", exp_avg_sq_dtype: str | torch.dtype = "fp32",
-                 fused_max_slices: int | None = None, host_threads: int | None = None) -> None:
+                 fused_max_slices: int | None = None, host_threads: int | None = None,
+                 offload_prefetch: bool = True) -> None:
         m_name = _dtype_name("exp_avg_dtype", exp_avg_dtype)
         v_name = _dtype_name("exp_avg_sq_dtype", exp_avg_sq_dtype)
         AdamWConfig(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, impl=impl,  # validates
@@ -153,6 +156,7 @@ class StagedAdamW(StagedOptimizerBase):
         self.offload_gradients = bool(offload_gradients)
         self.host_batch_numel = int(host_batch_numel)
         self.host_threads = host_threads
+        self.offload_prefetch = bool(offload_prefetch)
         self.offload_budget_bytes = offload_budget_bytes
         self.moment_dtypes = {"exp_avg": _DTYPES[m_name], "exp_avg_sq": _DTYPES[v_name]}
         self._step_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -417,12 +421,16 @@ class StagedAdamW(StagedOptimizerBase):
         previous step), so the copy engine stays busy while this hook waits in :meth:`_throttle`
         and autograd computes that gradient. A wrong guess costs only bandwidth: the slots hold
         clean copies of host ranges not yet updated in this step."""
+        if not self.offload_prefetch:
+            return
+        ring = self._ring
         j, seen = self._next_after.get(i), 0
         while j is not None and seen < len(self._arrived) and (self._arrived[j] or j not in self._param_units):
+            if not ring.slots and not self._arrived[j]:
+                return  # a host-lane gradient comes first: no slots under its peak (offload_plan)
             j, seen = self._next_after.get(j), seen + 1
         if j is None or self._arrived[j]:
             return
-        ring = self._ring
         ks = [k for k in self._param_units[j] if not self._unit_done[k]][:ring.num_slots]
         if ks:
             ring.prefetch([self._staged_units[k] for k in ks], self.slabs, after_write_backs=not self._ring_begun)
@@ -474,9 +482,9 @@ class StagedAdamW(StagedOptimizerBase):
             caller = torch.cuda.current_stream(self._dev)
             caller.wait_stream(ring.compute_stream)
             caller.wait_stream(cu["upload"])
-            ring.release()  # slots back to the allocator before the next backward pass
             self._pending.clear()
             self._pending_bytes = 0
+        ring.release()  # slots back to the allocator before the next backward pass (CPU: same path)
         self._next_after = dict(zip(self._order, self._order[1:]))
         self._record_timing("cuda" if cu is not None else t_host, self._t_ring)
         self._reset_backward()
@@ -819,8 +827,10 @@ class StagedAdamW(StagedOptimizerBase):
         A host-lane gradient is freed in its hook once its D2H is queued, so it adds nothing to the
         allocated peak; a slot-lane gradient of ``b`` bytes is live together with the slots, so
         ``b + num_slots * slot_numel * (slot bytes per element) <= bound_bytes - margin_bytes``
-        must hold for every slot-lane parameter. The host lane takes the shortest suffix of the
-        staged parameters (slab order; its gradients arrive first) that leaves slots of at least
+        must hold for every slot-lane parameter (slots are allocated only once a slot-lane gradient
+        is next, so host-lane gradients that arrive before it never share their peak with them). The
+        host lane takes the shortest suffix of the staged parameters (slab order; in a backward
+        pass its gradients arrive first) that leaves slots of at least
         ``min_slot_numel`` elements; ``slot_numel`` is the largest that fits (a multiple of 64 Ki,
         at most the current one). Apply with ``set_slot_config`` then ``set_split``."""
         self._ensure_layout()

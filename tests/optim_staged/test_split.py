@@ -470,3 +470,21 @@ def test_offload_plan_bounds_slots_plus_one_gradient():
     assert opt._host_units and {pc.param_index for u in opt._host_units for pc in u.pieces} == {4}
     with pytest.raises(StagedConfigError, match="host_threads"):
         StagedAdamW([torch.zeros(4)], host_threads=0)
+
+
+def test_offload_prefetch_allocates_no_slots_under_a_host_lane_gradient():
+    """The hook prefetch does not allocate the slots while the next gradient expected is a host-lane
+    one (offload_plan's bound: slots share a peak only with slot-lane gradients)."""
+    shapes = [(900,), (2048,), (3000,), (5000,)]
+    ps = [torch.randn(s).requires_grad_() for s in shapes]
+    opt = StagedAdamW(ps, lr=1e-2, slots=SLOTS, offload_gradients=True, host_fraction=0.75, impl="foreach")
+    host = {pc.param_index for u in opt._host_units for pc in u.pieces}
+    assert host == {2, 3}
+    for step in range(2):
+        for i in (3, 2, 1, 0):
+            (ps[i] * 2).sum().backward()
+            if i == 3:  # the next gradient (param 2) is the host lane's: no slots yet
+                assert not opt._ring.slots, step
+            if i == 2 and step == 1:  # the next one (param 1) is the slot lane's: prefetched
+                assert opt._ring.slots and opt._ring._held.count(None) < len(opt._ring.slots)
+        opt.step()
