@@ -339,10 +339,10 @@ PEER_PROVIDERS = {
     "staged_split_offload": "StagedAdamW, host share found by auto_balance, offload_gradients=True",
     "staged_stream_offload_budget4x": "staged_stream_offload with offload_budget_bytes = 4 x the largest gradient "
                                       "(freed gradients in flight may take more *reserved* memory; allocated unchanged)",
-    "staged_fit_offload[_t<k>]": "StagedAdamW.offload_plan(): the largest parameters on the host lane and slots sized "
-                                 "so that slots + any slot-lane gradient <= the largest gradient (allocated peak of "
-                                 "torchao's offload_gradients=True); offload_budget_bytes = 4 x the largest gradient; "
-                                 "_t<k>: host_threads=k; fit2: 2 slots",
+    "staged_stream_offload_noprefetch": "staged_stream_offload without the hook prefetch (offload_prefetch=False)",
+    "staged_fit_offload": "StagedAdamW.offload_plan(): the largest parameters on the host lane and slots sized "
+                          "so that slots + any slot-lane gradient <= the largest gradient (allocated peak of "
+                          "torchao's offload_gradients=True); offload_budget_bytes = 4 x the largest gradient",
 }
 
 
@@ -524,13 +524,10 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
     big = 4 * max(sizes)  # the largest gradient (fp32)
     if staged is not None:
         configs["staged_stream_offload_budget4x"] = dict(host_fraction=0.0, offload_gradients=True, budget=4 * big)
+        configs["staged_stream_offload_noprefetch"] = dict(host_fraction=0.0, offload_gradients=True, prefetch=False)
         share, fit_slots = staged.offload_plan()
-        for t in (None, 4):
-            configs["staged_fit_offload" + (f"_t{t}" if t else "")] = dict(
-                host_fraction=share, offload_gradients=True, budget=4 * big, slots=fit_slots, host_threads=t)
-        share2, fit2_slots = staged.offload_plan(num_slots=2)
-        configs["staged_fit2_offload"] = dict(host_fraction=share2, offload_gradients=True, budget=4 * big,
-                                              slots=fit2_slots)
+        configs["staged_fit_offload"] = dict(host_fraction=share, offload_gradients=True, budget=4 * big,
+                                             slots=fit_slots)
         for offload in (False, True):  # auto_balance finds the split; timed runs then use it fixed
             staged.set_split(0.0, auto_balance=True, offload_gradients=offload)
             ps = providers["staged"]["params"]
@@ -549,6 +546,7 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
             staged.set_slot_config(want)
         staged.offload_budget_bytes = c.get("budget")
         staged.host_threads = c.get("host_threads")
+        staged.offload_prefetch = c.get("prefetch", True)
         staged.set_split(c["host_fraction"], auto_balance=False, offload_gradients=c["offload_gradients"])
     order = [k for k in providers if k != "staged"] + (list(configs) if staged is not None else [])
     times: dict[str, list[float]] = {k: [] for k in order}
