@@ -337,12 +337,15 @@ PEER_PROVIDERS = {
     "staged_stream_offload": "StagedAdamW(host_fraction=0, offload_gradients=True): slot updates in the backward pass",
     "staged_split": "StagedAdamW, host share found by auto_balance, gradients on the device",
     "staged_split_offload": "StagedAdamW, host share found by auto_balance, offload_gradients=True",
-    "staged_stream_offload_budget4x": "staged_stream_offload with offload_budget_bytes = 4 x the largest gradient "
-                                      "(freed gradients in flight may take more *reserved* memory; allocated unchanged)",
-    "staged_stream_offload_noprefetch": "staged_stream_offload without the hook prefetch (offload_prefetch=False)",
-    "staged_fit_offload": "StagedAdamW.offload_plan(): the largest parameters on the host lane and slots sized "
-                          "so that slots + any slot-lane gradient <= the largest gradient (allocated peak of "
-                          "torchao's offload_gradients=True); offload_budget_bytes = 4 x the largest gradient",
+    "staged_stream_offload_budget4x": (
+        "staged_stream_offload with offload_budget_bytes = 4 x the largest gradient "
+        "(freed gradients in flight may take more *reserved* memory; allocated unchanged)"),
+    "staged_stream_offload_noprefetch": (
+        "staged_stream_offload without the hook prefetch (offload_prefetch=False)"),
+    "staged_fit_offload": (
+        "StagedAdamW.offload_plan(): the largest parameters on the host lane and slots sized so that "
+        "slots + any slot-lane gradient <= the largest gradient (allocated peak of torchao's "
+        "offload_gradients=True); offload_budget_bytes = 4 x the largest gradient"),
 }
 
 
@@ -523,8 +526,10 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
     found = {}
     big = 4 * max(sizes)  # the largest gradient (fp32)
     if staged is not None:
-        configs["staged_stream_offload_budget4x"] = dict(host_fraction=0.0, offload_gradients=True, budget=4 * big)
-        configs["staged_stream_offload_noprefetch"] = dict(host_fraction=0.0, offload_gradients=True, prefetch=False)
+        configs["staged_stream_offload_budget4x"] = dict(host_fraction=0.0, offload_gradients=True,
+                                                         budget=4 * big)
+        configs["staged_stream_offload_noprefetch"] = dict(host_fraction=0.0, offload_gradients=True,
+                                                           prefetch=False)
         share, fit_slots = staged.offload_plan()
         configs["staged_fit_offload"] = dict(host_fraction=share, offload_gradients=True, budget=4 * big,
                                              slots=fit_slots)
@@ -725,12 +730,14 @@ def write_peers(rows: list[dict], extra: dict, n: int, count: int, runs: int, he
                           "peak": "fixed gradient inputs + params + GPU optimizer state + transient peak of the run",
                           "staged_best": {"provider": best.get("provider"), "host_fraction": best.get("host_fraction"),
                                           "offload_gradients": best.get("offload_gradients"),
-                                          "slot_numel": best.get("slot_numel"), "num_slots": best.get("num_slots"),
+                                          "slot_numel": best.get("slot_numel"),
+                                          "num_slots": best.get("num_slots"),
                                           "offload_budget_bytes": best.get("offload_budget_bytes"),
                                           "host_threads": best.get("host_threads"),
-                                          "rule": "fastest StagedAdamW configuration with offload_gradients=True "
-                                                  "whose peak_GiB <= torchao_offload_grads's (the fastest with "
-                                                  "offload_gradients=True if none is)"},
+                                          "rule": ("fastest StagedAdamW configuration with "
+                                                   "offload_gradients=True whose peak_GiB <= "
+                                                   "torchao_offload_grads's (the fastest with "
+                                                   "offload_gradients=True if none is)")},
                           "providers": PEER_PROVIDERS},
                "rows": out}
     path = out_dir() / "optim_peers.json"
@@ -939,7 +946,8 @@ def offload_ab_main(args) -> None:
     big = 4 * max(sizes)
     slots = SlotConfig(slot_numel=1 << 16) if args.quick else SlotConfig()
     ps = h.params()
-    opt = StagedAdamW(ps, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, slots=slots, host_fraction=0.5)
+    opt = StagedAdamW(ps, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, slots=slots,
+                      host_fraction=0.5)
     share, fit = opt.offload_plan()
     configs = {"stream": dict(host_fraction=0.0, offload_gradients=False),
                "offload_prefetch": dict(host_fraction=0.0, offload_gradients=True),
@@ -974,14 +982,15 @@ def offload_ab_main(args) -> None:
     rows = []
     for name, c in configs.items():
         t = sorted(times[name])
-        rows.append({"case": f"offload_ab/N={n / 1e6:.0f}M", "provider": name, "ms": t[0], "ms_p50": t[len(t) // 2],
+        rows.append({"case": f"offload_ab/N={n / 1e6:.0f}M", "provider": name, "ms": t[0],
+                     "ms_p50": t[len(t) // 2],
                      "runs": len(t), "transient_GiB": trans[name] / 2**30, "largest_grad_GiB": big / 2**30,
                      "host_fraction": c["host_fraction"], "slot_numel": c.get("slots", slots).slot_numel,
                      "num_slots": c.get("slots", slots).num_slots})
     path = write_results("optim_staged_offload_ab", rows, {"sizes": [min(sizes), max(sizes)], "count": count})
     print(f"wrote {path}")
-    print_table(rows, ["provider", "ms", "ms_p50", "transient_GiB", "largest_grad_GiB", "host_fraction", "slot_numel",
-                       "num_slots"])
+    print_table(rows, ["provider", "ms", "ms_p50", "transient_GiB", "largest_grad_GiB", "host_fraction",
+                       "slot_numel", "num_slots"])
 
 
 def main() -> None:
@@ -998,7 +1007,7 @@ def main() -> None:
                          "Megatron exposed optimizer time; writes optim_peers.json / .png")
     ap.add_argument("--runs", type=int, default=5, help="interleaved timed runs (--peers)")
     ap.add_argument("--offload-ab", action="store_true",
-                    help="offloaded gradients with the hook prefetch on/off and offload_plan's fit (no peers)")
+                    help="offloaded gradients, hook prefetch on/off, offload_plan's fit (no peers)")
     ap.add_argument("--rewrite-peers", metavar="JSON", default=None,
                     help="re-write optim_peers.json/.png from a saved optim_staged_peers.json (no timing)")
     args = ap.parse_args()

@@ -425,7 +425,8 @@ class StagedAdamW(StagedOptimizerBase):
             return
         ring = self._ring
         j, seen = self._next_after.get(i), 0
-        while j is not None and seen < len(self._arrived) and (self._arrived[j] or j not in self._param_units):
+        while (j is not None and seen < len(self._arrived)
+               and (self._arrived[j] or j not in self._param_units)):
             if not ring.slots and not self._arrived[j]:
                 return  # a host-lane gradient comes first: no slots under its peak (offload_plan)
             j, seen = self._next_after.get(j), seen + 1
@@ -433,7 +434,8 @@ class StagedAdamW(StagedOptimizerBase):
             return
         ks = [k for k in self._param_units[j] if not self._unit_done[k]][:ring.num_slots]
         if ks:
-            ring.prefetch([self._staged_units[k] for k in ks], self.slabs, after_write_backs=not self._ring_begun)
+            ring.prefetch([self._staged_units[k] for k in ks], self.slabs,
+                          after_write_backs=not self._ring_begun)
             self._ring_begun = True
 
     def _throttle(self, i: int) -> None:
@@ -854,7 +856,8 @@ class StagedAdamW(StagedOptimizerBase):
                 numel = min(self.slot_config.slot_numel, (free // (ns * per)) // (64 << 10) * (64 << 10))
             if k == 0 or numel >= min_slot_numel:
                 host = sum(n for n, _ in sizes[k:])
-                return host / total, dataclasses.replace(self.slot_config, slot_numel=int(numel), num_slots=ns)
+                slots = dataclasses.replace(self.slot_config, slot_numel=int(numel), num_slots=ns)
+                return host / total, slots
         raise AssertionError("k == 0 always fits")  # pragma: no cover
 
     @property

@@ -457,7 +457,8 @@ def test_offload_plan_bounds_slots_plus_one_gradient():
     share, slots = opt.offload_plan(min_slot_numel=64 << 10, margin_bytes=0)
     # largest gradient 20 MiB; slots 3 x n x 8 B (fp32 params: moments only). With the 5 Mi param on
     # the host: 20 MiB - 8 MiB = 12 MiB -> n = 512 Ki (a multiple of 64 Ki)
-    assert share == pytest.approx((5 << 20) / sum(numels)) and slots.slot_numel == 512 << 10 and slots.num_slots == 3
+    assert share == pytest.approx((5 << 20) / sum(numels))
+    assert slots.slot_numel == 512 << 10 and slots.num_slots == 3
     assert max(n * 4 for n in numels[:4]) + 3 * slots.slot_numel * 8 <= 4 * numels[-1]
     share2, slots2 = opt.offload_plan(min_slot_numel=1 << 20, margin_bytes=0, num_slots=2)
     # 2 slots of >= 1 Mi take >= 16 MiB: only gradients of <= 4 MiB may stay in the slot lane, so the
