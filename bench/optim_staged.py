@@ -337,7 +337,15 @@ PEER_PROVIDERS = {
     "staged_stream_offload": "StagedAdamW(host_fraction=0, offload_gradients=True): slot updates in the backward pass",
     "staged_split": "StagedAdamW, host share found by auto_balance, gradients on the device",
     "staged_split_offload": "StagedAdamW, host share found by auto_balance, offload_gradients=True",
-    "staged_split_offload_<f>": "StagedAdamW(host_fraction=<f>, offload_gradients=True)",
+    "staged_stream_offload_budget4x": (
+        "staged_stream_offload with offload_budget_bytes = 4 x the largest gradient "
+        "(freed gradients in flight may take more *reserved* memory; allocated unchanged)"),
+    "staged_stream_offload_noprefetch": (
+        "staged_stream_offload without the hook prefetch (offload_prefetch=False)"),
+    "staged_fit_offload": (
+        "StagedAdamW.offload_plan(): the largest parameters on the host lane and slots sized so that "
+        "slots + any slot-lane gradient <= the largest gradient (allocated peak of torchao's "
+        "offload_gradients=True); offload_budget_bytes = 4 x the largest gradient"),
 }
 
 
@@ -516,7 +524,15 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
     configs: dict[str, dict] = {"staged_stream": dict(host_fraction=0.0, offload_gradients=False),
                                 "staged_stream_offload": dict(host_fraction=0.0, offload_gradients=True)}
     found = {}
+    big = 4 * max(sizes)  # the largest gradient (fp32)
     if staged is not None:
+        configs["staged_stream_offload_budget4x"] = dict(host_fraction=0.0, offload_gradients=True,
+                                                         budget=4 * big)
+        configs["staged_stream_offload_noprefetch"] = dict(host_fraction=0.0, offload_gradients=True,
+                                                           prefetch=False)
+        share, fit_slots = staged.offload_plan()
+        configs["staged_fit_offload"] = dict(host_fraction=share, offload_gradients=True, budget=4 * big,
+                                             slots=fit_slots)
         for offload in (False, True):  # auto_balance finds the split; timed runs then use it fixed
             staged.set_split(0.0, auto_balance=True, offload_gradients=offload)
             ps = providers["staged"]["params"]
@@ -526,9 +542,17 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
             found[offload] = staged.split
         configs["staged_split"] = dict(host_fraction=found[False], offload_gradients=False)
         configs["staged_split_offload"] = dict(host_fraction=found[True], offload_gradients=True)
-        if not quick:
-            for f in (0.1, 0.25, 0.4):
-                configs[f"staged_split_offload_{f}"] = dict(host_fraction=f, offload_gradients=True)
+
+    def use(name):
+        """Switch the one StagedAdamW to configuration ``name`` (slots, budget, threads, split)."""
+        c = configs[name]
+        want = c.get("slots", slots)
+        if staged.slot_config != want:
+            staged.set_slot_config(want)
+        staged.offload_budget_bytes = c.get("budget")
+        staged.host_threads = c.get("host_threads")
+        staged.offload_prefetch = c.get("prefetch", True)
+        staged.set_split(c["host_fraction"], auto_balance=False, offload_gradients=c["offload_gradients"])
     order = [k for k in providers if k != "staged"] + (list(configs) if staged is not None else [])
     times: dict[str, list[float]] = {k: [] for k in order}
     peaks: dict[str, int] = {k: 0 for k in order}
@@ -542,8 +566,7 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         fb_times.append((time.perf_counter() - t0) * 1e3)
         for name in order:
             if name in configs:
-                staged.set_split(configs[name]["host_fraction"], auto_balance=False,
-                                 offload_gradients=configs[name]["offload_gradients"])
+                use(name)
                 ps, opt = providers["staged"]["params"], staged
             else:
                 ps, opt = providers[name]["params"], providers[name]["opt"]
@@ -565,8 +588,7 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
     if CUDA:
         for name in order:
             if name in configs:
-                staged.set_split(configs[name]["host_fraction"], auto_balance=False,
-                                 offload_gradients=configs[name]["offload_gradients"])
+                use(name)
                 ps, opt = providers["staged"]["params"], staged
             else:
                 ps, opt = providers[name]["params"], providers[name]["opt"]
@@ -593,10 +615,11 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         if name in reserved:
             row["transient_reserved_GiB"] = reserved[name] / gib
         if name in configs:
-            staged.set_split(configs[name]["host_fraction"], offload_gradients=configs[name]["offload_gradients"],
-                             auto_balance=False)
+            use(name)
             b = staged.bytes_per_step()
             host_bytes = staged.slabs.nbytes + (staged._grads.nbytes if b["host_numel"] else 0)
+            row.update(slot_numel=staged.slot_config.slot_numel, num_slots=staged.slot_config.num_slots,
+                       offload_budget_bytes=staged.offload_budget_bytes, host_threads=staged.host_threads)
             row.update(host_fraction=b["host_numel"] / n, offload_gradients=staged.offload_gradients,
                        host_GiB=host_bytes / gib, pinned_GiB=host_bytes / gib, h2d_GB=b["h2d"] / 1e9,
                        d2h_GB=b["d2h"] / 1e9, GBps_h2d=b["h2d"] / t[0] / 1e6, GBps_d2h=b["d2h"] / t[0] / 1e6)
@@ -645,13 +668,15 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
 
 def mark_staged_best(rows: list[dict]) -> tuple[dict | None, dict | None, dict | None]:
     """``staged_best``: the fastest StagedAdamW configuration with offloaded gradients (the memory
-    class of torchao's ``offload_gradients=True``); returns (best torchao row, torchao
+    class of torchao's ``offload_gradients=True``) whose allocated peak is <= torchao's in that
+    mode; the fastest with offloaded gradients if none is. Returns (best torchao row, torchao
     offload_grads row, staged_best row)."""
     peers = [r for r in rows if r.get("case", "").startswith("peers/") and "ms" in r]
     best_tao = min((r for r in peers if r["provider"].startswith("torchao")), key=lambda r: r["ms"], default=None)
     tao_grads = next((r for r in peers if r["provider"] == "torchao_offload_grads"), None)
     staged = [r for r in peers if r["provider"].startswith("staged") and r.get("offload_gradients")]
-    best = min(staged, key=lambda r: r["ms"], default=None)
+    within = [r for r in staged if tao_grads is not None and r["peak_GiB"] <= tao_grads["peak_GiB"]]
+    best = min(within or staged, key=lambda r: r["ms"], default=None)
     for r in peers:
         r.pop("staged_best", None)
     if best is not None:
@@ -705,7 +730,14 @@ def write_peers(rows: list[dict], extra: dict, n: int, count: int, runs: int, he
                           "peak": "fixed gradient inputs + params + GPU optimizer state + transient peak of the run",
                           "staged_best": {"provider": best.get("provider"), "host_fraction": best.get("host_fraction"),
                                           "offload_gradients": best.get("offload_gradients"),
-                                          "rule": "fastest StagedAdamW configuration with offload_gradients=True"},
+                                          "slot_numel": best.get("slot_numel"),
+                                          "num_slots": best.get("num_slots"),
+                                          "offload_budget_bytes": best.get("offload_budget_bytes"),
+                                          "host_threads": best.get("host_threads"),
+                                          "rule": ("fastest StagedAdamW configuration with "
+                                                   "offload_gradients=True whose peak_GiB <= "
+                                                   "torchao_offload_grads's (the fastest with "
+                                                   "offload_gradients=True if none is)")},
                           "providers": PEER_PROVIDERS},
                "rows": out}
     path = out_dir() / "optim_peers.json"
@@ -900,6 +932,67 @@ def peers_main(args) -> None:
                        "error"])
 
 
+def offload_ab_main(args) -> None:
+    """``--offload-ab``: on the ``--peers`` parameter set, StagedAdamW with offloaded gradients with
+    the hook prefetch on and off, ``offload_plan``'s fit, and the stream path without offload, all on
+    one set of host slabs, ``--runs`` interleaved runs; min/p50 ms and the allocated transient
+    against the largest gradient (torchao's offload_gradients transient). Writes
+    ``optim_staged_offload_ab.json``."""
+    import time
+
+    n, count, runs = (4_000_000, 16, 3) if args.quick else (1_000_000_000, 64, args.runs)
+    sizes = geometric_sizes(n, count, max(1, int(n * 1.07e6 / 1e9)))
+    h = _Harness(sizes)
+    big = 4 * max(sizes)
+    slots = SlotConfig(slot_numel=1 << 16) if args.quick else SlotConfig()
+    ps = h.params()
+    opt = StagedAdamW(ps, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, slots=slots,
+                      host_fraction=0.5)
+    share, fit = opt.offload_plan()
+    configs = {"stream": dict(host_fraction=0.0, offload_gradients=False),
+               "offload_prefetch": dict(host_fraction=0.0, offload_gradients=True),
+               "offload_noprefetch": dict(host_fraction=0.0, offload_gradients=True, prefetch=False),
+               "fit_offload": dict(host_fraction=share, offload_gradients=True, slots=fit, budget=4 * big)}
+
+    def use(c):
+        want = c.get("slots", slots)
+        if opt.slot_config != want:
+            opt.set_slot_config(want)
+        opt.offload_budget_bytes = c.get("budget")
+        opt.offload_prefetch = c.get("prefetch", True)
+        opt.set_split(c["host_fraction"], auto_balance=False, offload_gradients=c["offload_gradients"])
+
+    times = {k: [] for k in configs}
+    trans = {k: 0 for k in configs}
+    for _ in range(runs):
+        for name, c in configs.items():
+            use(c)
+            h.iteration(ps, opt)
+            _sync()
+            if CUDA:
+                torch.cuda.reset_peak_memory_stats()
+            before = _alloc()
+            t0 = time.perf_counter()
+            h.iteration(ps, opt)
+            _sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            if CUDA:
+                trans[name] = max(trans[name], torch.cuda.max_memory_allocated() - before)
+            print(f"{name}: {times[name][-1]:.1f} ms, transient {trans[name] / 2**30:.4f} GiB", flush=True)
+    rows = []
+    for name, c in configs.items():
+        t = sorted(times[name])
+        rows.append({"case": f"offload_ab/N={n / 1e6:.0f}M", "provider": name, "ms": t[0],
+                     "ms_p50": t[len(t) // 2],
+                     "runs": len(t), "transient_GiB": trans[name] / 2**30, "largest_grad_GiB": big / 2**30,
+                     "host_fraction": c["host_fraction"], "slot_numel": c.get("slots", slots).slot_numel,
+                     "num_slots": c.get("slots", slots).num_slots})
+    path = write_results("optim_staged_offload_ab", rows, {"sizes": [min(sizes), max(sizes)], "count": count})
+    print(f"wrote {path}")
+    print_table(rows, ["provider", "ms", "ms_p50", "transient_GiB", "largest_grad_GiB", "host_fraction",
+                       "slot_numel", "num_slots"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke run)")
@@ -913,11 +1006,16 @@ def main() -> None:
                     help="issue #23: 1e9 fp32 params vs torchao CPUOffloadOptimizer (both modes), host AdamW rates, "
                          "Megatron exposed optimizer time; writes optim_peers.json / .png")
     ap.add_argument("--runs", type=int, default=5, help="interleaved timed runs (--peers)")
+    ap.add_argument("--offload-ab", action="store_true",
+                    help="offloaded gradients, hook prefetch on/off, offload_plan's fit (no peers)")
     ap.add_argument("--rewrite-peers", metavar="JSON", default=None,
                     help="re-write optim_peers.json/.png from a saved optim_staged_peers.json (no timing)")
     args = ap.parse_args()
     if args.rewrite_peers:
         rewrite_peers(args.rewrite_peers)
+        return
+    if args.offload_ab:
+        offload_ab_main(args)
         return
     if args.peers:
         peers_main(args)

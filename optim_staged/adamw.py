@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import sys
 import threading
 import time
@@ -114,6 +115,11 @@ class StagedAdamW(StagedOptimizerBase):
             with ``offload_gradients`` (None: the largest staged gradient).
         host_batch_numel: elements per host-lane kernel call (it uses PyTorch's intra-op threads,
             ``torch.set_num_threads``).
+        offload_prefetch: with ``offload_gradients``, each hook starts the H2D of the slot units of
+            the parameter expected next (the previous step's arrival order).
+        host_threads: intra-op threads of the host lane's worker (None: one less than the
+            worker's default, so the thread streaming the slot lane keeps a core). Fewer threads
+            draw less host DRAM bandwidth, which the DMA engines share.
         exp_avg_dtype, exp_avg_sq_dtype: moment storage, ``fp32`` | ``bf16`` (or the torch dtypes).
 
     ``state[p]`` holds ``master_param``, ``exp_avg``, ``exp_avg_sq`` (views of the host slabs,
@@ -130,7 +136,8 @@ class StagedAdamW(StagedOptimizerBase):
                  auto_balance: bool = False, balance_steps: int = 8, offload_gradients: bool = False,
                  host_batch_numel: int = 16 << 20, offload_budget_bytes: int | None = None,
                  exp_avg_dtype: str | torch.dtype = "fp32", exp_avg_sq_dtype: str | torch.dtype = "fp32",
-                 fused_max_slices: int | None = None) -> None:
+                 fused_max_slices: int | None = None, host_threads: int | None = None,
+                 offload_prefetch: bool = True) -> None:
         m_name = _dtype_name("exp_avg_dtype", exp_avg_dtype)
         v_name = _dtype_name("exp_avg_sq_dtype", exp_avg_sq_dtype)
         AdamWConfig(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, impl=impl,  # validates
@@ -138,6 +145,8 @@ class StagedAdamW(StagedOptimizerBase):
                     exp_avg_dtype=m_name, exp_avg_sq_dtype=v_name, fused_max_slices=fused_max_slices)
         if host_batch_numel < 1024:
             raise StagedConfigError(f"host_batch_numel={host_batch_numel!r} is invalid: must be >= 1024 elements")
+        if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
+            raise StagedConfigError(f"host_threads={host_threads!r} is invalid: must be None or an int >= 1")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.impl = impl
         self.fused_max_slices = fused_max_slices
@@ -146,6 +155,8 @@ class StagedAdamW(StagedOptimizerBase):
         self.balance_steps = int(balance_steps)
         self.offload_gradients = bool(offload_gradients)
         self.host_batch_numel = int(host_batch_numel)
+        self.host_threads = host_threads
+        self.offload_prefetch = bool(offload_prefetch)
         self.offload_budget_bytes = offload_budget_bytes
         self.moment_dtypes = {"exp_avg": _DTYPES[m_name], "exp_avg_sq": _DTYPES[v_name]}
         self._step_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -285,7 +296,7 @@ class StagedAdamW(StagedOptimizerBase):
             self._cuda = {"grad": torch.cuda.Stream(self._dev), "upload": torch.cuda.Stream(self._dev),
                           "ready": torch.cuda.Event(enable_timing=True),
                           "host_end": torch.cuda.Event(enable_timing=True), "uploaded": False,
-                          "threads_set": False}
+                          "threads": None}
         if cuda:
             self._cuda["param_events"] = [torch.cuda.Event() for _ in plist]
         if self.offload_gradients:
@@ -351,6 +362,8 @@ class StagedAdamW(StagedOptimizerBase):
         with self._bwd:
             self._arrived[i] = True
             self._bwd.notify_all()
+        g = None  # freed here unless a unit still holds it: slots never join this gradient's peak
+        self._prefetch_next(i)
         if cu is not None:
             self._throttle(i)
 
@@ -403,6 +416,28 @@ class StagedAdamW(StagedOptimizerBase):
                         self._pending.append((ev, nb))
                         self._pending_bytes += nb
 
+    def _prefetch_next(self, i: int) -> None:
+        """Start the H2D of the slot units of the parameter expected next (arrival order of the
+        previous step), so the copy engine stays busy while this hook waits in :meth:`_throttle`
+        and autograd computes that gradient. A wrong guess costs only bandwidth: the slots hold
+        clean copies of host ranges not yet updated in this step."""
+        if not self.offload_prefetch:
+            return
+        ring = self._ring
+        j, seen = self._next_after.get(i), 0
+        while (j is not None and seen < len(self._arrived)
+               and (self._arrived[j] or j not in self._param_units)):
+            if not ring.slots and not self._arrived[j]:
+                return  # a host-lane gradient comes first: no slots under its peak (offload_plan)
+            j, seen = self._next_after.get(j), seen + 1
+        if j is None or self._arrived[j]:
+            return
+        ks = [k for k in self._param_units[j] if not self._unit_done[k]][:ring.num_slots]
+        if ks:
+            ring.prefetch([self._staged_units[k] for k in ks], self.slabs,
+                          after_write_backs=not self._ring_begun)
+            self._ring_begun = True
+
     def _throttle(self, i: int) -> None:
         """Block until the gradients still in flight (freed, but read by a D2H copy or a slot
         compute, so their memory is not reusable yet) + the ones held for a unit + the slots + the
@@ -449,9 +484,9 @@ class StagedAdamW(StagedOptimizerBase):
             caller = torch.cuda.current_stream(self._dev)
             caller.wait_stream(ring.compute_stream)
             caller.wait_stream(cu["upload"])
-            ring.release()  # slots back to the allocator before the next backward pass
             self._pending.clear()
             self._pending_bytes = 0
+        ring.release()  # slots back to the allocator before the next backward pass (CPU: same path)
         self._next_after = dict(zip(self._order, self._order[1:]))
         self._record_timing("cuda" if cu is not None else t_host, self._t_ring)
         self._reset_backward()
@@ -568,12 +603,13 @@ class StagedAdamW(StagedOptimizerBase):
         if cu is not None:
             if self._dev.index is not None:
                 torch.cuda.set_device(self._dev.index)
-            if not cu["threads_set"]:
-                # One core less than PyTorch's intra-op threads (this worker thread only, as OpenMP
-                # thread counts are per thread): the thread streaming the slot lane keeps a core,
-                # and no OpenMP team member is preempted mid-kernel.
-                torch.set_num_threads(max(1, torch.get_num_threads() - 1))
-                cu["threads_set"] = True
+            # By default one core less than PyTorch's intra-op threads (this worker thread only, as
+            # OpenMP thread counts are per thread): the thread streaming the slot lane keeps a
+            # core, and no OpenMP team member is preempted mid-kernel.
+            want = self.host_threads or max(1, cu.setdefault("threads0", torch.get_num_threads()) - 1)
+            if cu["threads"] != want:
+                torch.set_num_threads(want)
+                cu["threads"] = want
             if cu["uploaded"]:
                 cu["host_end"].synchronize()  # the last step's uploads have read the masters
         slabs, grads, cpu = self.slabs, self._grads["grad"], torch.device("cpu")
@@ -783,6 +819,46 @@ class StagedAdamW(StagedOptimizerBase):
         self._build_ring()
         grads = self._grads
         self._after_layout(keep_grads=grads)
+
+    def offload_plan(self, *, num_slots: int | None = None, min_slot_numel: int = 1 << 20,
+                     bound_bytes: int | None = None, margin_bytes: int = 1 << 20) -> tuple[float, SlotConfig]:
+        """Host share and slots for ``offload_gradients`` whose *allocated* peak stays within
+        ``bound_bytes`` (default: the largest staged gradient, which autograd allocates anyway, and
+        the peak of torchao's ``offload_gradients=True``).
+
+        A host-lane gradient is freed in its hook once its D2H is queued, so it adds nothing to the
+        allocated peak; a slot-lane gradient of ``b`` bytes is live together with the slots, so
+        ``b + num_slots * slot_numel * (slot bytes per element) <= bound_bytes - margin_bytes``
+        must hold for every slot-lane parameter (slots are allocated only once a slot-lane gradient
+        is next, so host-lane gradients that arrive before it never share their peak with them). The
+        host lane takes the shortest suffix of the staged parameters (slab order; in a backward
+        pass its gradients arrive first) that leaves slots of at least
+        ``min_slot_numel`` elements; ``slot_numel`` is the largest that fits (a multiple of 64 Ki,
+        at most the current one). Apply with ``set_slot_config`` then ``set_split``."""
+        self._ensure_layout()
+        ns = self.slot_config.num_slots if num_slots is None else int(num_slots)
+        ring = self._ring
+        per = sum(torch.empty((), dtype=ring.dtypes[k]).element_size() for k in ring.keys)
+        sizes = [(self._plist[i][1].numel(), self._plist[i][1].numel() * self._plist[i][1].element_size())
+                 for i in self._staged_idx]
+        if not sizes:
+            return 0.0, self.slot_config
+        bound = max(b for _, b in sizes) if bound_bytes is None else int(bound_bytes)
+        total = sum(n for n, _ in sizes)
+        prefix_max = [0]
+        for _, b in sizes:
+            prefix_max.append(max(prefix_max[-1], b))
+        for k in range(len(sizes), -1, -1):  # slot lane = sizes[:k], host lane = the suffix
+            if k == 0:
+                free, numel = bound - margin_bytes, self.slot_config.slot_numel
+            else:
+                free = bound - margin_bytes - prefix_max[k]
+                numel = min(self.slot_config.slot_numel, (free // (ns * per)) // (64 << 10) * (64 << 10))
+            if k == 0 or numel >= min_slot_numel:
+                host = sum(n for n, _ in sizes[k:])
+                slots = dataclasses.replace(self.slot_config, slot_numel=int(numel), num_slots=ns)
+                return host / total, slots
+        raise AssertionError("k == 0 always fits")  # pragma: no cover
 
     @property
     def split(self) -> float:

@@ -449,12 +449,18 @@ class SlotRing:
     def _order(self, units: Sequence[Unit], reverse: bool) -> list[Unit]:
         return list(reversed(units)) if (self.keep_resident and reverse) else list(units)
 
-    def prefetch(self, units: Sequence[Unit], slabs: StateSlabs, *, reverse: bool = False) -> None:
+    def prefetch(self, units: Sequence[Unit], slabs: StateSlabs, *, reverse: bool = False,
+                 after_write_backs: bool = True) -> None:
         """Start H2D of the next step's first ``num_slots`` units that are not already in a slot;
-        needs no gradients. ``reverse`` must be what the next :meth:`run` gets."""
+        needs no gradients. ``reverse`` must be what the next :meth:`run` gets.
+
+        Within a step streamed in several calls (gradient hooks), ``after_write_backs=False``
+        prefetches the units of the next call: their host ranges were not written back in this
+        step, so their H2D need not wait for the D2H stream. A prefetched slot is clean; a later
+        load may evict it (its host range is still current)."""
         if not units:
             return
-        self._begin(slabs)
+        self._begin(slabs, after_write_backs=after_write_backs)
         first = self._order(units, reverse)[: self.num_slots]
         want = {u.start for u in first}
         for unit in first:

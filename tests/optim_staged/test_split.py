@@ -395,3 +395,97 @@ def test_whole_param_units_cover_the_slabs():
             assert sum(pc.numel for pc in u.pieces) == u.numel and len({groups[pc.param_index] for pc in u.pieces}) == 1
             if whole and len(u.pieces) > 1:  # several params: all whole
                 assert all(pc.p_start == 0 and pc.numel == numels[pc.param_index] for pc in u.pieces)
+
+
+@pytest.mark.parametrize("host_fraction", [0.0, 0.3])
+def test_offload_prefetch_of_the_next_gradient_is_exact(host_fraction):
+    """offload_gradients: each hook starts the H2D of the slot units of the parameter expected
+    next (the previous step's arrival order). A right guess makes every slot unit load once per
+    step (the prefetched slots are hit, not reloaded); a wrong guess (the arrival order changes
+    at step 4) only reloads. Bitwise vs torch's foreach AdamW throughout."""
+    from optim_staged.slabs import SlotRing
+
+    shapes = [(900,), (33, 31), (2048,), (700,), (1500,), (3000,)]
+    g = torch.Generator().manual_seed(5)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    ref = [p.clone().requires_grad_() for p in init]
+    out = [p.clone().requires_grad_() for p in init]
+    o_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=True)
+    opt = StagedAdamW(out, lr=1e-2, weight_decay=0.1, slots=SLOTS, offload_gradients=True,
+                      host_fraction=host_fraction, impl="foreach")
+    loads, prefetches = [0], [0]
+    orig_load, orig_prefetch = SlotRing._load, SlotRing.prefetch
+
+    def count_load(self, *a, **k):
+        loads[0] += 1
+        return orig_load(self, *a, **k)
+
+    def count_prefetch(self, *a, **k):
+        prefetches[0] += 1
+        return orig_prefetch(self, *a, **k)
+
+    n_units = len(opt._staged_units)
+    assert n_units >= 4 and (host_fraction == 0) == (not opt._host_units)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SlotRing, "_load", count_load)
+        mp.setattr(SlotRing, "prefetch", count_prefetch)
+        for step in range(7):
+            grads = _grads(g, shapes)
+            for a, gr in zip(ref, grads):
+                a.grad = gr.clone()
+            order = list(range(len(shapes)))[::-1] if step < 4 else [1, 4, 0, 5, 2, 3]
+            loads[0] = prefetches[0] = 0
+            for i in order:  # one backward pass per parameter: the arrival order is ours
+                (out[i] * grads[i]).sum().backward()
+            o_ref.step()
+            opt.step()
+            if 1 <= step < 4:  # the order of the previous step repeats: every guess is right
+                assert prefetches[0] > 0 and loads[0] == n_units, (step, loads[0], n_units)
+    opt.drain(release=False)
+    for i, (a, b) in enumerate(zip(ref, out)):
+        assert torch.equal(a.detach(), b.detach()), i
+        assert torch.equal(o_ref.state[a]["exp_avg"], opt.state[b]["exp_avg"]), i
+        assert torch.equal(o_ref.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"]), i
+
+
+def test_offload_plan_bounds_slots_plus_one_gradient():
+    """offload_plan: the host lane takes the shortest suffix of parameters that leaves slots with
+    slot-lane gradient + slots <= the largest gradient - margin; slot sizes are multiples of 64 Ki."""
+    numels = [1 << 18, 1 << 19, 3 << 19, 1 << 21, 5 << 20]  # 0.25, 0.5, 1.5, 2, 5 Mi
+    ps = [torch.zeros(n, requires_grad=True) for n in numels]
+    opt = StagedAdamW(ps, slots=SlotConfig(slot_numel=4 << 20, num_slots=3), offload_gradients=True)
+    share, slots = opt.offload_plan(min_slot_numel=64 << 10, margin_bytes=0)
+    # largest gradient 20 MiB; slots 3 x n x 8 B (fp32 params: moments only). With the 5 Mi param on
+    # the host: 20 MiB - 8 MiB = 12 MiB -> n = 512 Ki (a multiple of 64 Ki)
+    assert share == pytest.approx((5 << 20) / sum(numels))
+    assert slots.slot_numel == 512 << 10 and slots.num_slots == 3
+    assert max(n * 4 for n in numels[:4]) + 3 * slots.slot_numel * 8 <= 4 * numels[-1]
+    share2, slots2 = opt.offload_plan(min_slot_numel=1 << 20, margin_bytes=0, num_slots=2)
+    # 2 slots of >= 1 Mi take >= 16 MiB: only gradients of <= 4 MiB may stay in the slot lane, so the
+    # 1.5, 2 and 5 Mi params (6, 8, 20 MiB of gradient) go to the host lane
+    assert share2 == pytest.approx(sum(numels[2:]) / sum(numels)) and slots2.slot_numel >= 1 << 20
+    assert max(n * 4 for n in numels[:2]) + 2 * slots2.slot_numel * 8 <= 4 * numels[-1]
+    assert opt.offload_plan(bound_bytes=1 << 10)[0] == 1.0  # nothing fits: all on the host lane
+    opt.set_slot_config(slots)
+    opt.set_split(share)
+    assert opt._host_units and {pc.param_index for u in opt._host_units for pc in u.pieces} == {4}
+    with pytest.raises(StagedConfigError, match="host_threads"):
+        StagedAdamW([torch.zeros(4)], host_threads=0)
+
+
+def test_offload_prefetch_allocates_no_slots_under_a_host_lane_gradient():
+    """The hook prefetch does not allocate the slots while the next gradient expected is a host-lane
+    one (offload_plan's bound: slots share a peak only with slot-lane gradients)."""
+    shapes = [(900,), (2048,), (3000,), (5000,)]
+    ps = [torch.randn(s).requires_grad_() for s in shapes]
+    opt = StagedAdamW(ps, lr=1e-2, slots=SLOTS, offload_gradients=True, host_fraction=0.75, impl="foreach")
+    host = {pc.param_index for u in opt._host_units for pc in u.pieces}
+    assert host == {2, 3}
+    for step in range(2):
+        for i in (3, 2, 1, 0):
+            (ps[i] * 2).sum().backward()
+            if i == 3:  # the next gradient (param 2) is the host lane's: no slots yet
+                assert not opt._ring.slots, step
+            if i == 2 and step == 1:  # the next one (param 1) is the slot lane's: prefetched
+                assert opt._ring.slots and opt._ring._held.count(None) < len(opt._ring.slots)
+        opt.step()
