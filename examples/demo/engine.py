@@ -30,11 +30,14 @@ def build_engine(cfg: DemoConfig, spec, hf_dir: str | None, device: torch.device
     ``hf_dir``: the student's Hugging Face folder (what SGLang loads; the HF engine starts empty
     and gets its weights from the first publish)."""
     try:
+        _check_folder(hf_dir, spec)
         if cfg.engine.kind == "hf":
             from colocate import EngineConfig, HFEngine
 
-            return HFEngine(spec, EngineConfig(max_new_tokens=cfg.length, temperature=cfg.mopd.temperature,
-                                               dtype=cfg.engine.dtype, device=str(device)))
+            engine = HFEngine(spec, EngineConfig(max_new_tokens=cfg.length, temperature=cfg.mopd.temperature,
+                                                 dtype=cfg.engine.dtype, device=str(device)))
+            engine.logits(torch.zeros(1, 1, dtype=torch.long))  # start probe: one forward on its device
+            return engine
         from colocate import SGLangEngine
         from colocate.sglang_engine import sglang_engine_args
 
@@ -54,10 +57,28 @@ def build_engine(cfg: DemoConfig, spec, hf_dir: str | None, device: torch.device
         raise EngineStartError(f"engine.kind={cfg.engine.kind!r} failed to start: {type(e).__name__}: {e}") from e
 
 
+def _check_folder(hf_dir: str | None, spec) -> None:
+    """The engine's model folder holds this student (``config.json`` widths and vocabulary)."""
+    import json
+    from pathlib import Path
+
+    cfg_file = Path(str(hf_dir)) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no Hugging Face config at {cfg_file}")
+    c = json.loads(cfg_file.read_text())
+    want = {"hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers, "vocab_size": spec.vocab_size}
+    bad = {k: (c.get(k), v) for k, v in want.items() if c.get(k) != v}
+    if bad:
+        raise ValueError(f"{cfg_file} does not describe the student: (folder, student) = {bad}")
+
+
 def sample(engine, prompts: Sequence[Sequence[int]], *, n_new: int, temperature: float,
            seed: int) -> tuple[list[list[int]], list[list[float]]]:
     """Generated ids and their behaviour log-probs (log softmax(z / τ) of each sampled token)."""
-    out = engine.generate([list(p) for p in prompts], max_new_tokens=n_new, temperature=temperature, seed=seed)
+    # the HF engine seeds row i with seed + i; SGLang's engine samples with its own generator
+    # (``random_seed`` at start): its per-request seed parameter differs across releases
+    kw = {"seed": seed} if getattr(engine, "client", None) is None else {}
+    out = engine.generate([list(p) for p in prompts], max_new_tokens=n_new, temperature=temperature, **kw)
     if hasattr(out, "tokens"):  # HFEngine's GenerateResult
         return out.tokens, out.logprobs
     tokens = [list(o["output_ids"])[:n_new] for o in out]  # SGLang output dicts

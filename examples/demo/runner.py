@@ -251,13 +251,13 @@ def run_step(job: Job, k: int) -> dict:
     return metrics
 
 
-def reduce_row(k: int, m: dict, timeline_row: dict, wall: float) -> dict:
+def reduce_row(k: int, m: dict, timeline_row: dict, wall: float, device: torch.device) -> dict:
     """The step's history row: sums over ranks, max of the engine/trainer gap and wall time,
     this rank's (rank 0's) timeline and memory."""
     keys = sorted(x for x in m if x not in ("engine_trainer_max_abs", "gnorm"))
-    v = torch.tensor([m[x] for x in keys], dtype=torch.float64)
+    v = torch.tensor([m[x] for x in keys], dtype=torch.float64, device=device)
     dist.all_reduce(v)
-    mx = torch.tensor([m["engine_trainer_max_abs"], wall], dtype=torch.float64)
+    mx = torch.tensor([m["engine_trainer_max_abs"], wall], dtype=torch.float64, device=device)
     dist.all_reduce(mx, op=dist.ReduceOp.MAX)
     s = dict(zip(keys, v.tolist(), strict=True))
     row = {"step": k, "tokens_per_s": s["tokens"] / float(mx[1]), "sharing_ratio": s["tokens"] / s["compact_tokens"],
@@ -281,7 +281,7 @@ def run_mopd(job: Job, *, bar=None, log=None) -> None:
     for k in range(job.step + 1, cfg.mopd.steps + 1):
         t0 = time.perf_counter()
         m = run_step(job, k)
-        row = reduce_row(k, m, job.timeline.flush(), time.perf_counter() - t0)
+        row = reduce_row(k, m, job.timeline.flush(), time.perf_counter() - t0, job.st.device)
         job.history.append(row)
         job.step = k
         if k % cfg.mopd.eval_every == 0 or k == cfg.mopd.steps:

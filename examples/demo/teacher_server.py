@@ -46,7 +46,7 @@ def server_command(cfg: DemoConfig, hf_dir: str, port: int) -> tuple[list[str], 
     from colocate.sglang_engine import hide_megatron_dir, sglang_engine_args
 
     args = sglang_engine_args(hf_dir, cuda_graph=False, memory_saver=False,
-                              mem_fraction_static=cfg.teacher_server.mem_fraction_static, dtype="float32",
+                              mem_fraction_static=cfg.teacher_server.mem_fraction_static, dtype="bfloat16",
                               max_total_tokens=8192, random_seed=cfg.seed)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (hide_megatron_dir(), os.environ.get("PYTHONPATH")) if p)
     return [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
