@@ -21,14 +21,45 @@ from examples.demo.tasks import FIRST_LETTER, TaskData, answer, prompts_from_let
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "examples" / "demo" / "conf")
 
 
-def _compose(overrides: list[str]):
+def _compose(overrides: list[str], name: str = "demo"):
     """Hydra's compose API as a user calls it: importing examples.demo.config registered the schema."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="demo", overrides=overrides)
+        return compose(config_name=name, overrides=overrides)
+
+
+def test_gpu_config_is_the_colocated_sglang_job():
+    """conf/gpu.yaml validates and asks for what the GPU run needs (issue 21's targets)."""
+    from examples.demo.config import to_demo_config
+
+    cfg = to_demo_config(_compose([], "gpu"))
+    assert cfg.device == "cuda" and cfg.engine.kind == "sglang" and cfg.teacher_server.kind == "sglang"
+    assert cfg.mopd.steps >= 30 and cfg.teacher.http_routes == ["shift"]
+    assert cfg.engine.env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1" and cfg.engine.cuda_graph
+    models = (cfg.student, cfg.teacher.model, cfg.teacher.http_model)
+    assert all(m.hidden_size // m.num_attention_heads >= 32 for m in models)  # SGLang's triton backend
+    assert cfg.teacher.http_model.hidden_size != cfg.teacher.model.hidden_size  # a teacher of another size
+    with pytest.raises(DemoConfigError, match="engine.kind='sglang': sglang needs device=cuda"):
+        to_demo_config(_compose(["device=cpu"], "gpu"))
+
+
+def test_phase_timeline_accumulates_and_resets():
+    from examples.demo.timeline import PHASES, PhaseTimeline
+
+    tl = PhaseTimeline("cpu")
+    with tl.phase("verify"):
+        pass
+    with tl.phase("verify"):
+        sum(range(1000))
+    tl.add_bytes("release", {"engine/weights": 5})
+    tl.add_bytes("release", {"engine/weights": 7})
+    row = tl.flush()
+    assert set(f"time/{p}" for p in PHASES) <= set(row) and row["time/generate"] == 0.0 and row["time/verify"] > 0
+    assert row["bytes/release/engine/weights"] == 12 and row["mem/verify/allocated"] is None  # no counters on CPU
+    assert tl.flush()["time/verify"] == 0.0
 
 
 def test_yaml_equals_dataclass_defaults():
@@ -104,7 +135,9 @@ def _pipeline_rank(rank: int, world: int, out_dir: str) -> dict:
     checks: dict = {}
     cfg = _tiny(out_dir)
     res = run_demo(cfg)
-    checks["first"] = {k: res[k] for k in ("teachers_cached", "engine_version", "accuracy", "teacher_accuracy")}
+    checks["first"] = {k: res[k] for k in ("teachers_cached", "engine_version", "accuracy", "teacher_accuracy",
+                                           "colocated")}
+    checks["steps_jsonl"] = Path(out_dir, "steps.jsonl").read_text().splitlines() if rank == 0 else None
     checks["max_engine_trainer"] = max(h["engine_trainer_max_abs"] for h in res["history"])
     checks["sharing"] = [h["sharing_ratio"] for h in res["history"]]
     if rank == 0:
@@ -174,6 +207,12 @@ def test_demo_pipeline_two_ranks(tmp_path):
             assert set(first["accuracy"][stage]) == {"reverse", "shift"}
             assert all(0.0 <= v <= 1.0 for v in first["accuracy"][stage].values())
         assert c["max_engine_trainer"] < 1e-4  # on-policy: behaviour log-probs = trainer log-probs
+        rec = first["colocated"]  # the residency cycle ran: everything handed over, publishes verified
+        assert rec["engine"] == "hf_engine" and rec["steps"] == 2 and rec["greedy_match"] is True
+        assert rec["trainer_resident_fraction_during_generate"] == 0.0
+        assert rec["engine_resident_fraction_during_train"] == 0.0
+        assert rec["routes"]["shift"]["teacher"] == "http" and rec["routes"]["reverse"]["teacher"] == "megatron"
+        assert rec["publish_ms"] > 0 and set(rec["header"]) == {"date", "gpu", "commit", "versions"}
         assert all(1.5 < s < 4.0 for s in c["sharing"])  # groups of 4 share a 7-token prompt
         assert c["not_converged"] is not None and "teacher.min_accuracy=0.5" in c["not_converged"]
         assert c["version"] == 2 and c["compression"] > 1.2
@@ -181,6 +220,12 @@ def test_demo_pipeline_two_ranks(tmp_path):
     paths = out[0]["paths"]
     saved = json.loads(Path(paths["json"]).read_text())
     assert len(saved["history"]) == 2 and saved["evals"][-1]["step"] == 2
+    assert saved["greedy_match"] is True and "routes" in saved  # the colocated record at top level
+    rows = [json.loads(x) for x in out[0]["steps_jsonl"]]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the timeline and the bytes each side handed over
+        assert all(r[f"time/{p}"] > 0 for p in ("generate", "teacher_scoring", "train", "optimizer", "publish"))
+        assert r["bytes/release/engine/weights"] > 0 and r["bytes/resume/trainer/weights"] > 0
     assert Path(paths["png"]).stat().st_size > 10_000
     assert any(Path(paths["tensorboard"]).glob("events.out.tfevents.*"))
     assert "student after MOPD" in out[0]["table"]
