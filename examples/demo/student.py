@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from examples.demo.config import DemoConfig
 from examples.demo.tasks import DOMAINS, TaskData, prompts_from_letters
-from examples.demo.teachers import answer_loss, tiny_cfg
+from examples.demo.teachers import answer_loss, context_len, tiny_cfg
 
 TEACHER_OF = {t: f"{t}_teacher" for t in DOMAINS}
 
@@ -65,7 +65,7 @@ def build_student(cfg: DemoConfig, data: TaskData, *, engine_factory=None) -> St
 
     device = run_device(cfg)
     seed_all(cfg.seed * 100 + 50)
-    model = build_tiny_gpt(tiny_cfg(cfg.student, max_len=data.prompt_len + cfg.length)).to(device)
+    model = build_tiny_gpt(tiny_cfg(cfg.student, max_len=context_len(data, cfg))).to(device)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
     opt = get_staged_optimizer(StagedOptimizerConfig(residency="staged", clip_grad=1.0,

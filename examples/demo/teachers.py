@@ -15,11 +15,21 @@ import torch.distributed as dist
 from examples.demo.config import DemoConfig, ModelConfig
 from examples.demo.tasks import DOMAINS, VOCAB, TaskData, prompts_from_letters
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: models carry CONTEXT_MARGIN more positions
 
 
 class TeacherNotConvergedError(RuntimeError):
     """A trained teacher is below ``teacher.min_accuracy`` on its held-out prompts."""
+
+
+CONTEXT_MARGIN = 16
+"""Positions beyond prompt + answer in every model's ``max_position_embeddings``: SGLang refuses a
+request whose input + ``max_new_tokens`` reaches the context length (RoPE has no learned table, so
+the margin changes no number)."""
+
+
+def context_len(data: TaskData, cfg: DemoConfig) -> int:
+    return data.prompt_len + cfg.length + CONTEXT_MARGIN
 
 
 def tiny_cfg(m: ModelConfig, *, max_len: int):
@@ -88,7 +98,7 @@ def train_teacher(task: str, cfg: DemoConfig, data: TaskData, *, bar=None) -> tu
     t = cfg.teacher
     rank = dist.get_rank()
     seed_all(cfg.seed * 100 + DOMAINS.index(task) + 1)
-    model = build_tiny_gpt(tiny_cfg(teacher_model_config(cfg, task), max_len=data.prompt_len + cfg.length))
+    model = build_tiny_gpt(tiny_cfg(teacher_model_config(cfg, task), max_len=context_len(data, cfg)))
     model.to(run_device(cfg))
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
