@@ -136,15 +136,15 @@ def _rollout(job: Job, k: int):
 
 
 def _score(job: Job, k: int, batch, routes, old, mask):
-    from mopd.errors import MOPDError
+    from mopd.errors import TeacherServerError, TeacherStateError, TeacherTimeoutError
     from mopd.routing import score_routed
 
     try:
         targets, _ = score_routed(job.pool, batch, routes, routing_spec(), old_logp=old, loss_mask=mask)
         return targets
-    except MOPDError as e:
+    except (TeacherServerError, TeacherTimeoutError, TeacherStateError) as e:
         http = [TEACHER_OF[t] for t in job.cfg.teacher.http_routes]
-        if http and (job.server is None or not job.server.worker.alive() or http[0] in str(e)):
+        if http and f"'{http[0]}'" in str(e):  # the HTTP teacher's failure (its messages name it)
             raise TeacherServerDownError(k, http[0], e) from e
         raise
 
