@@ -79,7 +79,7 @@ def start_teacher_server(cfg: DemoConfig, hf_dir: str, *, log_path: str | None =
     scheduler = LocalScheduler()
     timeout = cfg.teacher_server.start_timeout_s
     worker = scheduler.fork(WorkerSpec(role="teacher", command=cmd, env=env, health_timeout_s=timeout,
-                                       kill_grace_s=5.0, log_path=log_path), wait=False)
+                                       kill_grace_s=1.0, log_path=log_path), wait=False)  # no state to flush
     deadline = time.monotonic() + timeout
     try:
         while not _healthy(port):

@@ -13,6 +13,7 @@ difference is a defect, not noise).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -288,3 +289,90 @@ def test_server_down_start_failure_and_bad_publish_then_resume(tmp_path):
     assert _is(r["verify"], PublishError) and r["verify"]["error"]["version"] == 2 + 3
     assert "greedy outputs differ" in r["verify"]["error"]["message"]
     _assert_same_run(r["ref"], r["verify_resumed"], resumed_from=EVERY)
+
+
+# ----- a real kill: SIGKILL of the whole torchrun job, then resume=true -----------------------------
+KILL_ARGS = ["length=4", "held_out=16", "progress=false", "teacher.steps=30", "teacher.batch=16",
+             "teacher.min_accuracy=0", "teacher.distill_prompts=32", "warm_start.steps=3", "warm_start.batch=8",
+             "mopd.steps=12", "mopd.prompts_per_step=2", "mopd.group_size=4", "mopd.eval_every=1",
+             "verify.every=1", "verify.prompts=4", "checkpoint_every=2"]
+
+
+def _torchrun(out_dir: str, *extra: str):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "examples.demo.run", f"out_dir={out_dir}", *KILL_ARGS, *extra],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _job_processes(root: int) -> list[int]:
+    """Descendants of ``root`` running ``examples.demo.run`` (the ranks; torchrun may start them in
+    sessions of their own, so a process-group kill would miss them)."""
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                children.setdefault(int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(p.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            todo.append(c)
+            try:
+                if b"examples.demo.run" in Path(f"/proc/{c}/cmdline").read_bytes():
+                    out.append(c)
+            except OSError:
+                continue
+    return out
+
+
+def _steps(out_dir: str) -> list[dict]:
+    p = Path(out_dir, "steps.jsonl")
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def _final_weights(out_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(out_dir, "checkpoints", "step_000012", "hf").glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
+    """The whole job (torchrun and both ranks) is SIGKILLed once step 3 is logged: the teacher
+    server dies with its owner (its guard), the last complete checkpoint stays loadable, and
+    ``resume=true`` ends with the per-step metrics and final weights of an uninterrupted run."""
+    ref, dir_ = str(tmp_path / "ref"), str(tmp_path / "killed")
+    assert _torchrun(ref).wait(timeout=200) == 0
+    proc = _torchrun(dir_)
+    deadline = time.monotonic() + 200
+    while len(_steps(dir_)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    for pid in [proc.pid, *_job_processes(proc.pid)]:  # torchrun and its ranks, not the server
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = len(_steps(dir_))
+    assert killed_at < 12
+    assert _no_orphans(dir_), "the teacher server outlived its SIGKILLed owner"
+    latest = json.loads(Path(dir_, "checkpoints", "latest.json").read_text())
+    assert latest["step"] % 2 == 0 and 2 <= latest["step"] <= killed_at
+
+    assert _torchrun(dir_, "resume=true").wait(timeout=200) == 0
+    got, want = _steps(dir_), _steps(ref)
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert [{k: r[k] for k in DETERMINISTIC} for r in got] == [{k: r[k] for k in DETERMINISTIC} for r in want]
+    assert [r.get("accuracy/reverse") for r in got] == [r.get("accuracy/reverse") for r in want]
+    a, b = _final_weights(ref), _final_weights(dir_)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    res = json.loads(Path(dir_, "results.json").read_text())
+    assert res["results"]["resumed_from"] == latest["step"]
