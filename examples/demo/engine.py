@@ -39,13 +39,9 @@ def build_engine(cfg: DemoConfig, spec, hf_dir: str | None, device: torch.device
             engine.logits(torch.zeros(1, 1, dtype=torch.long))  # start probe: one forward on its device
             return engine
         from colocate import SGLangEngine
-        from colocate.sglang_engine import sglang_engine_args
 
         os.environ.update(cfg.engine.env)  # read by SGLang's processes at start (e.g. the memory saver's)
-        args = sglang_engine_args(hf_dir, cuda_graph=cfg.engine.cuda_graph, memory_saver=True,
-                                  mem_fraction_static=cfg.engine.mem_fraction_static,
-                                  max_total_tokens=cfg.engine.max_total_tokens, dtype=cfg.engine.dtype,
-                                  random_seed=cfg.seed, base_gpu_id=device.index or 0)
+        args = sglang_args(cfg, hf_dir, device)
         free0 = torch.cuda.mem_get_info(device)[0]
         engine = SGLangEngine.launch(spec=spec, param_dtype=publish_dtype(cfg), **args)
         torch.cuda.synchronize(device)
@@ -55,6 +51,17 @@ def build_engine(cfg: DemoConfig, spec, hf_dir: str | None, device: torch.device
         return engine
     except Exception as e:  # noqa: BLE001 - every start failure is one typed error naming the engine
         raise EngineStartError(f"engine.kind={cfg.engine.kind!r} failed to start: {type(e).__name__}: {e}") from e
+
+
+def sglang_args(cfg: DemoConfig, hf_dir: str, device: torch.device) -> dict:
+    """``sglang.Engine`` arguments of ``engine.*`` (:func:`colocate.sglang_engine.sglang_engine_args`:
+    Triton attention, PyTorch sampling, no grammar backend, no tokenizer, the memory saver on)."""
+    from colocate.sglang_engine import sglang_engine_args
+
+    return sglang_engine_args(hf_dir, cuda_graph=cfg.engine.cuda_graph, memory_saver=True,
+                              mem_fraction_static=cfg.engine.mem_fraction_static,
+                              max_total_tokens=cfg.engine.max_total_tokens, dtype=cfg.engine.dtype,
+                              random_seed=cfg.seed, base_gpu_id=device.index or 0)
 
 
 def _check_folder(hf_dir: str | None, spec) -> None:

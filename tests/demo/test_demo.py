@@ -229,3 +229,34 @@ def test_demo_pipeline_two_ranks(tmp_path):
     assert Path(paths["png"]).stat().st_size > 10_000
     assert any(Path(paths["tensorboard"]).glob("events.out.tfevents.*"))
     assert "student after MOPD" in out[0]["table"]
+
+
+def test_sglang_arguments_of_the_gpu_config():
+    """What the GPU run hands SGLang (it cannot start here): the engine's and the teacher server's
+    arguments from conf/gpu.yaml, and SGLang's output dicts read as tokens and behaviour log-probs."""
+    from examples.demo.config import to_demo_config
+    from examples.demo.engine import sample, sglang_args
+    from examples.demo.teacher_server import server_command
+
+    cfg = to_demo_config(_compose([], "gpu"))
+    args = sglang_args(cfg, "/m/student_hf", torch.device("cuda", 0))
+    assert args["model_path"] == "/m/student_hf" and args["attention_backend"] == "triton"
+    assert args["sampling_backend"] == "pytorch" and args["grammar_backend"] == "none"
+    assert args["skip_tokenizer_init"] and args["enable_memory_saver"] and args["dtype"] == "bfloat16"
+    assert args["disable_cuda_graph"] is False and args["mem_fraction_static"] == 0.1 and args["base_gpu_id"] == 0
+    cmd, env = server_command(cfg, "/m/shift", 30123)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[cmd.index("--model-path") + 1] == "/m/shift"
+    assert "--skip-tokenizer-init" in cmd and cmd[cmd.index("--attention-backend") + 1] == "triton"
+    assert cmd[cmd.index("--port") + 1] == "30123" and "--enable-memory-saver" not in cmd
+    assert env["HF_HUB_OFFLINE"] == "1" and env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == ""  # removed for the role
+    assert env["PYTHONPATH"].split(":")[0].endswith("mcore_distill_hide_megatron_" + str(__import__("os").getuid()))
+
+    class SGLangLike:  # the reply shape of colocate.SGLangEngine.generate (SGLang's output dicts)
+        client = object()
+
+        def generate(self, prompts, *, max_new_tokens, temperature):
+            assert temperature == 0.5 and max_new_tokens == 2
+            return [{"output_ids": [7, 8], "meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]]}}
+                    for _ in prompts]
+
+    assert sample(SGLangLike(), [[1, 2]], n_new=2, temperature=0.5, seed=3) == ([[7, 8]], [[-0.5, -1.5]])
