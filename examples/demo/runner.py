@@ -154,21 +154,41 @@ def _verify_prompts(job: Job) -> torch.Tensor:
     return torch.cat([prompts_from_letters(t, job.data.held_out[t][:n]) for t in DOMAINS])
 
 
-def run_step(job: Job, k: int) -> dict:
-    """Step ``k`` (1-based) on this rank; returns its rank-local metrics and the timeline row."""
-    from mopd import MOPDLossConfig, TokenBatch
-    from mopd.objectives import mopd_pg_loss
+@dataclass
+class Rollout:
+    """One step's samples on this rank, in the teachers' label layout."""
+
+    tasks: list[str]
+    xs: torch.Tensor          # [prompts, L] letters of each prompt
+    gen: torch.Tensor         # [B, L] sampled answers
+    batch: object             # mopd.TokenBatch of prompt + answer rows [B, S]
+    old: torch.Tensor         # [B, S] behaviour log-probs: old[:, t] ↔ ids[:, t + 1]
+    mask: torch.Tensor        # [B, S] the L answer labels
+    routes: list[str]
+
+
+def _generate(job: Job, k: int) -> Rollout:
+    from mopd import TokenBatch
     from mopd.routing import stamp_routes
 
-    cfg, st, tl, m = job.cfg, job.st, job.timeline, job.cfg.mopd
-    L, P = cfg.length, job.data.prompt_len
-    if job.hooks.before_step:
-        job.hooks.before_step(k, job)
+    st, tl, P, L = job.st, job.timeline, job.data.prompt_len, job.cfg.length
     with tl.phase("generate"):
         tasks, xs, rep, gen, behaviour = _rollout(job, k)
         tl.set("trainer_resident_fraction", trainer_resident_bytes(st) / max(job.trainer_state_bytes, 1))
         job.engine_full_bytes = resident_bytes(st.engine) or job.engine_full_bytes
+    ids = torch.cat([torch.tensor(rep), gen], 1)
+    B, S = ids.shape
+    old = torch.zeros(B, S)
+    old[:, P - 1:P - 1 + L] = behaviour
+    batch = TokenBatch(ids.to(st.device), torch.full((B,), S, device=st.device), torch.full((B,), P - 1, device=st.device))
+    routes = stamp_routes([{"task": t} for t in tasks for _ in range(job.cfg.mopd.group_size)], routing_spec())
+    return Rollout(tasks, xs, gen, batch, old.to(st.device), batch.label_mask(), routes)
 
+
+def _handover_to_training(job: Job) -> None:
+    """``ColocatedCycle.to_training`` timed as two phases (engine release, trainer resume), with
+    the bytes each side reported and the engine's resident fraction afterwards."""
+    st, tl = job.st, job.timeline
     engine_events = len(st.engine.residency.events)
     t0 = time.perf_counter()
     handover = st.cycle.to_training()
@@ -180,75 +200,104 @@ def run_step(job: Job, k: int) -> dict:
     tl.add_bytes("resume", {f"trainer/{t}": n for t, n in handover.trainer_resumed.items()})
     tl.set("engine_resident_fraction", engine_resident_fraction(job, handover.engine_released))
 
-    with tl.phase("teacher_scoring"):
-        ids = torch.cat([torch.tensor(rep), gen], 1)                      # [B, S]
-        B, S = ids.shape
-        old = torch.zeros(B, S)
-        old[:, P - 1:P - 1 + L] = behaviour                               # label layout: old[:, t] ↔ ids[:, t+1]
-        routes = stamp_routes([{"task": t} for t in tasks for _ in range(m.group_size)], routing_spec())
-        batch = TokenBatch(ids.to(st.device), torch.full((B,), S, device=st.device),
-                           torch.full((B,), P - 1, device=st.device))
-        mask = batch.label_mask()                                         # [B, S]: the L answer labels
-        old = old.to(st.device)
-        targets = _score(job, k, batch, routes, old, mask)
 
+def _train(job: Job, k: int, r: Rollout, targets) -> tuple[torch.Tensor, float, float]:
+    """MOPD loss on the harts tree batch, backward, DP grad sync, staged optimizer step;
+    returns (ℓθ [B, S], compression C, gradient norm)."""
+    from mopd import MOPDLossConfig
+    from mopd.objectives import mopd_pg_loss
+
+    st, tl, m = job.st, job.timeline, job.cfg.mopd
     with tl.phase("train"):
         st.ddp.train()
         st.ddp.zero_grad_buffer()
         st.opt.zero_grad()
         _set_lr(st.opt, cosine_lr(k - 1, m.steps, m.lr, 0.1))
-        lp, compression = student_logprobs(st, batch.input_ids, cfg)     # [B, S], the targets' layout
-        out = mopd_pg_loss(lp, old, targets, mask, config=MOPDLossConfig(is_cap=m.is_cap, adv_clip=m.adv_clip))
+        lp, compression = student_logprobs(st, r.batch.input_ids, job.cfg)   # [B, S], the targets' layout
+        out = mopd_pg_loss(lp, r.old, targets, r.mask, config=MOPDLossConfig(is_cap=m.is_cap, adv_clip=m.adv_clip))
         out.loss.backward()
         st.ddp.finish_grad_sync()
     with tl.phase("optimizer"):
         _, gnorm, _ = st.opt.step()
+    return lp.detach(), compression, float(gnorm or 0.0)
 
-    check_greedy = k % cfg.verify.every == 0 or k == m.steps
-    if check_greedy:
-        with tl.phase("verify"):
-            want = trainer_greedy(st, _verify_prompts(job), L)
-    if checkpoint.due(cfg, k):
-        with tl.phase("checkpoint"):
-            checkpoint.save_weights(st, cfg, k)
+
+def _publish(job: Job) -> None:
+    """``ColocatedCycle.publish`` of the next version, with the bytes both sides moved."""
+    st, tl = job.st, job.timeline
     marks = [(owner, res, len(res.events)) for owner, res in (("trainer", st.residency), ("engine", st.engine.residency))]
     with tl.phase("publish"):
         report = publish_in_cycle(st)
         tl.set("publish_ms", 1e3 * sum(report.timings.values()) if report is not None else None)
     for owner, res, n in marks:
         tl.add_bytes("publish", {f"{owner}/{e.op}/{e.tag}": e.nbytes for e in res.events[n:]})
-    if job.hooks.after_publish:
-        job.hooks.after_publish(k, job)
-    with tl.phase("verify"):
+
+
+def _verify(job: Job, k: int, want: torch.Tensor | None) -> None:
+    """The engine serves the published version and, when ``want`` (the trainer's greedy outputs
+    on the verification prompts) is given, the same greedy outputs; else :class:`PublishVerificationError`."""
+    st, cfg = job.st, job.cfg
+    with job.timeline.phase("verify"):
         got_version = st.engine.weight_version()
         if got_version != st.version:
             raise PublishVerificationError(st.version, "verify", RuntimeError(
                 f"engine reports weight version {got_version}, published {st.version}"))
-        if check_greedy:
-            got = greedy(st.engine, _verify_prompts(job).tolist(), n_new=L)
-            bad = float((got != want).any(1).float().mean())
-            job.greedy_checks.append({"step": k, "mismatch": bad})
-            tl.set("verify/greedy_mismatch", bad)
-            if bad > cfg.verify.max_mismatch:
-                raise PublishVerificationError(st.version, "verify", RuntimeError(
-                    f"engine greedy outputs differ from the trainer's on {bad:.1%} of {want.shape[0]} fixed prompts "
-                    f"(verify.max_mismatch={cfg.verify.max_mismatch})"))
-    job.last_good_version = st.version
+        if want is None:
+            return
+        got = greedy(st.engine, _verify_prompts(job).tolist(), n_new=cfg.length)
+        bad = float((got != want).any(1).float().mean())
+        job.greedy_checks.append({"step": k, "mismatch": bad})
+        job.timeline.set("verify/greedy_mismatch", bad)
+        if bad > cfg.verify.max_mismatch:
+            raise PublishVerificationError(st.version, "verify", RuntimeError(
+                f"engine greedy outputs differ from the trainer's on {bad:.1%} of {want.shape[0]} fixed prompts "
+                f"(verify.max_mismatch={cfg.verify.max_mismatch})"))
 
-    mask_c, old_c, lp_c = mask.cpu(), old.cpu(), lp.detach().cpu()
-    kl_tok = (old_c - targets.logp_sum.cpu()) * mask_c                 # sampled reverse-KL estimate per token
-    seq_task = torch.tensor([DOMAINS.index(t) for t in tasks]).repeat_interleave(m.group_size)
-    ok = torch.stack([job.data.correct(t, x[None].expand(m.group_size, -1), gen[i * m.group_size:(i + 1) * m.group_size])
-                      for i, (t, x) in enumerate(zip(tasks, xs, strict=True))]).reshape(-1)
-    metrics = {"tokens": float(B * S), "compact_tokens": float(B * S / compression),
-               "gnorm": float(gnorm or 0.0), "engine_trainer_max_abs": float(((lp_c - old_c) * mask_c).abs().max())}
+
+def _metrics(job: Job, r: Rollout, targets, lp: torch.Tensor, compression: float, gnorm: float) -> dict:
+    """Rank-local sums: tokens, reverse-KL estimate, exact samples per domain; the engine/trainer gap."""
+    g = job.cfg.mopd.group_size
+    mask, old, lp = r.mask.cpu(), r.old.cpu(), lp.cpu()
+    kl_tok = (old - targets.logp_sum.cpu()) * mask                        # sampled reverse-KL estimate per token
+    seq_task = torch.tensor([DOMAINS.index(t) for t in r.tasks]).repeat_interleave(g)
+    ok = torch.stack([job.data.correct(t, x[None].expand(g, -1), r.gen[i * g:(i + 1) * g])
+                      for i, (t, x) in enumerate(zip(r.tasks, r.xs, strict=True))]).reshape(-1)
+    B, S = mask.shape
+    out = {"tokens": float(B * S), "compact_tokens": float(B * S / compression), "gnorm": gnorm,
+           "engine_trainer_max_abs": float(((lp - old) * mask).abs().max())}
     for i, t in enumerate(DOMAINS):
         rows = seq_task == i
-        metrics[f"{t}/kl_sum"] = float(kl_tok[rows].sum())
-        metrics[f"{t}/tokens"] = float(mask_c[rows].sum())
-        metrics[f"{t}/correct"] = float(ok[rows].sum())
-        metrics[f"{t}/samples"] = float(rows.sum())
-    return metrics
+        out[f"{t}/kl_sum"] = float(kl_tok[rows].sum())
+        out[f"{t}/tokens"] = float(mask[rows].sum())
+        out[f"{t}/correct"] = float(ok[rows].sum())
+        out[f"{t}/samples"] = float(rows.sum())
+    return out
+
+
+def run_step(job: Job, k: int) -> dict:
+    """Step ``k`` (1-based) on this rank, in the order of the module docstring; returns its
+    rank-local metrics (the timeline accumulates in ``job.timeline``)."""
+    cfg, st = job.cfg, job.st
+    if job.hooks.before_step:
+        job.hooks.before_step(k, job)
+    r = _generate(job, k)
+    _handover_to_training(job)
+    with job.timeline.phase("teacher_scoring"):
+        targets = _score(job, k, r.batch, r.routes, r.old, r.mask)
+    lp, compression, gnorm = _train(job, k, r, targets)
+    want = None
+    if k % cfg.verify.every == 0 or k == cfg.mopd.steps:
+        with job.timeline.phase("verify"):
+            want = trainer_greedy(st, _verify_prompts(job), cfg.length)  # the weights about to be published
+    if checkpoint.due(cfg, k):
+        with job.timeline.phase("checkpoint"):
+            checkpoint.save_weights(st, cfg, k)
+    _publish(job)
+    if job.hooks.after_publish:
+        job.hooks.after_publish(k, job)
+    _verify(job, k, want)
+    job.last_good_version = st.version
+    return _metrics(job, r, targets, lp, compression, gnorm)
 
 
 def reduce_row(k: int, m: dict, timeline_row: dict, wall: float, device: torch.device) -> dict:
