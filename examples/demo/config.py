@@ -81,6 +81,11 @@ class TeacherTrainConfig:
     """A teacher below this held-out exact-match accuracy stops the demo with an error."""
     distill_prompts: int = 2048
     """Prompts per domain whose greedy teacher answers form the warm-start (sequence-level KD) set."""
+    http_routes: list[str] = field(default_factory=lambda: ["shift"])
+    """Domains whose teacher is served over HTTP by a child server (``teacher_server``) instead of
+    the resident Megatron host; those teachers have the architecture ``http_model``."""
+    http_model: ModelConfig = field(default_factory=lambda: ModelConfig(hidden_size=96, ffn_hidden_size=192))
+    """Architecture of the HTTP-served teachers (another size than ``model``)."""
 
     def __post_init__(self) -> None:
         _fields(self)
@@ -133,6 +138,66 @@ class MOPDStageConfig:
 
 
 @dataclass(kw_only=True)
+class EngineSection:
+    """The rollout engine the runner colocates with the trainer (one code path, chosen here)."""
+
+    kind: str = "hf"
+    """``hf``: the embedded ``colocate.HFEngine`` (CPU, CI); ``sglang``: an in-process
+    ``sglang.Engine`` through ``colocate.SGLangEngine.launch`` (GPU)."""
+    dtype: str = "float32"
+    """Engine weight dtype (``float32`` / ``bfloat16``); the publisher sends this dtype."""
+    mem_fraction_static: float = 0.1
+    """SGLang: share of GPU memory for weights + KV pool."""
+    max_total_tokens: int = 16384
+    """SGLang: KV pool size in tokens."""
+    cuda_graph: bool = False
+    """SGLang: capture decode CUDA graphs (batch sizes 1, 2, 4); needs ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in ``env``."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment set before the engine starts (SGLang reads e.g. ``SGLANG_MEMORY_SAVER_CUDA_GRAPH``)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
+
+
+@dataclass(kw_only=True)
+class TeacherServerSection:
+    """The child server of the HTTP-served teachers (``teacher.http_routes``), one per job."""
+
+    kind: str = "hf"
+    """``hf``: ``python -m mopd.hf_server`` (CPU); ``sglang``: ``python -m sglang.launch_server`` (GPU)."""
+    start_timeout_s: float = 180.0
+    """Seconds to wait for its ``/health``."""
+    timeout_s: float = 30.0
+    """Budget of one scoring request (``HTTPTeacher.timeout_s``)."""
+    max_retries: int = 1
+    """Retries of a failed request before the teacher counts as down."""
+    mem_fraction_static: float = 0.05
+    """SGLang server: share of GPU memory."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Per-role environment of the server process (merged over the owner's; ``""`` removes a variable)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
+
+
+@dataclass(kw_only=True)
+class VerifySection:
+    """Checks that the engine serves what was published."""
+
+    every: int = 25
+    """Greedy check period in steps: the engine's greedy outputs on ``prompts`` fixed prompts per
+    domain must equal the trainer's (Megatron) greedy outputs. The reported version is checked every step."""
+    prompts: int = 8
+    """Fixed verification prompts per domain (held-out rows)."""
+    max_mismatch: float = 0.0
+    """Largest tolerated fraction of verification prompts whose greedy outputs differ (0: exact;
+    a bf16 engine against an fp32 trainer can flip near-ties)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
+
+
+@dataclass(kw_only=True)
 class DemoConfig:
     """The whole demo run."""
 
@@ -154,8 +219,20 @@ class DemoConfig:
     """Sequence-level warm start."""
     mopd: MOPDStageConfig = field(default_factory=MOPDStageConfig)
     """On-policy phase."""
+    engine: EngineSection = field(default_factory=EngineSection)
+    """Rollout engine."""
+    teacher_server: TeacherServerSection = field(default_factory=TeacherServerSection)
+    """Server of the HTTP-served teachers."""
+    verify: VerifySection = field(default_factory=VerifySection)
+    """Publish verification."""
+    device: str = "cpu"
+    """``cpu`` (gloo ranks) or ``cuda`` (one GPU per rank, NCCL)."""
+    checkpoint_every: int = 50
+    """Checkpoint period in MOPD steps (also after the warm start, as step 0); 0: never."""
+    resume: bool = False
+    """Continue from the last complete checkpoint under ``<out_dir>/checkpoints`` (teachers from the cache)."""
     out_dir: str = "outputs/demo"
-    """Output folder (plot, TensorBoard, results JSON); the teacher cache is ``<out_dir>/cache``."""
+    """Output folder (plot, TensorBoard, results JSON, ``steps.jsonl``, checkpoints); the teacher cache is ``<out_dir>/cache``."""
     use_cache: bool = True
     """Reuse trained teachers from the cache when the config hash matches."""
     progress: bool = True
@@ -190,6 +267,30 @@ class DemoConfig:
         _check(self.mopd.forward in ("tree", "plain"), "mopd.forward", self.mopd.forward, "one of tree|plain")
         _check(self.mopd.attention_backend in list(AttentionBackend), "mopd.attention_backend",
                self.mopd.attention_backend, f"one of {'|'.join(AttentionBackend)}")
+        self.teacher.http_model.validate("teacher.http_model")
+        _check(set(self.teacher.http_routes) <= {"reverse", "shift"} and len(set(self.teacher.http_routes)) < 2,
+               "teacher.http_routes", list(self.teacher.http_routes),
+               "at most one of reverse|shift (the other stays on the Megatron host)")
+        _check(self.engine.kind in ("hf", "sglang"), "engine.kind", self.engine.kind, "one of hf|sglang")
+        _check(self.engine.dtype in ("float32", "bfloat16"), "engine.dtype", self.engine.dtype, "one of float32|bfloat16")
+        _check(0 < self.engine.mem_fraction_static < 1, "engine.mem_fraction_static", self.engine.mem_fraction_static,
+               "must be in (0, 1)")
+        _check(self.teacher_server.kind in ("hf", "sglang"), "teacher_server.kind", self.teacher_server.kind,
+               "one of hf|sglang")
+        for name, v in (("teacher_server.start_timeout_s", self.teacher_server.start_timeout_s),
+                        ("teacher_server.timeout_s", self.teacher_server.timeout_s)):
+            _check(v > 0, name, v, "must be > 0")
+        _check(self.teacher_server.max_retries >= 0, "teacher_server.max_retries", self.teacher_server.max_retries,
+               "must be >= 0")
+        _check(self.device in ("cpu", "cuda"), "device", self.device, "one of cpu|cuda")
+        _check(self.engine.kind == "hf" or self.device == "cuda", "engine.kind", self.engine.kind,
+               "sglang needs device=cuda")
+        _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _check(self.verify.every >= 1, "verify.every", self.verify.every, "must be >= 1")
+        _check(1 <= self.verify.prompts <= self.held_out, "verify.prompts", self.verify.prompts,
+               f"must be in [1, held_out={self.held_out}]")
+        _check(0.0 <= self.verify.max_mismatch <= 1.0, "verify.max_mismatch", self.verify.max_mismatch,
+               "must be in [0, 1]")
 
 
 SCHEMA_NAME = "demo_schema"

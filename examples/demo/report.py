@@ -8,6 +8,67 @@ import time
 from pathlib import Path
 
 from examples.demo.tasks import DOMAINS
+from examples.demo.timeline import PHASES
+
+
+def run_header(cfg) -> dict:
+    """``{date, gpu, commit, versions}`` of this run (commit: ``$MCD_COMMIT`` or ``git rev-parse``)."""
+    import subprocess
+
+    import torch
+
+    commit = os.environ.get("MCD_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=10, cwd=Path(__file__).parent).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    versions = {"torch": torch.__version__}
+    for mod in ("megatron.core", "transformers", "sglang"):
+        try:
+            versions[mod] = __import__(mod, fromlist=["__version__"]).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: not part of this run
+            pass
+    gpu = torch.cuda.get_device_name() if cfg.device == "cuda" and torch.cuda.is_available() else None
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": gpu, "commit": commit,
+            "versions": versions}
+
+
+class StepLog:
+    """Rank 0's per-step log: one JSON line per step (``steps.jsonl``, rewritten from the restored
+    history on resume) and TensorBoard scalars (``tb/run-<time>``), written as the run goes."""
+
+    def __init__(self, out_dir: str):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tb_dir = str(self.out / "tb" / time.strftime("run-%Y%m%d-%H%M%S"))
+        self._tb = None
+        self._f = None
+
+    def restart(self, history: list[dict]) -> None:
+        """Start ``steps.jsonl`` over with ``history`` (the steps a resumed run already has)."""
+        self._f = open(self.out / "steps.jsonl", "w")  # noqa: SIM115 - closed in close()
+        for row in history:
+            self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def write(self, row: dict) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self._tb is None:
+            self._tb = SummaryWriter(self.tb_dir)
+        for k, v in row.items():
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
+                self._tb.add_scalar(f"mopd/{k}", v, row["step"])
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._f is not None:
+            self._f.close()
 
 
 def table(results: dict) -> str:
@@ -27,22 +88,42 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir: str) -> dict[str, str]:
-    """JSON of everything, ``demo.png`` (accuracy, reward = −KL, tokens/s, sharing ratio) and
-    TensorBoard scalars under ``<out_dir>/tb/run-<time>``. Returns the written paths."""
+def timeline_summary(results: dict, history: list[dict]) -> str:
+    """Mean wall ms per phase over the MOPD steps (rank 0), and the colocated record."""
+    n = max(len(history), 1)
+    parts = [f"{p} {1e3 * sum(float(h.get(f'time/{p}') or 0.0) for h in history) / n:.1f}"
+             for p in PHASES + ("checkpoint",)]
+    rec = results.get("colocated", {})
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    return ("mean ms per step: " + ", ".join(parts) + "\n"
+            f"engine {rec.get('engine')}; trainer resident while generating {fmt(rec.get('trainer_resident_fraction_during_generate'))}, "
+            f"engine resident while training {fmt(rec.get('engine_resident_fraction_during_train'))}, "
+            f"publish {fmt(rec.get('publish_ms'))} ms (median), greedy engine == trainer: {rec.get('greedy_match')} "
+            f"({rec.get('greedy_checks')} checks)")
+
+
+def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir: str, *,
+                  tb_dir: str | None = None) -> dict[str, str]:
+    """``results.json`` (the colocated record's fields at top level, as ``docs/results/colocated_gpu.json``
+    has them, plus everything), ``demo.png`` (timeline, accuracy, reward = −KL, tokens/s, sharing
+    ratio) and TensorBoard scalars (the held-out evals into ``tb_dir``, the live log's folder; a
+    new ``<out_dir>/tb/run-<time>`` with every step's scalars when None). Returns the written paths."""
+    from mcore_distill.atomic import atomic_write_json
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": str(out / "results.json"), "png": str(out / "demo.png"), "tensorboard": str(out / "tb" / time.strftime("run-%Y%m%d-%H%M%S"))}
-    tmp = out / f".results.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"results": results, "history": history, "evals": evals}, indent=1))
-    os.replace(tmp, paths["json"])
+    live = tb_dir is not None
+    tb_dir = tb_dir or str(out / "tb" / time.strftime("run-%Y%m%d-%H%M%S"))
+    paths = {"json": str(out / "results.json"), "png": str(out / "demo.png"), "tensorboard": tb_dir}
+    atomic_write_json(paths["json"], {**results.get("colocated", {}), "results": results, "history": history,
+                                      "evals": evals})
 
     from torch.utils.tensorboard import SummaryWriter
 
     with SummaryWriter(paths["tensorboard"]) as tb:
-        for h in history:
+        for h in [] if live else history:
             for k, v in h.items():
-                if k != "step":
+                if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
                     tb.add_scalar(f"mopd/{k}", v, h["step"])
         for e in evals:
             for d in DOMAINS:
@@ -53,8 +134,24 @@ def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    fig, ax = plt.subplots(3, 2, figsize=(12, 10.5))
     steps = [h["step"] for h in history]
+    bottom = [0.0] * len(history)
+    for p in PHASES + ("checkpoint",):
+        ys = [1e3 * float(h.get(f"time/{p}") or 0.0) for h in history]
+        if any(ys):
+            ax[2, 0].bar(steps, ys, bottom=bottom, width=1.0, label=p)
+            bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
+    ax[2, 0].set(title="step timeline by phase (rank 0)", xlabel="MOPD step", ylabel="ms")
+    ax[2, 0].legend(fontsize=7, ncol=3)
+    for key, label in (("trainer_resident_fraction", "trainer resident while generating"),
+                       ("engine_resident_fraction", "engine resident while training")):
+        ys = [h.get(key) for h in history]
+        if any(y is not None for y in ys):
+            ax[2, 1].plot(steps, [float("nan") if y is None else y for y in ys], label=label)
+    ax[2, 1].set(title="resident fraction of own (params+grads+optimizer | weights) bytes", xlabel="MOPD step",
+                 ylim=(-0.05, 1.05))
+    ax[2, 1].legend(fontsize=8)
     for d in DOMAINS:
         ax[0, 0].plot([e["step"] for e in evals], [e[d] for e in evals], marker="o", label=f"held-out {d}")
         ax[0, 0].axhline(results["teacher_accuracy"][d], ls=":", lw=1)

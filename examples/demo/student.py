@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from examples.demo.config import DemoConfig
 from examples.demo.tasks import DOMAINS, TaskData, prompts_from_letters
-from examples.demo.teachers import answer_loss, cosine_lr, tiny_cfg
+from examples.demo.teachers import answer_loss, context_len, tiny_cfg
 
 TEACHER_OF = {t: f"{t}_teacher" for t in DOMAINS}
 
@@ -25,7 +26,8 @@ def routing_spec():
 
 @dataclass
 class Student:
-    """Everything the student phase holds (one per rank)."""
+    """Everything the student phase holds (one per rank): the Megatron trainer, its residency,
+    the rollout engine, the publisher and the colocated cycle over both."""
 
     model: torch.nn.Module
     ddp: torch.nn.Module
@@ -33,33 +35,51 @@ class Student:
     engine: object
     publisher: object
     spec: object
+    residency: object
+    cycle: object
+    device: torch.device
+    hf_dir: str
     version: int = 0
     harts_handle: object = None
     publish_s: list = field(default_factory=list)
 
 
-def build_student(cfg: DemoConfig, data: TaskData) -> Student:
-    """Student GPT, Megatron DDP, ``get_staged_optimizer`` (host-resident AdamW state), an
-    ``HFEngine`` with an in-process ``Publisher``, and version 1 published."""
+def build_student(cfg: DemoConfig, data: TaskData, *, engine_factory=None) -> Student:
+    """Student GPT, Megatron DDP, ``get_staged_optimizer`` (host-resident AdamW state), its
+    Hugging Face folder ``<out_dir>/student_hf`` (what an SGLang engine loads), the engine of
+    ``engine.kind`` (``engine_factory(cfg, spec, hf_dir, device)``, default
+    :func:`examples.demo.engine.build_engine`) with a ``Publisher``, the trainer's
+    :class:`colocate.Residency` over :func:`colocate.megatron_residency_hooks`, a
+    :class:`colocate.ColocatedCycle`, and version 1 published."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from colocate import EngineConfig, HFEngine, PublishConfig, Publisher
+    from colocate import ColocatedCycle, PublishConfig, Publisher, Residency, megatron_residency_hooks
     from colocate.megatron import model_spec_from_megatron
+    from examples.demo.engine import build_engine
+    from examples.demo.tasks import VOCAB
+    from examples.demo.teachers import run_device
+    from mcore_distill.hf import save_hf_checkpoint
     from mcore_distill.testing import build_tiny_gpt, seed_all
     from optim_staged.config import AdamWConfig, SlotConfig, StagedOptimizerConfig
     from optim_staged.megatron import get_staged_optimizer
 
+    device = run_device(cfg)
     seed_all(cfg.seed * 100 + 50)
-    model = build_tiny_gpt(tiny_cfg(cfg.student, max_len=data.prompt_len + cfg.length))
+    model = build_tiny_gpt(tiny_cfg(cfg.student, max_len=context_len(data, cfg))).to(device)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
     opt = get_staged_optimizer(StagedOptimizerConfig(residency="staged", clip_grad=1.0,
                                                      adamw=AdamWConfig(lr=cfg.warm_start.lr, weight_decay=0.0),
                                                      slots=SlotConfig(slot_numel=1 << 16, num_slots=2)), [ddp])
     spec = model_spec_from_megatron(model)
-    engine = HFEngine(spec, EngineConfig(max_new_tokens=cfg.length, temperature=cfg.mopd.temperature))
-    st = Student(model=model, ddp=ddp, opt=opt, engine=engine,
-                 publisher=Publisher(engine, PublishConfig(transport="inprocess")), spec=spec)
+    hf_dir = str(Path(cfg.out_dir) / "student_hf")
+    save_hf_checkpoint([model], hf_dir, model_type="qwen3", vocab_size=VOCAB)  # atomic, collective
+    engine = (engine_factory or build_engine)(cfg, spec, hf_dir, device)
+    transport = "inprocess" if cfg.engine.kind == "hf" else "auto"
+    publisher = Publisher(engine, PublishConfig(transport=transport))
+    residency = Residency(megatron_residency_hooks([ddp], opt), owner=f"trainer{dist.get_rank()}")
+    st = Student(model=model, ddp=ddp, opt=opt, engine=engine, publisher=publisher, spec=spec, residency=residency,
+                 cycle=ColocatedCycle(residency, engine, publisher), device=device, hf_dir=hf_dir)
     publish(st)
     if cfg.mopd.forward == "tree":
         from harts.megatron import apply_harts
@@ -68,16 +88,44 @@ def build_student(cfg: DemoConfig, data: TaskData) -> Student:
     return st
 
 
-def publish(st: Student) -> None:
-    """Send the trainer's current weights to this rank's engine as the next version."""
+def _check_version(st: Student) -> None:
+    from examples.demo.errors import PublishVerificationError
+
+    got = st.engine.weight_version()
+    if got != st.version:
+        raise PublishVerificationError(st.version, "verify", RuntimeError(
+            f"engine reports weight version {got}, published {st.version}"))
+
+
+def publish(st: Student, *, version: int | None = None) -> None:
+    """Send the trainer's current weights to this rank's engine as the next version (or
+    ``version``), both sides resident (outside the colocated cycle: start, warm start, resume)."""
+    from colocate.megatron import publish_megatron
+
+    t0 = time.perf_counter()
+    st.version = st.version + 1 if version is None else version
+    publish_megatron([st.ddp], st.publisher.publish, version=st.version, spec=st.spec,
+                     dtype=_publish_dtype(st))
+    _check_version(st)
+    st.publish_s.append(time.perf_counter() - t0)
+
+
+def publish_in_cycle(st: Student):
+    """The publish half of the colocated cycle (:meth:`colocate.ColocatedCycle.publish`): trainer
+    releases optimizer and grads, engine resumes weights, publish, trainer releases weights, engine
+    resumes ``cuda_graph`` and ``kv_cache``. Returns the :class:`colocate.PublishReport`."""
     from colocate.megatron import publish_megatron
 
     t0 = time.perf_counter()
     st.version += 1
-    publish_megatron([st.ddp], st.publisher.publish, version=st.version, spec=st.spec)
-    if st.engine.weight_version() != st.version:
-        raise RuntimeError(f"engine reports weight version {st.engine.weight_version()}, published {st.version}")
+    report = publish_megatron([st.ddp], st.cycle.publish, version=st.version, spec=st.spec, dtype=_publish_dtype(st))
     st.publish_s.append(time.perf_counter() - t0)
+    return report
+
+
+def _publish_dtype(st: Student) -> torch.dtype:
+    """The dtype the engine takes (its ``param_specs``)."""
+    return next(iter(st.engine.param_specs().values()))[1]
 
 
 def _set_lr(opt, lr: float) -> None:
@@ -95,17 +143,25 @@ def _train_update(st: Student, loss: torch.Tensor) -> float:
 def engine_accuracy(st: Student, cfg: DemoConfig, data: TaskData) -> dict[str, float]:
     """Held-out greedy exact match per domain through the rollout engine (the published weights);
     the held-out set is split across ranks and the counts all-reduced."""
+    from examples.demo.engine import greedy
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    counts = torch.zeros(2 * len(DOMAINS), dtype=torch.float64)
+    counts = torch.zeros(2 * len(DOMAINS), dtype=torch.float64, device=st.device)
     for k, task in enumerate(DOMAINS):
         x = data.held_out[task][rank::world]
         if x.shape[0]:
-            res = st.engine.generate(prompts_from_letters(task, x).tolist(), max_new_tokens=cfg.length,
-                                     temperature=0.0)
-            counts[2 * k] = data.correct(task, x, torch.tensor(res.tokens)).sum()
+            gen = greedy(st.engine, prompts_from_letters(task, x).tolist(), n_new=cfg.length)
+            counts[2 * k] = data.correct(task, x, gen).sum()
         counts[2 * k + 1] = x.shape[0]
     dist.all_reduce(counts)
     return {t: float(counts[2 * k] / counts[2 * k + 1]) for k, t in enumerate(DOMAINS)}
+
+
+def trainer_greedy(st: Student, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """The trainer's (Megatron) greedy continuations ``[N, n_new]``, full recompute."""
+    from examples.demo.teachers import megatron_greedy
+
+    return megatron_greedy(st.model, prompts, n_new)
 
 
 def warm_start(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, *, bar=None) -> None:
@@ -146,85 +202,36 @@ def student_logprobs(st: Student, ids: torch.Tensor, cfg: DemoConfig) -> tuple[t
 
         res = tree_logprobs(st.ddp, ids, backend=cfg.mopd.attention_backend, temperature=tau)
         return res.logp, res.batch.compression
-    pos = torch.arange(ids.shape[1]).expand_as(ids)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     logits = st.ddp(ids, pos, None).float() / tau
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(lp, (0, 1)), 1.0
 
 
-def mopd_step(st: Student, cfg: DemoConfig, data: TaskData, pool, step: int, g: torch.Generator) -> dict:
-    """One on-policy step on this rank's prompts; returns per-step metrics (rank-local)."""
-    from mopd import MOPDLossConfig, TokenBatch
-    from mopd.objectives import mopd_pg_loss
-    from mopd.routing import score_routed, stamp_routes
-
-    m = cfg.mopd
-    rank, L, P = dist.get_rank(), cfg.length, data.prompt_len
-    t0 = time.perf_counter()
-    tasks = [DOMAINS[(i + rank + step) % len(DOMAINS)] for i in range(m.prompts_per_step)]
-    xs = torch.cat([data.sample(t, 1, g) for t in tasks])
-    prompts = [prompts_from_letters(t, x[None])[0].tolist() for t, x in zip(tasks, xs, strict=True)]
-    rep = [p for p in prompts for _ in range(m.group_size)]
-    res = st.engine.generate(rep, max_new_tokens=L, temperature=m.temperature,
-                             seed=(cfg.seed * 1_000_003 + step * 9973 + rank * 101) % (1 << 62))
-    t_roll = time.perf_counter()
-    gen = torch.tensor(res.tokens)                                    # [B, L]
-    ids = torch.cat([torch.tensor(rep), gen], 1)                      # [B, S]
-    B, S = ids.shape
-    old = torch.zeros(B, S)
-    old[:, P - 1:P - 1 + L] = torch.tensor(res.logprobs)              # label layout: old[:, t] ↔ ids[:, t+1]
-    samples = [{"task": t} for t in tasks for _ in range(m.group_size)]
-    spec = routing_spec()
-    routes = stamp_routes(samples, spec)                              # samples[i]["mopd_route"] = its task
-    batch = TokenBatch(ids, torch.full((B,), S), torch.full((B,), P - 1))
-    mask = batch.label_mask()                                         # [B, S]: the L answer labels
-    targets, _ = score_routed(pool, batch, routes, spec, old_logp=old, loss_mask=mask)
-    t_score = time.perf_counter()
-
-    st.ddp.train()
-    st.ddp.zero_grad_buffer()
-    st.opt.zero_grad()
-    _set_lr(st.opt, cosine_lr(step, m.steps, m.lr, 0.1))
-    lp, compression = student_logprobs(st, ids, cfg)                  # [B, S], the targets' layout
-    out = mopd_pg_loss(lp, old, targets, mask, config=MOPDLossConfig(is_cap=m.is_cap, adv_clip=m.adv_clip))
-    gnorm = _train_update(st, out.loss)
-    t_train = time.perf_counter()
-    publish(st)
-    t_pub = time.perf_counter()
-
-    kl_tok = (old - targets.logp_sum) * mask                          # sampled reverse-KL estimate per token
-    seq_task = torch.tensor([DOMAINS.index(t) for t in tasks]).repeat_interleave(m.group_size)
-    ok = torch.stack([data.correct(t, x[None].expand(m.group_size, -1), gen[i * m.group_size:(i + 1) * m.group_size])
-                      for i, (t, x) in enumerate(zip(tasks, xs, strict=True))]).reshape(-1)
-    metrics = {"tokens": float(B * S), "compact_tokens": float(B * S / compression), "gnorm": gnorm,
-               "engine_trainer_max_abs": float(((lp.detach() - old) * mask).abs().max()),
-               "time_rollout": t_roll - t0, "time_score": t_score - t_roll, "time_train": t_train - t_score,
-               "time_publish": t_pub - t_train}
-    for k, t in enumerate(DOMAINS):
-        rows = seq_task == k
-        metrics[f"{t}/kl_sum"] = float(kl_tok[rows].sum())
-        metrics[f"{t}/tokens"] = float(mask[rows].sum())
-        metrics[f"{t}/correct"] = float(ok[rows].sum())
-        metrics[f"{t}/samples"] = float(rows.sum())
-    return metrics
-
-
-def build_pool(cfg: DemoConfig, data: TaskData, folders: dict):
-    """One frozen Megatron host (teacher architecture) shared by both teachers, in a TeacherPool;
+def build_pool(cfg: DemoConfig, data: TaskData, folders: dict, *, urls: dict | None = None, device=None):
+    """The routed teachers in a TeacherPool: one frozen Megatron host (the teacher architecture,
+    read from a Hugging Face ``config.json``) shared by the Megatron-served teachers, and an
+    :class:`mopd.backends.HTTPTeacher` per HTTP-served domain (``urls``: domain → server URL).
     ``folders``: each teacher's Hugging Face checkpoint folder."""
+    from examples.demo.tasks import VOCAB
+    from examples.demo.teacher_server import http_teacher
     from mcore_distill.hf import megatron_model_from_hf
     from mopd import TeacherPool, TeacherPoolConfig, TeacherTreeConfig
     from mopd.megatron import MegatronTeacher, MegatronTeacherHost
 
-    n = cfg.mopd.prompts_per_step * cfg.mopd.group_size
-    # the host's architecture from a teacher's Hugging Face config.json (weights: each teacher's folder)
-    host_model = megatron_model_from_hf(folders[DOMAINS[0]], make_vocab_size_divisible_by=1, load=False)[0]
-    host = MegatronTeacherHost(host_model, micro_batch_size=n)
-    # teachers score the student's rollouts with the same kernels as the student: harts tree packing
-    # (each GRPO group's prompt once) and the tree-aware chunked LM head when the student runs trees
-    tree = TeacherTreeConfig(enabled=cfg.mopd.forward == "tree", backend=cfg.mopd.attention_backend, align=16,
-                             token_cap=8192)
-    backends = {TEACHER_OF[t]: MegatronTeacher(TEACHER_OF[t], host, folders[t], temperature=cfg.mopd.temperature,
-                                               tree=tree)
-                for t in DOMAINS}
+    urls = urls or {}
+    backends = {TEACHER_OF[t]: http_teacher(cfg, TEACHER_OF[t], urls[t], VOCAB) for t in DOMAINS if t in urls}
+    local = [t for t in DOMAINS if t not in urls]
+    if local:
+        n = cfg.mopd.prompts_per_step * cfg.mopd.group_size
+        # the host's architecture from a teacher's Hugging Face config.json (weights: each teacher's folder)
+        host_model = megatron_model_from_hf(folders[local[0]], make_vocab_size_divisible_by=1, load=False)[0]
+        host = MegatronTeacherHost(host_model.to(device or "cpu"), micro_batch_size=n)
+        # teachers score the student's rollouts with the same kernels as the student: harts tree packing
+        # (each GRPO group's prompt once) and the tree-aware chunked LM head when the student runs trees
+        tree = TeacherTreeConfig(enabled=cfg.mopd.forward == "tree", backend=cfg.mopd.attention_backend, align=16,
+                                 token_cap=8192)
+        for t in local:
+            backends[TEACHER_OF[t]] = MegatronTeacher(TEACHER_OF[t], host, folders[t],
+                                                      temperature=cfg.mopd.temperature, tree=tree)
     return TeacherPool(backends, config=TeacherPoolConfig())

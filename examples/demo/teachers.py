@@ -15,11 +15,21 @@ import torch.distributed as dist
 from examples.demo.config import DemoConfig, ModelConfig
 from examples.demo.tasks import DOMAINS, VOCAB, TaskData, prompts_from_letters
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: models carry CONTEXT_MARGIN more positions
 
 
 class TeacherNotConvergedError(RuntimeError):
     """A trained teacher is below ``teacher.min_accuracy`` on its held-out prompts."""
+
+
+CONTEXT_MARGIN = 16
+"""Positions beyond prompt + answer in every model's ``max_position_embeddings``: SGLang refuses a
+request whose input + ``max_new_tokens`` reaches the context length (RoPE has no learned table, so
+the margin changes no number)."""
+
+
+def context_len(data: TaskData, cfg: DemoConfig) -> int:
+    return data.prompt_len + cfg.length + CONTEXT_MARGIN
 
 
 def tiny_cfg(m: ModelConfig, *, max_len: int):
@@ -35,8 +45,23 @@ def cosine_lr(step: int, total: int, lr: float, min_ratio: float) -> float:
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * step / max(total, 1))))
 
 
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def run_device(cfg: DemoConfig) -> torch.device:
+    """This rank's device: ``cuda:<current>`` for ``device=cuda``, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+
+
+def teacher_model_config(cfg: DemoConfig, task: str) -> ModelConfig:
+    """The architecture of ``task``'s teacher: ``teacher.http_model`` when it is HTTP-served."""
+    return cfg.teacher.http_model if task in cfg.teacher.http_routes else cfg.teacher.model
+
+
 def answer_loss(model, rows: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Mean cross entropy of the answer tokens of ``rows [N, P + L]`` given their prefix."""
+    rows = rows.to(model_device(model))
     pos = torch.arange(rows.shape[1]).expand_as(rows)
     per_token = model(rows, pos, None, labels=torch.roll(rows, -1, dims=1))  # [N, S]
     return per_token[:, prompt_len - 1: -1].float().mean()
@@ -45,19 +70,19 @@ def answer_loss(model, rows: torch.Tensor, prompt_len: int) -> torch.Tensor:
 @torch.no_grad()
 def megatron_greedy(model, prompts: torch.Tensor, n_new: int, *, batch: int = 256) -> torch.Tensor:
     """Greedy continuation ``[N, n_new]`` of equal-length ``prompts [N, P]`` (full recompute)."""
-    outs = []
+    outs, dev = [], model_device(model)
     for s in range(0, prompts.shape[0], batch):
-        seq = prompts[s:s + batch].clone()
+        seq = prompts[s:s + batch].to(dev)
         for _ in range(n_new):
-            pos = torch.arange(seq.shape[1]).expand_as(seq)
+            pos = torch.arange(seq.shape[1], device=dev).expand_as(seq)
             seq = torch.cat([seq, model(seq, pos, None)[:, -1].argmax(-1, keepdim=True)], 1)
-        outs.append(seq[:, prompts.shape[1]:])
+        outs.append(seq[:, prompts.shape[1]:].cpu())
     return torch.cat(outs)
 
 
 def cache_key(cfg: DemoConfig, world: int) -> str:
     """Hash of everything that determines the trained teachers."""
-    blob = json.dumps({"format": CACHE_FORMAT, "teacher": asdict(cfg.teacher), "length": cfg.length,
+    blob = json.dumps({"format": CACHE_FORMAT, "device": cfg.device, "teacher": asdict(cfg.teacher), "length": cfg.length,
                        "letters": cfg.letters, "shift": cfg.shift, "seed": cfg.seed, "held_out": cfg.held_out,
                        "world": world}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -73,7 +98,8 @@ def train_teacher(task: str, cfg: DemoConfig, data: TaskData, *, bar=None) -> tu
     t = cfg.teacher
     rank = dist.get_rank()
     seed_all(cfg.seed * 100 + DOMAINS.index(task) + 1)
-    model = build_tiny_gpt(tiny_cfg(t.model, max_len=data.prompt_len + cfg.length))
+    model = build_tiny_gpt(tiny_cfg(teacher_model_config(cfg, task), max_len=context_len(data, cfg)))
+    model.to(run_device(cfg))
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.lr * t.min_lr_ratio,

@@ -21,14 +21,45 @@ from examples.demo.tasks import FIRST_LETTER, TaskData, answer, prompts_from_let
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "examples" / "demo" / "conf")
 
 
-def _compose(overrides: list[str]):
+def _compose(overrides: list[str], name: str = "demo"):
     """Hydra's compose API as a user calls it: importing examples.demo.config registered the schema."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="demo", overrides=overrides)
+        return compose(config_name=name, overrides=overrides)
+
+
+def test_gpu_config_is_the_colocated_sglang_job():
+    """conf/gpu.yaml validates and asks for what the GPU run needs (issue 21's targets)."""
+    from examples.demo.config import to_demo_config
+
+    cfg = to_demo_config(_compose([], "gpu"))
+    assert cfg.device == "cuda" and cfg.engine.kind == "sglang" and cfg.teacher_server.kind == "sglang"
+    assert cfg.mopd.steps >= 30 and cfg.teacher.http_routes == ["shift"]
+    assert cfg.engine.env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1" and cfg.engine.cuda_graph
+    models = (cfg.student, cfg.teacher.model, cfg.teacher.http_model)
+    assert all(m.hidden_size // m.num_attention_heads >= 32 for m in models)  # SGLang's triton backend
+    assert cfg.teacher.http_model.hidden_size != cfg.teacher.model.hidden_size  # a teacher of another size
+    with pytest.raises(DemoConfigError, match="engine.kind='sglang': sglang needs device=cuda"):
+        to_demo_config(_compose(["device=cpu"], "gpu"))
+
+
+def test_phase_timeline_accumulates_and_resets():
+    from examples.demo.timeline import PHASES, PhaseTimeline
+
+    tl = PhaseTimeline("cpu")
+    with tl.phase("verify"):
+        pass
+    with tl.phase("verify"):
+        sum(range(1000))
+    tl.add_bytes("release", {"engine/weights": 5})
+    tl.add_bytes("release", {"engine/weights": 7})
+    row = tl.flush()
+    assert set(f"time/{p}" for p in PHASES) <= set(row) and row["time/generate"] == 0.0 and row["time/verify"] > 0
+    assert row["bytes/release/engine/weights"] == 12 and row["mem/verify/allocated"] is None  # no counters on CPU
+    assert tl.flush()["time/verify"] == 0.0
 
 
 def test_yaml_equals_dataclass_defaults():
@@ -104,7 +135,9 @@ def _pipeline_rank(rank: int, world: int, out_dir: str) -> dict:
     checks: dict = {}
     cfg = _tiny(out_dir)
     res = run_demo(cfg)
-    checks["first"] = {k: res[k] for k in ("teachers_cached", "engine_version", "accuracy", "teacher_accuracy")}
+    checks["first"] = {k: res[k] for k in ("teachers_cached", "engine_version", "accuracy", "teacher_accuracy",
+                                           "colocated")}
+    checks["steps_jsonl"] = Path(out_dir, "steps.jsonl").read_text().splitlines() if rank == 0 else None
     checks["max_engine_trainer"] = max(h["engine_trainer_max_abs"] for h in res["history"])
     checks["sharing"] = [h["sharing_ratio"] for h in res["history"]]
     if rank == 0:
@@ -174,6 +207,12 @@ def test_demo_pipeline_two_ranks(tmp_path):
             assert set(first["accuracy"][stage]) == {"reverse", "shift"}
             assert all(0.0 <= v <= 1.0 for v in first["accuracy"][stage].values())
         assert c["max_engine_trainer"] < 1e-4  # on-policy: behaviour log-probs = trainer log-probs
+        rec = first["colocated"]  # the residency cycle ran: everything handed over, publishes verified
+        assert rec["engine"] == "hf_engine" and rec["steps"] == 2 and rec["greedy_match"] is True
+        assert rec["trainer_resident_fraction_during_generate"] == 0.0
+        assert rec["engine_resident_fraction_during_train"] == 0.0
+        assert rec["routes"]["shift"]["teacher"] == "http" and rec["routes"]["reverse"]["teacher"] == "megatron"
+        assert rec["publish_ms"] > 0 and set(rec["header"]) == {"date", "gpu", "commit", "versions"}
         assert all(1.5 < s < 4.0 for s in c["sharing"])  # groups of 4 share a 7-token prompt
         assert c["not_converged"] is not None and "teacher.min_accuracy=0.5" in c["not_converged"]
         assert c["version"] == 2 and c["compression"] > 1.2
@@ -181,6 +220,43 @@ def test_demo_pipeline_two_ranks(tmp_path):
     paths = out[0]["paths"]
     saved = json.loads(Path(paths["json"]).read_text())
     assert len(saved["history"]) == 2 and saved["evals"][-1]["step"] == 2
+    assert saved["greedy_match"] is True and "routes" in saved  # the colocated record at top level
+    rows = [json.loads(x) for x in out[0]["steps_jsonl"]]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the timeline and the bytes each side handed over
+        assert all(r[f"time/{p}"] > 0 for p in ("generate", "teacher_scoring", "train", "optimizer", "publish"))
+        assert r["bytes/release/engine/weights"] > 0 and r["bytes/resume/trainer/weights"] > 0
     assert Path(paths["png"]).stat().st_size > 10_000
     assert any(Path(paths["tensorboard"]).glob("events.out.tfevents.*"))
     assert "student after MOPD" in out[0]["table"]
+
+
+def test_sglang_arguments_of_the_gpu_config():
+    """What the GPU run hands SGLang (it cannot start here): the engine's and the teacher server's
+    arguments from conf/gpu.yaml, and SGLang's output dicts read as tokens and behaviour log-probs."""
+    from examples.demo.config import to_demo_config
+    from examples.demo.engine import sample, sglang_args
+    from examples.demo.teacher_server import server_command
+
+    cfg = to_demo_config(_compose([], "gpu"))
+    args = sglang_args(cfg, "/m/student_hf", torch.device("cuda", 0))
+    assert args["model_path"] == "/m/student_hf" and args["attention_backend"] == "triton"
+    assert args["sampling_backend"] == "pytorch" and args["grammar_backend"] == "none"
+    assert args["skip_tokenizer_init"] and args["enable_memory_saver"] and args["dtype"] == "bfloat16"
+    assert args["disable_cuda_graph"] is False and args["mem_fraction_static"] == 0.1 and args["base_gpu_id"] == 0
+    cmd, env = server_command(cfg, "/m/shift", 30123)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[cmd.index("--model-path") + 1] == "/m/shift"
+    assert "--skip-tokenizer-init" in cmd and cmd[cmd.index("--attention-backend") + 1] == "triton"
+    assert cmd[cmd.index("--port") + 1] == "30123" and "--enable-memory-saver" not in cmd
+    assert env["HF_HUB_OFFLINE"] == "1" and env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == ""  # removed for the role
+    assert env["PYTHONPATH"].split(":")[0].endswith("mcore_distill_hide_megatron_" + str(__import__("os").getuid()))
+
+    class SGLangLike:  # the reply shape of colocate.SGLangEngine.generate (SGLang's output dicts)
+        client = object()
+
+        def generate(self, prompts, *, max_new_tokens, temperature):
+            assert temperature == 0.5 and max_new_tokens == 2
+            return [{"output_ids": [7, 8], "meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]]}}
+                    for _ in prompts]
+
+    assert sample(SGLangLike(), [[1, 2]], n_new=2, temperature=0.5, seed=3) == ([[7, 8]], [[-0.5, -1.5]])

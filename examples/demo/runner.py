@@ -1,0 +1,348 @@
+"""The colocated MOPD loop: one code path for the embedded engine (CPU) and SGLang (GPU).
+
+Per step, on every rank (``colocate.ColocatedCycle`` orders the residency transitions)::
+
+    generate        engine samples GRPO groups (trainer weights, grads, optimizer released)
+    release/resume  cycle.to_training(): engine releases kv_cache, weights, cuda_graph; trainer resumes
+    teacher_scoring routed teachers score the rows (Megatron host, and the HTTP-served teacher)
+    train           harts tree forward, MOPD loss, backward, DP grad reduce-scatter
+    optimizer       staged AdamW step (state in host slabs)
+    [checkpoint]    every ``checkpoint_every`` steps: Megatron + optimizer, HF folder
+    publish         cycle.publish(): trainer releases, engine resumes weights, Publisher, engine resumes
+    verify          engine reports the version; every ``verify.every`` steps its greedy outputs on
+                    fixed prompts equal the trainer's
+    [eval]          every ``mopd.eval_every`` steps: held-out accuracy through the engine
+
+Failures raise the typed errors of :mod:`examples.demo.errors`; :func:`examples.demo.pipeline.run_demo`
+then stops every child and leaves the last complete checkpoint for ``resume=true``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from examples.demo import checkpoint
+from examples.demo.config import DemoConfig
+from examples.demo.engine import greedy, resident_bytes, sample
+from examples.demo.errors import EngineCrashedError, PublishVerificationError, TeacherServerDownError
+from examples.demo.student import (
+    TEACHER_OF,
+    Student,
+    _set_lr,
+    engine_accuracy,
+    publish_in_cycle,
+    routing_spec,
+    student_logprobs,
+    trainer_greedy,
+)
+from examples.demo.tasks import DOMAINS, TaskData, prompts_from_letters
+from examples.demo.teachers import cosine_lr
+from examples.demo.timeline import PhaseTimeline
+
+
+@dataclass
+class RunnerHooks:
+    """Seams for fault-injection tests, called on every rank: ``before_step(step, job)`` and
+    ``after_publish(step, job)``."""
+
+    before_step: Callable | None = None
+    after_publish: Callable | None = None
+
+
+@dataclass
+class Job:
+    """The state of one MOPD run on this rank."""
+
+    cfg: DemoConfig
+    data: TaskData
+    st: Student
+    pool: object
+    g: torch.Generator
+    server: object = None
+    hooks: RunnerHooks = field(default_factory=RunnerHooks)
+    history: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+    accuracy: dict = field(default_factory=dict)
+    step: int = 0
+    last_good_version: int | None = None
+    last_checkpoint: int | None = None
+    greedy_checks: list = field(default_factory=list)
+    trainer_state_bytes: int = 0
+    engine_full_bytes: int | None = None
+    timeline: PhaseTimeline = None
+
+
+# ----- memory accounting ------------------------------------------------------------------------
+def _staged_leaves(opt) -> list:
+    out = []
+    for leaf in getattr(opt, "chained_optimizers", [opt]):
+        x = leaf
+        while x is not None and not hasattr(x, "gpu_state_bytes"):
+            x = getattr(x, "optimizer", None)
+        if x is not None:
+            out.append(x)
+    return out
+
+
+def _ddp_storage_bytes(st: Student, attr: str) -> int:
+    return sum(getattr(b, attr).untyped_storage().nbytes() for b in st.ddp.buffers if getattr(b, attr, None) is not None)
+
+
+def trainer_resident_bytes(st: Student) -> int:
+    """Bytes the trainer holds on its device now: DDP param and grad buffers (0 once a residency
+    release resized them) and the staged optimizer's device slots."""
+    return (_ddp_storage_bytes(st, "param_data") + _ddp_storage_bytes(st, "grad_data")
+            + sum(int(x.gpu_state_bytes) for x in _staged_leaves(st.opt)))
+
+
+def trainer_state_bytes(st: Student) -> int:
+    """Params + grads + optimizer state (the host slabs: fp32 masters and moments), all resident."""
+    slabs = sum(int(x.slabs.nbytes) for x in _staged_leaves(st.opt) if getattr(x, "slabs", None) is not None)
+    return _ddp_storage_bytes(st, "param_data") + _ddp_storage_bytes(st, "grad_data") + slabs
+
+
+def engine_resident_fraction(job: Job, freed: dict[str, int]) -> float | None:
+    """Share of the engine's footprint still held after it released for training. HF engine:
+    its tensors' bytes now over their bytes while generating. SGLang: (E − freed) / E, E the
+    device memory its start took (:func:`examples.demo.engine.build_engine`) and ``freed`` the
+    bytes its release returned (free device memory before/after each tag)."""
+    now = resident_bytes(job.st.engine)
+    if now is not None:
+        return now / job.engine_full_bytes if job.engine_full_bytes else None
+    footprint = getattr(job.st.engine, "footprint_bytes", None)
+    if not footprint:
+        return None
+    return max(0, footprint - sum(freed.values())) / footprint
+
+
+# ----- one step ----------------------------------------------------------------------------------
+def _rollout(job: Job, k: int):
+    cfg, m, rank = job.cfg, job.cfg.mopd, dist.get_rank()
+    tasks = [DOMAINS[(i + rank + k - 1) % len(DOMAINS)] for i in range(m.prompts_per_step)]
+    xs = torch.cat([job.data.sample(t, 1, job.g) for t in tasks])
+    prompts = [prompts_from_letters(t, x[None])[0].tolist() for t, x in zip(tasks, xs, strict=True)]
+    rep = [p for p in prompts for _ in range(m.group_size)]
+    try:
+        tokens, logps = sample(job.st.engine, rep, n_new=cfg.length, temperature=m.temperature,
+                               seed=(cfg.seed * 1_000_003 + (k - 1) * 9973 + rank * 101) % (1 << 62))
+    except Exception as e:  # noqa: BLE001 - whatever the engine raised, the step failed in the engine
+        raise EngineCrashedError(k, e) from e
+    return tasks, xs, rep, torch.tensor(tokens), torch.tensor(logps)
+
+
+def _score(job: Job, k: int, batch, routes, old, mask):
+    from mopd.errors import TeacherServerError, TeacherStateError, TeacherTimeoutError
+    from mopd.routing import score_routed
+
+    try:
+        targets, _ = score_routed(job.pool, batch, routes, routing_spec(), old_logp=old, loss_mask=mask)
+        return targets
+    except (TeacherServerError, TeacherTimeoutError, TeacherStateError) as e:
+        http = [TEACHER_OF[t] for t in job.cfg.teacher.http_routes]
+        if http and f"'{http[0]}'" in str(e):  # the HTTP teacher's failure (its messages name it)
+            raise TeacherServerDownError(k, http[0], e) from e
+        raise
+
+
+def _verify_prompts(job: Job) -> torch.Tensor:
+    n = job.cfg.verify.prompts
+    return torch.cat([prompts_from_letters(t, job.data.held_out[t][:n]) for t in DOMAINS])
+
+
+@dataclass
+class Rollout:
+    """One step's samples on this rank, in the teachers' label layout."""
+
+    tasks: list[str]
+    xs: torch.Tensor          # [prompts, L] letters of each prompt
+    gen: torch.Tensor         # [B, L] sampled answers
+    batch: object             # mopd.TokenBatch of prompt + answer rows [B, S]
+    old: torch.Tensor         # [B, S] behaviour log-probs: old[:, t] ↔ ids[:, t + 1]
+    mask: torch.Tensor        # [B, S] the L answer labels
+    routes: list[str]
+
+
+def _generate(job: Job, k: int) -> Rollout:
+    from mopd import TokenBatch
+    from mopd.routing import stamp_routes
+
+    st, tl, P, L = job.st, job.timeline, job.data.prompt_len, job.cfg.length
+    with tl.phase("generate"):
+        tasks, xs, rep, gen, behaviour = _rollout(job, k)
+        tl.set("trainer_resident_fraction", trainer_resident_bytes(st) / max(job.trainer_state_bytes, 1))
+        job.engine_full_bytes = resident_bytes(st.engine) or job.engine_full_bytes
+    ids = torch.cat([torch.tensor(rep), gen], 1)
+    B, S = ids.shape
+    old = torch.zeros(B, S)
+    old[:, P - 1:P - 1 + L] = behaviour
+    batch = TokenBatch(ids.to(st.device), torch.full((B,), S, device=st.device), torch.full((B,), P - 1, device=st.device))
+    routes = stamp_routes([{"task": t} for t in tasks for _ in range(job.cfg.mopd.group_size)], routing_spec())
+    return Rollout(tasks, xs, gen, batch, old.to(st.device), batch.label_mask(), routes)
+
+
+def _handover_to_training(job: Job) -> None:
+    """``ColocatedCycle.to_training`` timed as two phases (engine release, trainer resume), with
+    the bytes each side reported and the engine's resident fraction afterwards."""
+    st, tl = job.st, job.timeline
+    engine_events = len(st.engine.residency.events)
+    t0 = time.perf_counter()
+    handover = st.cycle.to_training()
+    total = time.perf_counter() - t0
+    released_s = sum(e.seconds for e in st.engine.residency.events[engine_events:])
+    tl.add_seconds("release", released_s)
+    tl.add_seconds("resume", total - released_s)
+    tl.add_bytes("release", {f"engine/{t}": n for t, n in handover.engine_released.items()})
+    tl.add_bytes("resume", {f"trainer/{t}": n for t, n in handover.trainer_resumed.items()})
+    tl.set("engine_resident_fraction", engine_resident_fraction(job, handover.engine_released))
+
+
+def _train(job: Job, k: int, r: Rollout, targets) -> tuple[torch.Tensor, float, float]:
+    """MOPD loss on the harts tree batch, backward, DP grad sync, staged optimizer step;
+    returns (ℓθ [B, S], compression C, gradient norm)."""
+    from mopd import MOPDLossConfig
+    from mopd.objectives import mopd_pg_loss
+
+    st, tl, m = job.st, job.timeline, job.cfg.mopd
+    with tl.phase("train"):
+        st.ddp.train()
+        st.ddp.zero_grad_buffer()
+        st.opt.zero_grad()
+        _set_lr(st.opt, cosine_lr(k - 1, m.steps, m.lr, 0.1))
+        lp, compression = student_logprobs(st, r.batch.input_ids, job.cfg)   # [B, S], the targets' layout
+        out = mopd_pg_loss(lp, r.old, targets, r.mask, config=MOPDLossConfig(is_cap=m.is_cap, adv_clip=m.adv_clip))
+        out.loss.backward()
+        st.ddp.finish_grad_sync()
+    with tl.phase("optimizer"):
+        _, gnorm, _ = st.opt.step()
+    return lp.detach(), compression, float(gnorm or 0.0)
+
+
+def _publish(job: Job) -> None:
+    """``ColocatedCycle.publish`` of the next version, with the bytes both sides moved."""
+    st, tl = job.st, job.timeline
+    marks = [(owner, res, len(res.events)) for owner, res in (("trainer", st.residency), ("engine", st.engine.residency))]
+    with tl.phase("publish"):
+        report = publish_in_cycle(st)
+        tl.set("publish_ms", 1e3 * sum(report.timings.values()) if report is not None else None)
+    for owner, res, n in marks:
+        tl.add_bytes("publish", {f"{owner}/{e.op}/{e.tag}": e.nbytes for e in res.events[n:]})
+
+
+def _verify(job: Job, k: int, want: torch.Tensor | None) -> None:
+    """The engine serves the published version and, when ``want`` (the trainer's greedy outputs
+    on the verification prompts) is given, the same greedy outputs; else :class:`PublishVerificationError`."""
+    st, cfg = job.st, job.cfg
+    with job.timeline.phase("verify"):
+        got_version = st.engine.weight_version()
+        if got_version != st.version:
+            raise PublishVerificationError(st.version, "verify", RuntimeError(
+                f"engine reports weight version {got_version}, published {st.version}"))
+        if want is None:
+            return
+        got = greedy(st.engine, _verify_prompts(job).tolist(), n_new=cfg.length)
+        bad = float((got != want).any(1).float().mean())
+        job.greedy_checks.append({"step": k, "mismatch": bad})
+        job.timeline.set("verify/greedy_mismatch", bad)
+        if bad > cfg.verify.max_mismatch:
+            raise PublishVerificationError(st.version, "verify", RuntimeError(
+                f"engine greedy outputs differ from the trainer's on {bad:.1%} of {want.shape[0]} fixed prompts "
+                f"(verify.max_mismatch={cfg.verify.max_mismatch})"))
+
+
+def _metrics(job: Job, r: Rollout, targets, lp: torch.Tensor, compression: float, gnorm: float) -> dict:
+    """Rank-local sums: tokens, reverse-KL estimate, exact samples per domain; the engine/trainer gap."""
+    g = job.cfg.mopd.group_size
+    mask, old, lp = r.mask.cpu(), r.old.cpu(), lp.cpu()
+    kl_tok = (old - targets.logp_sum.cpu()) * mask                        # sampled reverse-KL estimate per token
+    seq_task = torch.tensor([DOMAINS.index(t) for t in r.tasks]).repeat_interleave(g)
+    ok = torch.stack([job.data.correct(t, x[None].expand(g, -1), r.gen[i * g:(i + 1) * g])
+                      for i, (t, x) in enumerate(zip(r.tasks, r.xs, strict=True))]).reshape(-1)
+    B, S = mask.shape
+    out = {"tokens": float(B * S), "compact_tokens": float(B * S / compression), "gnorm": gnorm,
+           "engine_trainer_max_abs": float(((lp - old) * mask).abs().max())}
+    for i, t in enumerate(DOMAINS):
+        rows = seq_task == i
+        out[f"{t}/kl_sum"] = float(kl_tok[rows].sum())
+        out[f"{t}/tokens"] = float(mask[rows].sum())
+        out[f"{t}/correct"] = float(ok[rows].sum())
+        out[f"{t}/samples"] = float(rows.sum())
+    return out
+
+
+def run_step(job: Job, k: int) -> dict:
+    """Step ``k`` (1-based) on this rank, in the order of the module docstring; returns its
+    rank-local metrics (the timeline accumulates in ``job.timeline``)."""
+    cfg, st = job.cfg, job.st
+    if job.hooks.before_step:
+        job.hooks.before_step(k, job)
+    r = _generate(job, k)
+    _handover_to_training(job)
+    with job.timeline.phase("teacher_scoring"):
+        targets = _score(job, k, r.batch, r.routes, r.old, r.mask)
+    lp, compression, gnorm = _train(job, k, r, targets)
+    want = None
+    if k % cfg.verify.every == 0 or k == cfg.mopd.steps:
+        with job.timeline.phase("verify"):
+            want = trainer_greedy(st, _verify_prompts(job), cfg.length)  # the weights about to be published
+    if checkpoint.due(cfg, k):
+        with job.timeline.phase("checkpoint"):
+            checkpoint.save_weights(st, cfg, k)
+    _publish(job)
+    if job.hooks.after_publish:
+        job.hooks.after_publish(k, job)
+    _verify(job, k, want)
+    job.last_good_version = st.version
+    return _metrics(job, r, targets, lp, compression, gnorm)
+
+
+def reduce_row(k: int, m: dict, timeline_row: dict, wall: float, device: torch.device) -> dict:
+    """The step's history row: sums over ranks, max of the engine/trainer gap and wall time,
+    this rank's (rank 0's) timeline and memory."""
+    keys = sorted(x for x in m if x not in ("engine_trainer_max_abs", "gnorm"))
+    v = torch.tensor([m[x] for x in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(v)
+    mx = torch.tensor([m["engine_trainer_max_abs"], wall], dtype=torch.float64, device=device)
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    s = dict(zip(keys, v.tolist(), strict=True))
+    row = {"step": k, "tokens_per_s": s["tokens"] / float(mx[1]), "sharing_ratio": s["tokens"] / s["compact_tokens"],
+           "engine_trainer_max_abs": float(mx[0]), "gnorm": m["gnorm"], "step_s": float(mx[1])}
+    for d in DOMAINS:
+        row[f"reward/{d}"] = -s[f"{d}/kl_sum"] / max(s[f"{d}/tokens"], 1.0)
+        row[f"kl/{d}"] = s[f"{d}/kl_sum"] / max(s[f"{d}/tokens"], 1.0)
+        row[f"sample_accuracy/{d}"] = s[f"{d}/correct"] / max(s[f"{d}/samples"], 1.0)
+    row.update(timeline_row)
+    return row
+
+
+def runner_state(job: Job) -> dict:
+    return {"step": job.step, "version": job.st.version, "rng": checkpoint.rng_state(job.g),
+            "history": job.history, "evals": job.evals, "accuracy": job.accuracy, "greedy_checks": job.greedy_checks}
+
+
+def run_mopd(job: Job, *, bar=None, log=None) -> None:
+    """Steps ``job.step + 1 .. mopd.steps``; ``log(row)`` receives every history row (rank 0)."""
+    cfg = job.cfg
+    for k in range(job.step + 1, cfg.mopd.steps + 1):
+        t0 = time.perf_counter()
+        m = run_step(job, k)
+        row = reduce_row(k, m, job.timeline.flush(), time.perf_counter() - t0, job.st.device)
+        job.history.append(row)
+        job.step = k
+        if k % cfg.mopd.eval_every == 0 or k == cfg.mopd.steps:
+            job.evals.append({"step": k, **engine_accuracy(job.st, cfg, job.data)})
+            row.update({f"accuracy/{d}": job.evals[-1][d] for d in DOMAINS})
+        if checkpoint.due(cfg, k):
+            checkpoint.finalize(cfg, k, runner_state(job))
+            job.last_checkpoint = k
+        if log is not None:
+            log(row)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix({**{f"acc/{d[:3]}": f"{job.evals[-1][d]:.2f}" for d in DOMAINS},
+                             **{f"r/{d[:3]}": f"{row[f'reward/{d}']:+.2f}" for d in DOMAINS},
+                             "C": f"{row['sharing_ratio']:.2f}"})
