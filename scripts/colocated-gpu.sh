@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The colocated job on the GPU lane with a real SGLang engine (second of the two carried commands;
+# docs/gpu-lane.md "SGLang lane"): installs batch 2 of the SGLang carry and the project wheels
+# (.whl, .whl-sx), then runs `examples.demo.run --config-name gpu` under torchrun (1 rank) with its
+# log in $OUT, and copies results.json, steps.jsonl and the plot into $OUT.
+#   bash scripts/colocated-gpu.sh [LIMIT_S] [HYDRA OVERRIDES...]   # default limit 520 s
+set -u
+cd "$(dirname "$0")/.."
+LIMIT=${1:-520}; shift || true
+OUT=${OUT:-outputs/colocated-gpu}
+mkdir -p "$OUT"
+T0=$(date +%s)
+TMPD=$(python3 -c 'import tempfile; print(tempfile.gettempdir())')
+S1=$TMPD/site1 S2=$TMPD/site2
+[ -d "$S1/sglang" ] || { echo "batch 1 is not installed (the machine went cold): run .sgl/scripts/call1.sh first"; exit 3; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$S2" .sgl/b02/*.whl 2>&1 | grep -v "already exists" | tail -3
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-sx/*.whl 2>&1 | grep -v "already exists" | tail -3
+export PYTHONPATH=$S2:$S1:/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export MCD_COMMIT=${MCD_COMMIT:-unknown}
+which nvcc >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
+echo "installed in $(( $(date +%s) - T0 ))s"
+RUN=/tmp/colocated
+timeout -k 15 "$LIMIT" python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m examples.demo.run \
+  --config-name gpu out_dir=$RUN "$@" > "$OUT/run.log" 2>&1
+rc=$?
+echo "run exit $rc after $(( $(date +%s) - T0 ))s" | tee -a "$OUT/run.log"
+for f in results.json steps.jsonl demo.png; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"; done
+ls "$RUN" > "$OUT/files.txt" 2>&1
+grep -v "Warning\|warnings.warn\|^  warn" "$OUT/run.log" | tail -c 9000
+exit $rc
