@@ -142,7 +142,10 @@ def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir
         if any(ys):
             ax[2, 0].bar(steps, ys, bottom=bottom, width=1.0, label=p)
             bottom = [b + y for b, y in zip(bottom, ys, strict=True)]
-    ax[2, 0].set(title="step timeline by phase (rank 0)", xlabel="MOPD step", ylabel="ms")
+    tops = sorted(bottom)
+    if tops:  # checkpoint steps would flatten the rest: clip at 1.5x the 95th percentile
+        ax[2, 0].set_ylim(0, 1.5 * tops[int(0.95 * (len(tops) - 1))] or 1.0)
+    ax[2, 0].set(title="step timeline by phase, rank 0 (checkpoint steps clipped)", xlabel="MOPD step", ylabel="ms")
     ax[2, 0].legend(fontsize=7, ncol=3)
     for key, label in (("trainer_resident_fraction", "trainer resident while generating"),
                        ("engine_resident_fraction", "engine resident while training")):

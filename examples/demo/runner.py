@@ -100,9 +100,16 @@ def trainer_resident_bytes(st: Student) -> int:
             + sum(int(x.gpu_state_bytes) for x in _staged_leaves(st.opt)))
 
 
+def _slabs(leaf):
+    """The host slabs of a staged optimizer, under Megatron's and optim_staged's wrappers (None before its first step)."""
+    while leaf is not None and getattr(leaf, "slabs", None) is None:
+        leaf = getattr(leaf, "optimizer", None)
+    return None if leaf is None else leaf.slabs
+
+
 def trainer_state_bytes(st: Student) -> int:
     """Params + grads + optimizer state (the host slabs: fp32 masters and moments), all resident."""
-    slabs = sum(int(x.slabs.nbytes) for x in _staged_leaves(st.opt) if getattr(x, "slabs", None) is not None)
+    slabs = sum(int(s.nbytes) for s in map(_slabs, _staged_leaves(st.opt)) if s is not None)
     return _ddp_storage_bytes(st, "param_data") + _ddp_storage_bytes(st, "grad_data") + slabs
 
 

@@ -178,6 +178,20 @@ def _pipeline_rank(rank: int, world: int, out_dir: str) -> dict:
     ids = torch.cat([prompts.repeat_interleave(2, 0), y.repeat(2, 1)], 1)  # shared prompts, forks
     distill = {t: (x, y) for t in ("reverse", "shift")}
     warm_start(st, cfg, data, distill)                                     # trains and publishes v2
+    # the resident-fraction accounting reads real storage sizes: full while resident, 0 once released
+    from examples.demo.engine import resident_bytes
+    from examples.demo.runner import trainer_resident_bytes, trainer_state_bytes
+
+    total, engine_full = trainer_state_bytes(st), resident_bytes(st.engine)
+    checks["trainer_resident"] = [trainer_resident_bytes(st), total]
+    st.residency.release()
+    st.engine.release_memory()
+    checks["released"] = [trainer_resident_bytes(st), resident_bytes(st.engine), engine_full]
+    st.residency.resume()
+    st.engine.resume_memory()
+    from examples.demo.student import publish
+
+    publish(st)                                                            # v3: the released engine lost its weights
     st.ddp.eval()
     with torch.no_grad():
         tree, compression = student_logprobs(st, ids, cfg)
@@ -188,6 +202,7 @@ def _pipeline_rank(rank: int, world: int, out_dir: str) -> dict:
         assert_close("engine vs Megatron logits", st.model(ids, pos, None).float(), st.engine.logits(ids), atol=2e-5)
     checks["compression"] = compression
     checks["version"] = st.engine.weight_version()
+    checks["n_params"] = sum(p.numel() for p in st.model.parameters())
     return checks
 
 
@@ -215,7 +230,13 @@ def test_demo_pipeline_two_ranks(tmp_path):
         assert rec["publish_ms"] > 0 and set(rec["header"]) == {"date", "gpu", "commit", "versions"}
         assert all(1.5 < s < 4.0 for s in c["sharing"])  # groups of 4 share a 7-token prompt
         assert c["not_converged"] is not None and "teacher.min_accuracy=0.5" in c["not_converged"]
-        assert c["version"] == 2 and c["compression"] > 1.2
+        assert c["version"] == 3 and c["compression"] > 1.2
+        # resident: the full fp32 param and grad buffers; plus, in the host slabs, this rank's half
+        # (the distributed optimizer's shard, within bucket padding) of master, exp_avg, exp_avg_sq
+        n = c["n_params"]
+        resident, total = c["trainer_resident"]
+        assert resident >= 2 * 4 * n and 0.95 * 3 * 4 * n / 2 <= total - resident <= 1.05 * 3 * 4 * n / 2
+        assert c["released"][:2] == [0, 0] and c["released"][2] >= 4 * n
     assert out[0]["first"]["accuracy"] == out[1]["first"]["accuracy"]  # all-reduced
     paths = out[0]["paths"]
     saved = json.loads(Path(paths["json"]).read_text())

@@ -264,6 +264,16 @@ def _faults_rank(rank: int, world: int, root: str) -> dict:
     out["verify"] = _failure(lambda: run_demo(_cfg(d), hooks=RunnerHooks(after_publish=corrupt)), d)
     out["verify_resumed"] = _summary(run_demo(_cfg(d, resume=True)), d)
     destroy_megatron()
+
+    # 4. a checkpoint written by another number of ranks is refused before anything is loaded
+    from examples.demo import checkpoint
+    from examples.demo.config import DemoConfigError
+
+    try:
+        checkpoint.load(None, _cfg(d), {**checkpoint.latest(_cfg(d)), "world_size": 2})
+        out["other_world"] = None
+    except DemoConfigError as e:
+        out["other_world"] = str(e)
     return out
 
 
@@ -288,6 +298,7 @@ def test_server_down_start_failure_and_bad_publish_then_resume(tmp_path):
     _assert_fault(r["verify"], PublishVerificationError)
     assert _is(r["verify"], PublishError) and r["verify"]["error"]["version"] == 2 + 3
     assert "greedy outputs differ" in r["verify"]["error"]["message"]
+    assert r["other_world"] == ("resume=True: the checkpoint of step 4 was written by 2 ranks, this job has 1")
     _assert_same_run(r["ref"], r["verify_resumed"], resumed_from=EVERY)
 
 
