@@ -101,8 +101,8 @@ def mark_ready(**extra: object) -> None:
 
 
 # The guard sits between owner and worker, leads the worker's process group, and dies with the
-# owner (PR_SET_PDEATHSIG → SIGTERM); on SIGTERM it forwards SIGTERM to the worker, waits the
-# grace period, then SIGKILLs the whole group, grandchildren included. A forked watcher in the
+# owner (PR_SET_PDEATHSIG → SIGTERM); on SIGTERM it forwards SIGTERM to the worker, waits until
+# the worker exits or the grace period ends, then SIGKILLs the whole group, grandchildren included. A forked watcher in the
 # group covers the case where the guard itself is SIGKILLed (Ray's raylet SIGKILLs the direct
 # children of a dead actor): it gets PR_SET_PDEATHSIG from the guard and then stops the group.
 # Stdlib only: it starts in milliseconds.
@@ -129,10 +129,17 @@ if os.fork() == 0:
         signal.pause()
 child = subprocess.Popen(sys.argv[3:])
 def stop(signum, frame):
+    # Runs while the main loop sits in child.wait(), which holds Popen's wait lock: a nested
+    # child.wait/poll could not reap and would always sleep the whole grace. waitpid directly.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    deadline = time.monotonic() + grace
     try:
-        child.send_signal(signal.SIGTERM)
-        child.wait(grace)
-    except Exception:
+        if child.returncode is None:
+            os.kill(child.pid, signal.SIGTERM)
+            while os.waitpid(child.pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+    except OSError:
         pass
     os.killpg(0, signal.SIGKILL)
 signal.signal(signal.SIGTERM, stop)
@@ -180,7 +187,7 @@ class ForkedWorker:
 
     def kill(self) -> int | None:
         """SIGTERM the guard (which forwards it to the worker), SIGKILL the whole process group
-        after ``kill_grace_s``; returns the exit code."""
+        once the worker exited or after ``kill_grace_s``; returns the guard's exit code."""
         if self._on_kill is not None:
             with contextlib.suppress(Exception):
                 self._on_kill(self)

@@ -101,6 +101,31 @@ def test_local_fork_env_health_kill_and_timeouts():
 
 
 @pytest.mark.timeout(90)
+def test_kill_reaps_a_prompt_worker_without_waiting_the_grace():
+    """The guard's SIGTERM handler runs while its main loop waits on the worker: it must reap a
+    worker that exits on SIGTERM at once (it used to sleep the whole ``kill_grace_s``, the wait
+    lock being held by the interrupted wait), and still SIGKILL one that ignores SIGTERM after
+    the grace; the worker's own children die with the group either way."""
+    sched = LocalScheduler(owner_env=_owner_env())
+    w = sched.fork(WorkerSpec(role="prompt", command=WORKER, health_timeout_s=60, kill_grace_s=30))
+    t0 = time.monotonic()
+    w.kill()
+    took = time.monotonic() - t0
+    assert took < 10, f"kill of a worker that exits on SIGTERM took {took:.1f}s (grace 30 s)"
+    assert _gone(w.info["pid"]) and _gone(w.info["child"]) and not w.alive()
+
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "from colocate.workers import mark_ready; mark_ready(); time.sleep(120)")
+    s = sched.fork(WorkerSpec(role="stubborn", command=[sys.executable, "-c", stubborn], health_timeout_s=60,
+                              kill_grace_s=1))
+    t0 = time.monotonic()
+    s.kill()
+    assert time.monotonic() - t0 >= 1.0  # it was given its grace before the SIGKILL
+    assert _gone(s.info["pid"]) and not s.alive()
+    sched.shutdown()
+
+
+@pytest.mark.timeout(90)
 def test_spec_scheduler_is_read_and_log_path_collects_output(tmp_path):
     """``WorkerSpec.scheduler`` names the scheduler that may start the role: another kind refuses
     the spec before starting anything, ``scheduler_for`` builds the named one. ``log_path``
