@@ -41,9 +41,11 @@ method names; 0.5.17 has neither).
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -52,7 +54,7 @@ import threading
 import time
 import types
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -64,8 +66,62 @@ from colocate.errors import ConfigError, EngineStartError, ReceiverDied, Receive
 from colocate.residency import allocator_config
 from colocate.workers import LocalScheduler, merge_env
 
-__all__ = ["EngineClient", "HTTPClient", "serialize_named_tensors", "server_args_to_cli", "sglang_checksum",
-           "engine_devices", "flattened_bucket"]
+__all__ = ["EngineClient", "HTTPClient", "LAUNCHER_ENV", "log_tail", "serialize_named_tensors", "server_args_to_cli",
+           "sglang_checksum", "sglang_env_overrides", "engine_devices", "flattened_bucket"]
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 30.0
+"""Period of the progress line while a server start waits for ``/health``."""
+
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""The per-rank variables torchrun sets for its workers (with every ``TORCHELASTIC_*``); they
+describe the trainer's rank, not an SGLang process, and :func:`sglang_env_overrides` removes them."""
+
+
+def sglang_env_overrides(owner_env: Mapping[str, str], env: Mapping[str, str | None] | None = None, *,
+                         hide_megatron: bool = True) -> dict[str, str | None]:
+    """The environment overrides (``None`` removes a variable) over ``owner_env`` that every SGLang
+    process started here gets, the server (:meth:`HTTPClient.launch`) and the in-process engine's
+    spawned schedulers (:meth:`EngineClient.launch`) alike:
+
+    1. the launcher's per-rank variables of the owner removed (:data:`LAUNCHER_ENV` and every
+       ``TORCHELASTIC_*``). torchrun gives its workers ``TORCHELASTIC_USE_AGENT_STORE=True``, and
+       with it torch's ``tcp://`` rendezvous makes *every* rank a client of a store it expects the
+       agent to host: SGLang 0.5.17's schedulers join their own ``tcp://127.0.0.1:<port>`` group
+       that way (``srt/distributed/bootstrap.py``), so under a torchrun owner nobody serves that
+       store and the start blocks until torch's rendezvous timeout;
+    2. ``env``, the role's overrides (they may put a removed variable back);
+    3. with ``hide_megatron``, :func:`~colocate.sglang_engine.hide_megatron_dir` first on ``PYTHONPATH``."""
+    out: dict[str, str | None] = {k: None for k in owner_env if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
+    out.update(env or {})
+    if hide_megatron:
+        from colocate.sglang_engine import hide_megatron_dir
+
+        path = out["PYTHONPATH"] if "PYTHONPATH" in out else owner_env.get("PYTHONPATH")
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (hide_megatron_dir(), path) if p)
+    return out
+
+
+@contextlib.contextmanager
+def _scoped_environ(overrides: Mapping[str, str | None]) -> Iterator[None]:
+    """Apply ``overrides`` (``None`` removes) to ``os.environ`` for the block, then put back the
+    previous values of exactly those variables."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    try:
+        for k, v in overrides.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _ok(result: Any) -> tuple[bool, str]:
@@ -193,32 +249,53 @@ class EngineClient:
 
     @classmethod
     def launch(cls, *, hide_megatron: bool = True, call_timeout_s: float | None = None,
-               **engine_kwargs: Any) -> EngineClient:
+               start_timeout_s: float | None = None, **engine_kwargs: Any) -> EngineClient:
         """Start ``sglang.Engine(**engine_kwargs)`` (lazy import). With ``hide_megatron`` the engine
         starts with :func:`~colocate.sglang_engine.hide_megatron_dir` first on ``sys.path``, which
-        SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once.
+        SGLang's spawned processes inherit; this process's ``sys.path`` is restored at once. The
+        processes it spawns inherit this process's environment less the launcher's per-rank
+        variables (:func:`sglang_env_overrides`, applied to ``os.environ`` during the start only).
+
         A start that raises (e.g. no checkpoint at ``model_path``; SGLang's own start-up raises
         when a process it spawned dies) raises :class:`~colocate.errors.EngineStartError`, after
         the processes the engine had started (this process's new children and their
-        descendants) were killed. The start itself has no deadline."""
+        descendants) were killed. ``start_timeout_s`` (None: none) bounds the start: SGLang's
+        ``Engine(...)`` waits for its schedulers as long as they live, so at the deadline those
+        processes are SIGKILLed (no SIGQUIT reaches this process), SGLang's wait notices within
+        its 5 s poll and raises, and the start fails with ``EngineStartError`` naming the deadline.
+        The start runs in the calling thread (SGLang registers signal handlers there)."""
         import sglang
 
         from colocate.sglang_engine import hide_megatron_dir
 
         shadow = hide_megatron_dir() if hide_megatron else None
+        if start_timeout_s is not None and not start_timeout_s > 0:
+            raise ConfigError(f"EngineClient start_timeout_s must be > 0 or None, got {start_timeout_s!r}")
         if shadow is not None:
             sys.path.insert(0, shadow)
         before = _children(os.getpid())
+        guard = _StartDeadline(before, start_timeout_s)
+        where = f"sglang.Engine(model_path={engine_kwargs.get('model_path')!r})"
+        t0 = time.monotonic()
+        logger.info("%s: starting (start_timeout_s=%s)", where, start_timeout_s)
         try:
-            engine = sglang.Engine(**engine_kwargs)
+            with _scoped_environ(sglang_env_overrides(os.environ, hide_megatron=False)):
+                engine = sglang.Engine(**engine_kwargs)
+            if not guard.finish():  # the deadline fired as the start returned: its processes are gone
+                with contextlib.suppress(Exception):
+                    engine.shutdown()
+                raise TimeoutError("the start completed only after its deadline")
         except Exception as e:  # noqa: BLE001 - any start failure becomes one typed error
-            started = _kill_new_children(before)
-            raise EngineStartError(f"sglang.Engine(model_path={engine_kwargs.get('model_path')!r}) failed to start: "
-                                   f"{type(e).__name__}: {e}" + (f" (killed the {started} process(es) it had started)"
-                                                                if started else "")) from e
+            guard.finish()
+            started = _kill_new_children(before) or guard.killed
+            why = (f"not started within start_timeout_s={start_timeout_s}s (its processes were SIGKILLed at the "
+                   f"deadline); then {type(e).__name__}: {e}") if guard.fired else f"failed to start: {type(e).__name__}: {e}"
+            raise EngineStartError(f"{where} {why}" + (f" (killed the {started} process(es) it had started)"
+                                                       if started else "")) from e
         finally:
             if shadow is not None and shadow in sys.path:
                 sys.path.remove(shadow)
+        logger.info("%s: started in %.1fs", where, time.monotonic() - t0)
         return cls(engine, call_timeout_s=call_timeout_s)
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -463,25 +540,29 @@ class HTTPClient:
         :class:`~colocate.workers.LocalScheduler`); the server runs under its guard, so it is
         killed with its whole process group by :meth:`shutdown`, at owner exit, and when the owner
         dies hard. ``env``: the role's overrides (``None`` removes a variable, e.g.
-        ``PYTORCH_CUDA_ALLOC_CONF``); with ``hide_megatron`` Megatron is hidden from the server
-        (:func:`~colocate.sglang_engine.sglang_process_env`). ``devices`` / ``base_gpu_id``: see
+        ``PYTORCH_CUDA_ALLOC_CONF``), applied over the owner's environment less its launcher
+        variables; with ``hide_megatron`` Megatron is hidden from the server
+        (:func:`sglang_env_overrides`). The start is logged (``logging``: INFO at its begin and
+        end, a WARNING every :data:`HEARTBEAT_S` seconds with the elapsed time and the last line
+        of ``log_path``); a server that exits first or is not healthy within ``start_timeout_s``
+        raises :class:`~colocate.errors.EngineStartError` / :class:`~colocate.errors.ReceiverTimeout`
+        with the last lines of ``log_path``, after its worker was killed. ``devices`` / ``base_gpu_id``: see
         :func:`engine_devices`. ``server_args`` as for ``sglang.Engine``; ``server_module``
         replaces ``sglang.launch_server`` (a CPU server implementing the same contract, in tests).
         """
-        from colocate.sglang_engine import hide_megatron_dir
-
         scheduler = scheduler or LocalScheduler()
         if port is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         devices = engine_devices(server_args, devices)
-        overrides = {k: "" if v is None else v for k, v in (env or {}).items()}
-        if hide_megatron:
-            path = merge_env(scheduler.owner_env, overrides).get("PYTHONPATH")
-            overrides["PYTHONPATH"] = os.pathsep.join(p for p in (hide_megatron_dir(), path) if p)
+        overrides = {k: "" if v is None else v
+                     for k, v in sglang_env_overrides(scheduler.owner_env, env, hide_megatron=hide_megatron).items()}
         cmd = [sys.executable, "-m", server_module, "--host", "127.0.0.1", "--port", str(port),
                *server_args_to_cli(server_args)]
+        t0 = time.monotonic()
+        logger.info("%s (role %r, port %d): starting (start_timeout_s=%s, log: %s)", server_module, role, port,
+                    start_timeout_s, log_path)
         worker = scheduler.fork(WorkerSpec(role=role, command=cmd, env=overrides, devices=devices,
                                            health_timeout_s=start_timeout_s, kill_grace_s=10.0, log_path=log_path),
                                 wait=False)
@@ -491,6 +572,7 @@ class HTTPClient:
             client = cls(url, timeout_s=timeout_s, ipc=ipc, worker=worker,
                          allocator=allocator_config(merge_env(scheduler.owner_env, overrides)))
             client.scheduler = scheduler  # kept alive: its exit hook also stops the server at owner exit
+            logger.info("%s (role %r) at %s: healthy in %.1fs", server_module, role, url, time.monotonic() - t0)
             return client
         except BaseException:
             worker.kill()
@@ -515,9 +597,10 @@ def _children(pid: int) -> set[int]:
     return out
 
 
-def _kill_new_children(before: set[int]) -> int:
+def _kill_new_children(before: set[int], *, reap: bool = True) -> int:
     """SIGKILL this process's children that are not in ``before``, with their descendants;
-    returns how many children there were."""
+    returns how many children there were. ``reap=False`` leaves the children's exit status to
+    their owner (``multiprocessing`` cannot tell a child reaped elsewhere from one not yet started)."""
     new = _children(os.getpid()) - before
     todo, seen = list(new), set()
     while todo:  # descendants first collected, so none is reparented away before it is found
@@ -530,12 +613,41 @@ def _kill_new_children(before: set[int]) -> int:
             os.kill(p, signal.SIGKILL)
         except OSError:
             pass
-    for p in new:  # reap our own children
+    for p in new if reap else ():  # reap our own children
         try:
             os.waitpid(p, 0)
         except OSError:
             pass
     return len(new)
+
+
+class _StartDeadline:
+    """SIGKILLs the processes an in-process start spawned (children of this process not in
+    ``before``, with their descendants) if :meth:`finish` is not called within ``timeout_s``."""
+
+    def __init__(self, before: set[int], timeout_s: float | None):
+        self._before, self._lock = before, threading.Lock()
+        self.fired, self.done, self.killed = False, False, 0
+        self._timer = None
+        if timeout_s is not None:
+            self._timer = threading.Timer(timeout_s, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self.done:
+                return
+            self.fired = True
+            self.killed = _kill_new_children(self._before, reap=False)  # SGLang's wait must see them die
+
+    def finish(self) -> bool:
+        """Stop the timer; True when the deadline had not fired."""
+        with self._lock:
+            self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        return not self.fired
 
 
 def _shut(sock: socket.socket) -> None:
@@ -546,15 +658,40 @@ def _shut(sock: socket.socket) -> None:
         pass  # already closed
 
 
-def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None) -> None:
-    """Poll ``GET /health`` until 200; the worker exiting first raises ReceiverDied, the deadline
-    ReceiverTimeout (the caller kills the worker)."""
+def log_tail(path: str | None, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of the text file at ``path`` (empty when there is none); reads at
+    most the last 64 KiB."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - (64 << 10)))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [ln for ln in text.splitlines() if ln.strip()][-lines:]
+
+
+def _with_tail(msg: str, log_path: str | None) -> str:
+    tail = log_tail(log_path)
+    return msg + (f"; last {len(tail)} line(s) of the log:\n" + "\n".join("  | " + ln for ln in tail) if tail
+                  else "; the log is empty")
+
+
+def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None,
+                  heartbeat_s: float = HEARTBEAT_S) -> None:
+    """Poll ``GET /health`` until 200; the worker exiting first raises EngineStartError, the
+    deadline ReceiverTimeout, both with the last lines of the log (the caller kills the worker).
+    Every ``heartbeat_s`` a warning names the elapsed time and the log's last line."""
     host, port = urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    deadline, beat = t0 + timeout_s, t0 + heartbeat_s
+    what = f"{worker.spec.command[2]} (role {worker.spec.role!r})"
     while True:
         if not worker.alive():
-            raise EngineStartError(f"{worker.spec.command[2]} (role {worker.spec.role!r}) exited during start; "
-                                   f"log: {log_path}")
+            raise EngineStartError(_with_tail(f"{what} exited during start after {time.monotonic() - t0:.1f}s; "
+                                              f"log: {log_path}", log_path))
         conn = http.client.HTTPConnection(host, port, timeout=2)
         try:
             conn.request("GET", "/health")
@@ -564,6 +701,12 @@ def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None)
             pass
         finally:
             conn.close()
-        if time.monotonic() > deadline:
-            raise ReceiverTimeout(f"SGLang server not healthy within {timeout_s:.0f}s; log: {log_path}")
+        now = time.monotonic()
+        if now > deadline:
+            raise ReceiverTimeout(_with_tail(f"{what} not healthy within {timeout_s:.0f}s; log: {log_path}", log_path))
+        if now >= beat:
+            beat += heartbeat_s
+            last = log_tail(log_path, 1)
+            logger.warning("%s at %s: waiting for /health, %.0fs of %.0fs; log's last line: %s", what, url, now - t0,
+                           timeout_s, last[0] if last else "(empty)")
         time.sleep(0.5)

@@ -77,13 +77,15 @@ def hide_megatron_dir() -> str:
 
 
 def sglang_process_env(env: dict[str, str | None] | None = None, *, hide_megatron: bool = True) -> dict[str, str]:
-    """Environment for an SGLang server process: this process's environment with ``env`` merged
-    over it (``None`` removes a variable) and, with ``hide_megatron``, :func:`hide_megatron_dir`
-    first on ``PYTHONPATH`` (SGLang's spawned schedulers inherit the server's ``sys.path``)."""
-    full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    if hide_megatron:
-        full["PYTHONPATH"] = os.pathsep.join(p for p in (hide_megatron_dir(), full.get("PYTHONPATH")) if p)
-    return full
+    """Environment for an SGLang server process: this process's environment less its launcher's
+    per-rank variables, with ``env`` merged over it (``None`` removes a variable) and, with
+    ``hide_megatron``, :func:`hide_megatron_dir` first on ``PYTHONPATH`` (SGLang's spawned
+    schedulers inherit the server's ``sys.path``); see
+    :func:`colocate.sglang_clients.sglang_env_overrides`."""
+    from colocate.sglang_clients import sglang_env_overrides
+
+    over = sglang_env_overrides(os.environ, env, hide_megatron=hide_megatron)
+    return {k: v for k, v in {**os.environ, **over}.items() if v is not None}
 
 
 def write_hf_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *, spec: HFModelSpec,
@@ -207,12 +209,14 @@ class SGLangEngine:
     # ----- starting ---------------------------------------------------------------------------
     @classmethod
     def launch(cls, *, spec: HFModelSpec, param_dtype: torch.dtype = torch.bfloat16, hide_megatron: bool = True,
-               call_timeout_s: float | None = None, commit_checksum: bool = False,
-               **engine_kwargs: Any) -> SGLangEngine:
+               call_timeout_s: float | None = None, start_timeout_s: float | None = None,
+               commit_checksum: bool = False, **engine_kwargs: Any) -> SGLangEngine:
         """An in-process ``sglang.Engine(**engine_kwargs)`` (``engine_kwargs`` may hold the engine's
         own ``dtype``; ``param_dtype`` is the dtype the publisher sends; ``call_timeout_s``: the
-        deadline of each engine call; see :meth:`~colocate.sglang_clients.EngineClient.launch`)."""
-        return cls(EngineClient.launch(hide_megatron=hide_megatron, call_timeout_s=call_timeout_s, **engine_kwargs),
+        deadline of each engine call; ``start_timeout_s``: of the start; see
+        :meth:`~colocate.sglang_clients.EngineClient.launch`)."""
+        return cls(EngineClient.launch(hide_megatron=hide_megatron, call_timeout_s=call_timeout_s,
+                                       start_timeout_s=start_timeout_s, **engine_kwargs),
                    spec=spec, dtype=param_dtype, commit_checksum=commit_checksum)
 
     @classmethod

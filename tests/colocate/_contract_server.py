@@ -71,7 +71,8 @@ def probe() -> dict:
     except ImportError as e:
         megatron = f"ImportError: {e}"
     keys = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTHONPATH", "COLOCATE_ROLE",
-            "MCD_ROLE_VAR", "SGLANG_MEMORY_SAVER_CUDA_GRAPH", "HF_HUB_OFFLINE")
+            "MCD_ROLE_VAR", "SGLANG_MEMORY_SAVER_CUDA_GRAPH", "HF_HUB_OFFLINE", "TORCHELASTIC_USE_AGENT_STORE",
+            "TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     return {"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
             "megatron": megatron}
 

@@ -5,6 +5,7 @@ begin/end bracket, CUDA-only tensors). The real engine runs the same adapter on 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -427,3 +428,51 @@ def test_in_process_start_failure_is_typed_and_kills_what_it_started(monkeypatch
     with pytest.raises(EngineStartError, match=r"model_path='/no/such/ckpt'.*config.json.*killed the 1 process"):
         SGLangEngine.launch(spec=SPEC, model_path="/no/such/ckpt")
     assert len(spawned) == 2 and all(_gone(p) for p in spawned), spawned
+
+
+def test_in_process_start_has_a_deadline_and_drops_the_launcher_env(monkeypatch):
+    """``sglang.Engine(...)`` waits for its schedulers as long as they live (SGLang 0.5.17 polls
+    their pipes every 5 s). The stand-in does the same with a "scheduler" that never reports: the
+    start deadline SIGKILLs what the start spawned, the engine's own wait sees it die, and the
+    start fails with ``EngineStartError`` naming ``start_timeout_s``, nothing left running. The
+    spawned processes see this process's environment without torchrun's per-rank variables
+    (``TORCHELASTIC_USE_AGENT_STORE=True`` blocks SGLang's own rendezvous); it is restored after."""
+    import subprocess
+    import sys
+    import time
+    import types
+
+    from colocate.errors import EngineStartError
+
+    from .test_workers import _gone
+
+    seen = {}
+
+    class HangingEngine:
+        def __init__(self, **kw):
+            seen["env"] = {k: os.environ.get(k) for k in ("TORCHELASTIC_USE_AGENT_STORE", "RANK", "MCD_KEEP")}
+            p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # the scheduler
+            seen["pid"] = p.pid
+            while p.poll() is None:  # as _wait_for_scheduler_ready: wait while it lives
+                time.sleep(0.05)
+            raise RuntimeError(f"Rank 0 scheduler died during initialization (exit code: {p.returncode})")
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=HangingEngine))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("MCD_KEEP", "1")
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError, match=r"not started within start_timeout_s=1.0s.*exit code: -9.*killed the 1"):
+        SGLangEngine.launch(spec=SPEC, model_path="/m", start_timeout_s=1.0)
+    assert time.monotonic() - t0 < 30 and _gone(seen["pid"])
+    assert seen["env"] == {"TORCHELASTIC_USE_AGENT_STORE": None, "RANK": None, "MCD_KEEP": "1"}
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True" and os.environ["RANK"] == "3"  # restored
+
+    class QuickEngine(RuleEngine):
+        def __init__(self, **kw):
+            super().__init__(bracket=False)
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=QuickEngine))
+    assert isinstance(SGLangEngine.launch(spec=SPEC, model_path="/m", start_timeout_s=30.0), SGLangEngine)
+    with pytest.raises(ConfigError, match="start_timeout_s must be > 0"):
+        SGLangEngine.launch(spec=SPEC, model_path="/m", start_timeout_s=0)

@@ -38,6 +38,48 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+# what torchrun --standalone (torch 2.11) sets for its worker processes (a subset)
+TORCHRUN_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29511",
+                 "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "r1"}
+
+_TCP_GROUP = """
+import socket, sys
+from datetime import timedelta
+import torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+# how SGLang 0.5.17's scheduler joins its own group (srt/distributed/bootstrap.py: a tcp:// init method)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
+                        timeout=timedelta(seconds=float(sys.argv[1])))
+print("joined", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sglang_processes_lose_the_torchrun_rank_env_that_blocks_their_rendezvous():
+    """Under a torchrun owner, ``TORCHELASTIC_USE_AGENT_STORE=True`` makes torch's ``tcp://``
+    rendezvous a client of a store nobody hosts: a one-process group as SGLang's schedulers
+    create theirs does not form (it fails at the deadline; SGLang leaves torch's default, 10+
+    minutes). The environment every SGLang process of ours gets (:func:`sglang_env_overrides`
+    over the owner's) has none of the launcher's per-rank variables, and the same group forms."""
+    from colocate.sglang_clients import LAUNCHER_ENV, sglang_env_overrides
+    from colocate.workers import merge_env
+
+    owner = _env(**TORCHRUN_RANK, TORCHELASTIC_ERROR_FILE="/tmp/err.json", MCD_KEEP="1")
+    over = sglang_env_overrides(owner, {"MCD_ROLE_VAR": "role"}, hide_megatron=False)
+    child = merge_env(owner, {k: "" if v is None else v for k, v in over.items()})
+    assert not [k for k in child if k in LAUNCHER_ENV or k.startswith("TORCHELASTIC_")]
+    assert child["MCD_KEEP"] == "1" and child["MCD_ROLE_VAR"] == "role" and child["PYTHONPATH"] == owner["PYTHONPATH"]
+    assert sglang_env_overrides(owner, hide_megatron=True)["PYTHONPATH"].split(os.pathsep)[0] == hide_megatron_dir()
+
+    ok = subprocess.run([sys.executable, "-c", _TCP_GROUP, "30"], env=child, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "joined" in ok.stdout, ok.stderr[-2000:]
+    stuck = subprocess.run([sys.executable, "-c", _TCP_GROUP, "1"], env=owner, capture_output=True, text=True,
+                           timeout=60)
+    assert stuck.returncode != 0 and "joined" not in stuck.stdout
+    assert "timed out" in stuck.stderr or "Timeout" in stuck.stderr, stuck.stderr[-2000:]
+
+
 def test_engine_devices_map_owner_gpus_and_zero_the_base():
     args = {"tp_size": 2, "base_gpu_id": 1}
     assert engine_devices(args, None) == [1, 2] and args == {"tp_size": 2, "base_gpu_id": 0}
@@ -54,9 +96,9 @@ def test_engine_devices_map_owner_gpus_and_zero_the_base():
 def test_launch_server_runs_as_a_guarded_worker_with_the_role_env(tmp_path):
     write_hf_checkpoint(tmp_path / "ckpt", weights(1), spec=SPEC, dtype=torch.float32)
     sched = LocalScheduler(owner_env=_env(CUDA_VISIBLE_DEVICES="4,5,6,7", MCD_ROLE_VAR="owner",
-                                          PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
+                                          PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", **TORCHRUN_RANK))
     eng = SGLangEngine.launch_server(spec=SPEC, param_dtype=torch.float32, scheduler=sched, ipc="cpu", devices=[2],
-                                     env={"PYTORCH_CUDA_ALLOC_CONF": None, "MCD_ROLE_VAR": "role",
+                                     env={"PYTORCH_CUDA_ALLOC_CONF": None, "MCD_ROLE_VAR": "role", "MASTER_ADDR": "10.0.0.9",
                                           "MCD_MP_AUTHKEY": multiprocessing.current_process().authkey.hex()},
                                      log_path=str(tmp_path / "server.log"), start_timeout_s=180, server_module=SERVER,
                                      model_path=str(tmp_path / "ckpt"), tp_size=1)
@@ -66,6 +108,8 @@ def test_launch_server_runs_as_a_guarded_worker_with_the_role_env(tmp_path):
         assert env["CUDA_VISIBLE_DEVICES"] == "6"  # the owner's logical 2
         assert argv[argv.index("--base-gpu-id") + 1] == "0" and argv[argv.index("--tp-size") + 1] == "1"
         assert env["PYTORCH_CUDA_ALLOC_CONF"] is None and env["MCD_ROLE_VAR"] == "role"
+        # the owner's torchrun rank variables are gone; a role override puts one back
+        assert all(env[k] is None for k in TORCHRUN_RANK if k != "MASTER_ADDR") and env["MASTER_ADDR"] == "10.0.0.9"
         assert env["COLOCATE_ROLE"] == "rollout" and env["PYTHONPATH"].split(os.pathsep)[0] == hide_megatron_dir()
         assert p["megatron"].startswith("ImportError: megatron is hidden")
         assert p["ppid"] == eng.client.worker.pid and eng.client.worker in sched.workers  # under the guard
@@ -157,10 +201,11 @@ def test_start_failure_is_typed_and_leaves_no_process(tmp_path):
     cfg = SGLangServerConfig(model_path=str(tmp_path / "missing"), log_path=str(tmp_path / "server.log"),
                              start_timeout_s=100)
     t0 = time.monotonic()
-    with pytest.raises(EngineStartError, match="exited during start"):
+    with pytest.raises(EngineStartError, match="exited during start") as ei:
         SGLangEngine.launch_server(cfg, spec=SPEC, param_dtype=torch.float32, scheduler=sched, ipc="cpu",
                                    server_module=SERVER)
     assert time.monotonic() - t0 < 90
+    assert "line(s) of the log:" in str(ei.value) and "missing" in str(ei.value)  # the log's tail names the cause
     (worker,) = sched.workers
     assert not worker.alive() and _group_gone(worker.pid)
     assert "missing" in (tmp_path / "server.log").read_text()  # the cause is in the log
