@@ -679,12 +679,12 @@ def _with_tail(msg: str, log_path: str | None) -> str:
                   else "; the log is empty")
 
 
-def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None,
-                  heartbeat_s: float = HEARTBEAT_S) -> None:
+def _wait_healthy(url: str, worker: Any, timeout_s: float, log_path: str | None) -> None:
     """Poll ``GET /health`` until 200; the worker exiting first raises EngineStartError, the
     deadline ReceiverTimeout, both with the last lines of the log (the caller kills the worker).
-    Every ``heartbeat_s`` a warning names the elapsed time and the log's last line."""
+    Every :data:`HEARTBEAT_S` a warning names the elapsed time and the log's last line."""
     host, port = urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port
+    heartbeat_s = HEARTBEAT_S
     t0 = time.monotonic()
     deadline, beat = t0 + timeout_s, t0 + heartbeat_s
     what = f"{worker.spec.command[2]} (role {worker.spec.role!r})"

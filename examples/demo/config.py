@@ -154,6 +154,8 @@ class EngineSection:
     """SGLang: capture decode CUDA graphs (batch sizes 1, 2, 4); needs ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in ``env``."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment set before the engine starts (SGLang reads e.g. ``SGLANG_MEMORY_SAVER_CUDA_GRAPH``)."""
+    start_timeout_s: float = 300.0
+    """SGLang: deadline of the engine's start; past it the processes it spawned are killed (``EngineStartError``)."""
 
     def __post_init__(self) -> None:
         _fields(self)
@@ -277,7 +279,8 @@ class DemoConfig:
                "must be in (0, 1)")
         _check(self.teacher_server.kind in ("hf", "sglang"), "teacher_server.kind", self.teacher_server.kind,
                "one of hf|sglang")
-        for name, v in (("teacher_server.start_timeout_s", self.teacher_server.start_timeout_s),
+        for name, v in (("engine.start_timeout_s", self.engine.start_timeout_s),
+                        ("teacher_server.start_timeout_s", self.teacher_server.start_timeout_s),
                         ("teacher_server.timeout_s", self.teacher_server.timeout_s)):
             _check(v > 0, name, v, "must be > 0")
         _check(self.teacher_server.max_retries >= 0, "teacher_server.max_retries", self.teacher_server.max_retries,

@@ -9,13 +9,17 @@ drive them the same way; only generation's return type differs, which :func:`sam
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Sequence
 
 import torch
 
 from examples.demo.config import DemoConfig
 from examples.demo.errors import EngineStartError
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,7 +47,12 @@ def build_engine(cfg: DemoConfig, spec, hf_dir: str | None, device: torch.device
         os.environ.update(cfg.engine.env)  # read by SGLang's processes at start (e.g. the memory saver's)
         args = sglang_args(cfg, hf_dir, device)
         free0 = torch.cuda.mem_get_info(device)[0]
-        engine = SGLangEngine.launch(spec=spec, param_dtype=publish_dtype(cfg), **args)
+        t0 = time.monotonic()
+        _rank0_warning("sglang engine on %s (cuda:%s): starting (engine.start_timeout_s=%s)", hf_dir, args["base_gpu_id"],
+                       cfg.engine.start_timeout_s)
+        engine = SGLangEngine.launch(spec=spec, param_dtype=publish_dtype(cfg), start_timeout_s=cfg.engine.start_timeout_s,
+                                     **args)
+        _rank0_warning("sglang engine: started in %.1fs", time.monotonic() - t0)
         torch.cuda.synchronize(device)
         # the device memory the engine's start took (weights, KV pool, graphs, its CUDA context):
         # what "resident fraction" divides by (nothing else allocates on the device meanwhile)
@@ -51,6 +60,14 @@ def build_engine(cfg: DemoConfig, spec, hf_dir: str | None, device: torch.device
         return engine
     except Exception as e:  # noqa: BLE001 - every start failure is one typed error naming the engine
         raise EngineStartError(f"engine.kind={cfg.engine.kind!r} failed to start: {type(e).__name__}: {e}") from e
+
+
+def _rank0_warning(msg: str, *args) -> None:
+    """A start-up line on rank 0 (the demo shows WARNING and above)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.warning(msg, *args)
 
 
 def sglang_args(cfg: DemoConfig, hf_dir: str, device: torch.device) -> dict:

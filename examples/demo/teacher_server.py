@@ -1,99 +1,82 @@
 """The HTTP-served teacher: a child server started through :mod:`colocate.workers` (per-role
 environment, killed with its owner) and the :class:`mopd.backends.HTTPTeacher` that scores on it.
 
-``teacher_server.kind=hf`` runs :mod:`mopd.hf_server` (a transformers model behind SGLang's
-``/generate`` contract, CPU); ``sglang`` runs ``sglang.launch_server`` on the same folder (GPU),
-Megatron hidden from it (:func:`colocate.sglang_engine.hide_megatron_dir`).
+Both kinds start on one path, :class:`colocate.config.SGLangServerConfig` →
+:func:`colocate.sglang_engine.sglang_server_launch_args` → :meth:`colocate.sglang_clients.HTTPClient.launch`
+(the role's environment: the owner's less its torchrun rank variables, offline hub, Megatron hidden,
+``teacher_server.env`` last). ``teacher_server.kind=sglang`` runs ``sglang.launch_server`` on the
+teacher's Hugging Face folder (GPU); ``hf`` runs :mod:`mopd.hf_server` in its place (a transformers
+model behind SGLang's ``/generate`` contract, CPU; SGLang's flags are ignored there).
 """
 
 from __future__ import annotations
 
-import http.client
-import socket
-import sys
+import logging
 import time
 from dataclasses import dataclass
 
-from colocate.errors import WorkerStartTimeout
 from examples.demo.config import DemoConfig
 
+log = logging.getLogger(__name__)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_MODULES = {"hf": "mopd.hf_server", "sglang": "sglang.launch_server"}
 
 
-def _healthy(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
+def server_config(cfg: DemoConfig, hf_dir: str, log_path: str | None = None):
+    """The :class:`colocate.config.SGLangServerConfig` of the teacher server (no CUDA graphs, no
+    memory saver: it is never released)."""
+    from colocate.config import SGLangServerConfig
+
+    ts = cfg.teacher_server
+    return SGLangServerConfig(model_path=hf_dir, role="teacher", mem_fraction_static=ts.mem_fraction_static,
+                              max_total_tokens=8192, cuda_graph=False, memory_saver=False, env=dict(ts.env),
+                              start_timeout_s=ts.start_timeout_s, request_timeout_s=ts.timeout_s, log_path=log_path)
 
 
-def server_command(cfg: DemoConfig, hf_dir: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """argv and per-role environment overrides of the server of ``cfg.teacher_server.kind``."""
-    env = dict(cfg.teacher_server.env)
-    if cfg.teacher_server.kind == "hf":
-        return [sys.executable, "-m", "mopd.hf_server", "--model-dir", hf_dir, "--port", str(port)], env
-    import os
+def launch_args(cfg: DemoConfig, hf_dir: str, log_path: str | None = None) -> dict:
+    """:meth:`colocate.sglang_clients.HTTPClient.launch` arguments of ``cfg.teacher_server.kind``."""
+    from colocate.sglang_engine import sglang_server_launch_args
 
-    from colocate.sglang_clients import server_args_to_cli
-    from colocate.sglang_engine import hide_megatron_dir, sglang_engine_args
-
-    args = sglang_engine_args(hf_dir, cuda_graph=False, memory_saver=False,
-                              mem_fraction_static=cfg.teacher_server.mem_fraction_static, dtype="bfloat16",
-                              max_total_tokens=8192, random_seed=cfg.seed)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (hide_megatron_dir(), os.environ.get("PYTHONPATH")) if p)
-    return [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port),
-            *server_args_to_cli(args)], env
+    args = sglang_server_launch_args(server_config(cfg, hf_dir, log_path))
+    args.update(dtype="bfloat16", random_seed=cfg.seed, server_module=_MODULES[cfg.teacher_server.kind],
+                ipc="cpu" if cfg.teacher_server.kind == "hf" else "cuda")
+    return args
 
 
 @dataclass
 class TeacherServer:
-    """A running teacher server: its URL and the worker (``pid``, ``kill``) of its scheduler."""
+    """A running teacher server: its URL, the worker (``pid``: its guard, ``kill``) and the client."""
 
     url: str
     worker: object
-    scheduler: object
+    client: object
 
     def stop(self) -> None:
         """Kill the server's whole process group (idempotent)."""
-        self.scheduler.shutdown()
+        self.client.shutdown()
 
 
 def start_teacher_server(cfg: DemoConfig, hf_dir: str, *, log_path: str | None = None) -> TeacherServer:
-    """Start the server on ``hf_dir`` and wait for ``/health``. A server that exits first raises
-    :class:`colocate.errors.WorkerError`, one not healthy in time :class:`WorkerStartTimeout`
-    (both after killing it)."""
-    from colocate.config import WorkerSpec
-    from colocate.errors import WorkerError
-    from colocate.workers import LocalScheduler
+    """Start the server on ``hf_dir`` and wait for ``/health`` (a WARNING line at the start, every
+    30 s while waiting, and when it serves). A server that exits first raises
+    :class:`colocate.errors.WorkerError`, one not healthy within ``teacher_server.start_timeout_s``
+    :class:`colocate.errors.WorkerStartTimeout`, both after killing it and with the last lines of
+    its log."""
+    from colocate.errors import ReceiverDied, ReceiverTimeout, WorkerError, WorkerStartTimeout
+    from colocate.sglang_clients import HTTPClient
 
-    port = _free_port()
-    cmd, env = server_command(cfg, hf_dir, port)
-    scheduler = LocalScheduler()
-    timeout = cfg.teacher_server.start_timeout_s
-    worker = scheduler.fork(WorkerSpec(role="teacher", command=cmd, env=env, health_timeout_s=timeout,
-                                       kill_grace_s=1.0, log_path=log_path), wait=False)  # no state to flush
-    deadline = time.monotonic() + timeout
+    kind, timeout = cfg.teacher_server.kind, cfg.teacher_server.start_timeout_s
+    log.warning("teacher server (%s) on %s: starting (teacher_server.start_timeout_s=%s, log: %s)", kind, hf_dir,
+                timeout, log_path)
+    t0 = time.monotonic()
     try:
-        while not _healthy(port):
-            if not worker.alive():
-                raise WorkerError(f"teacher server ({cfg.teacher_server.kind}) exited with "
-                                  f"{worker.proc.returncode} before /health answered; log: {log_path}")
-            if time.monotonic() > deadline:
-                raise WorkerStartTimeout(f"teacher server ({cfg.teacher_server.kind}) not healthy within "
-                                         f"teacher_server.start_timeout_s={timeout}s; log: {log_path}")
-            time.sleep(0.1)
-    except BaseException:
-        scheduler.shutdown()
-        raise
-    return TeacherServer(url=f"http://127.0.0.1:{port}", worker=worker, scheduler=scheduler)
+        client = HTTPClient.launch(**launch_args(cfg, hf_dir, log_path))
+    except ReceiverTimeout as e:
+        raise WorkerStartTimeout(f"teacher server ({kind}): teacher_server.start_timeout_s={timeout}s passed: {e}") from e
+    except ReceiverDied as e:  # EngineStartError: it exited during the start
+        raise WorkerError(f"teacher server ({kind}) failed to start: {e}") from e
+    log.warning("teacher server (%s) at %s: healthy in %.1fs", kind, client.base_url, time.monotonic() - t0)
+    return TeacherServer(url=client.base_url, worker=client.worker, client=client)
 
 
 def http_teacher(cfg: DemoConfig, teacher_id: str, url: str, vocab_size: int):

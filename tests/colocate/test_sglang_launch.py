@@ -211,6 +211,30 @@ def test_start_failure_is_typed_and_leaves_no_process(tmp_path):
     assert "missing" in (tmp_path / "server.log").read_text()  # the cause is in the log
 
 
+@pytest.mark.timeout(120)
+def test_slow_start_logs_a_heartbeat_and_the_timeout_carries_the_log_tail(tmp_path, monkeypatch, caplog):
+    """A server that does not answer ``/health``: a WARNING every heartbeat with the elapsed
+    time and the last line of its log, then ``ReceiverTimeout`` at ``start_timeout_s`` with the
+    log's last lines, and its process group killed."""
+    import logging
+
+    from colocate import sglang_clients
+    from colocate.errors import ReceiverTimeout
+    from colocate.sglang_clients import HTTPClient
+
+    monkeypatch.setattr(sglang_clients, "HEARTBEAT_S", 0.5)
+    sched = LocalScheduler(owner_env=_env())
+    with caplog.at_level(logging.WARNING, logger="colocate.sglang_clients"), \
+            pytest.raises(ReceiverTimeout, match=r"not healthy within 3s.*last 1 line\(s\) of the log:\n  \| loading "
+                                                 r"weights: shard 3 of 7"):
+        HTTPClient.launch(server_module="tests.colocate._stuck_server", scheduler=sched, ipc="cpu", start_timeout_s=3,
+                          log_path=str(tmp_path / "stuck.log"), model_path="/m")
+    beats = [r.getMessage() for r in caplog.records if "waiting for /health" in r.getMessage()]
+    assert beats and all("log's last line: loading weights: shard 3 of 7" in b for b in beats), beats
+    (worker,) = sched.workers
+    assert not worker.alive() and _group_gone(worker.pid)
+
+
 @pytest.mark.timeout(180)
 def test_engine_crash_mid_generate_is_typed_and_in_time(tmp_path):
     """The server process dies while a generation is in flight: ``generate`` raises

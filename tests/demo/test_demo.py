@@ -12,6 +12,7 @@ import torch
 from examples.demo.config import (
     DemoConfig,
     DemoConfigError,
+    EngineSection,
     MOPDStageConfig,
     TeacherTrainConfig,
     WarmStartConfig,
@@ -95,6 +96,7 @@ def test_appended_unknown_key_is_refused_with_the_valid_keys():
     ("teacher.min_accuracy", 1.5, {"teacher": TeacherTrainConfig(min_accuracy=1.5)}),
     ("warm_start.lr", 0.0, {"warm_start": WarmStartConfig(lr=0.0)}),
     ("shift", 16, {"shift": 16}),
+    ("engine.start_timeout_s", 0.0, {"engine": EngineSection(start_timeout_s=0.0)}),
 ])
 def test_bad_values_name_field_and_value(field, value, kw):
     with pytest.raises(DemoConfigError, match=rf"{field}={value!r}"):
@@ -257,7 +259,7 @@ def test_sglang_arguments_of_the_gpu_config():
     arguments from conf/gpu.yaml, and SGLang's output dicts read as tokens and behaviour log-probs."""
     from examples.demo.config import to_demo_config
     from examples.demo.engine import sample, sglang_args
-    from examples.demo.teacher_server import server_command
+    from examples.demo.teacher_server import launch_args
 
     cfg = to_demo_config(_compose([], "gpu"))
     args = sglang_args(cfg, "/m/student_hf", torch.device("cuda", 0))
@@ -265,12 +267,24 @@ def test_sglang_arguments_of_the_gpu_config():
     assert args["sampling_backend"] == "pytorch" and args["grammar_backend"] == "none"
     assert args["skip_tokenizer_init"] and args["enable_memory_saver"] and args["dtype"] == "bfloat16"
     assert args["disable_cuda_graph"] is False and args["mem_fraction_static"] == 0.1 and args["base_gpu_id"] == 0
-    cmd, env = server_command(cfg, "/m/shift", 30123)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"] and cmd[cmd.index("--model-path") + 1] == "/m/shift"
-    assert "--skip-tokenizer-init" in cmd and cmd[cmd.index("--attention-backend") + 1] == "triton"
-    assert cmd[cmd.index("--port") + 1] == "30123" and "--enable-memory-saver" not in cmd
-    assert env["HF_HUB_OFFLINE"] == "1" and env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == ""  # removed for the role
-    assert env["PYTHONPATH"].split(":")[0].endswith("mcore_distill_hide_megatron_" + str(__import__("os").getuid()))
+    assert cfg.engine.start_timeout_s > 0
+    # the teacher server: colocate's one launch path (SGLangServerConfig → HTTPClient.launch)
+    import inspect
+
+    from colocate.sglang_clients import HTTPClient, server_args_to_cli
+
+    la = launch_args(cfg, "/m/shift", "/o/teacher_server.log")
+    own = set(inspect.signature(HTTPClient.launch).parameters)
+    cmd = server_args_to_cli({k: v for k, v in la.items() if k not in own})
+    assert la["server_module"] == "sglang.launch_server" and la["ipc"] == "cuda" and la["role"] == "teacher"
+    assert cmd[cmd.index("--model-path") + 1] == "/m/shift" and "--skip-tokenizer-init" in cmd
+    assert cmd[cmd.index("--attention-backend") + 1] == "triton" and "--enable-memory-saver" not in cmd
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.05" and "--disable-cuda-graph" in cmd
+    assert (la["start_timeout_s"], la["timeout_s"], la["log_path"]) == (300.0, 60.0, "/o/teacher_server.log")
+    env = la["env"]
+    assert env["HF_HUB_OFFLINE"] == "1" and env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] is None  # removed for the role
+    cpu = launch_args(to_demo_config(_compose([])), "/m/shift")
+    assert cpu["server_module"] == "mopd.hf_server" and cpu["ipc"] == "cpu" and cpu["model_path"] == "/m/shift"
 
     class SGLangLike:  # the reply shape of colocate.SGLangEngine.generate (SGLang's output dicts)
         client = object()
