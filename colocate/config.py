@@ -277,7 +277,9 @@ class SGLangServerConfig:
         (``PYTORCH_CUDA_ALLOC_CONF`` = :attr:`alloc_conf`, ``PYTORCH_ALLOC_CONF`` removed),
         ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` when graphs are captured under the memory saver (it
         must be set before capture, or ``cuda_graph`` cannot be released), ``HF_HUB_OFFLINE=1``
-        (nothing is downloaded), then :attr:`env`."""
+        (nothing is downloaded), then :attr:`env`. The launch applies them over the owner's
+        environment less its torchrun variables
+        (:func:`colocate.sglang_clients.sglang_env_overrides`)."""
         out: dict[str, str | None] = {"PYTORCH_CUDA_ALLOC_CONF": self.alloc_conf or None, "PYTORCH_ALLOC_CONF": None,
                                       "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1" if self.cuda_graph and self.memory_saver
                                       else None, "HF_HUB_OFFLINE": "1"}
