@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from examples.demo.config import DemoConfig
 from examples.demo.tasks import DOMAINS, TaskData, prompts_from_letters
-from examples.demo.teachers import answer_loss, context_len, tiny_cfg
+from examples.demo.teachers import context_len, tiny_cfg, training_loss
 
 TEACHER_OF = {t: f"{t}_teacher" for t in DOMAINS}
 
@@ -174,22 +174,34 @@ def warm_start(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, *, b
     counts = {t: round(w.batch * w.mix[t] / total) for t in DOMAINS}
     for step in range(w.steps):
         _set_lr(st.opt, w.lr)
-        rows = []
-        for task in DOMAINS:
-            if counts[task] == 0:
-                continue
-            x, y = distill[task]
-            pick = torch.randint(0, x.shape[0], (counts[task],), generator=g)
-            rows.append(torch.cat([prompts_from_letters(task, x[pick]), y[pick]], 1))
         st.ddp.zero_grad_buffer()
         st.opt.zero_grad()
-        loss = answer_loss(st.ddp, torch.cat(rows), data.prompt_len)
+        loss = _warm_start_loss(st, cfg, data, distill, counts, g)
         _train_update(st, loss)
         if bar is not None:
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(phase="warm start", loss=f"{loss.item():.3f}")
     publish(st)
+
+
+def _warm_start_loss(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, counts: dict,
+                     g: torch.Generator) -> torch.Tensor:
+    """Cross entropy on ``counts[task]`` teacher answers per domain: one batch of single-turn rows
+    (GRPO), or the agent workload's supervised episodes per domain, weighted by their rows."""
+    picks = {}
+    for task in DOMAINS:
+        if counts[task]:
+            x, y = distill[task]
+            pick = torch.randint(0, x.shape[0], (counts[task],), generator=g)
+            picks[task] = (x[pick], y[pick])
+    if cfg.workload.kind != "agent":
+        from examples.demo.teachers import answer_loss
+
+        rows = [torch.cat([prompts_from_letters(t, x), y], 1) for t, (x, y) in picks.items()]
+        return answer_loss(st.ddp, torch.cat(rows), data.prompt_len)
+    n = sum(counts.values())
+    return sum(training_loss(st.ddp, cfg, data, t, x, y, g) * (x.shape[0] / n) for t, (x, y) in picks.items())
 
 
 def student_logprobs(st: Student, ids: torch.Tensor, cfg: DemoConfig) -> tuple[torch.Tensor, float]:
