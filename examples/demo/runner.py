@@ -2,10 +2,11 @@
 
 Per step, on every rank (``colocate.ColocatedCycle`` orders the residency transitions)::
 
-    generate        engine samples GRPO groups (trainer weights, grads, optimizer released)
+    generate        engine samples GRPO groups, or multi-turn agent episodes (``workload.kind``,
+                    :mod:`examples.demo.workload`) (trainer weights, grads, optimizer released)
     release/resume  cycle.to_training(): engine releases kv_cache, weights, cuda_graph; trainer resumes
     teacher_scoring routed teachers score the rows (Megatron host, and the HTTP-served teacher)
-    train           harts tree forward, MOPD loss, backward, DP grad reduce-scatter
+    train           harts tree forward, MOPD loss on the model's tokens, backward, DP grad reduce-scatter
     optimizer       staged AdamW step (state in host slabs)
     [checkpoint]    every ``checkpoint_every`` steps: Megatron + optimizer, HF folder
     publish         cycle.publish(): trainer releases, engine resumes weights, Publisher, engine resumes
@@ -365,7 +366,7 @@ def run_mopd(job: Job, *, bar=None, log=None) -> None:
         job.step = k
         if k % cfg.mopd.eval_every == 0 or k == cfg.mopd.steps:
             job.evals.append({"step": k, **engine_accuracy(job.st, cfg, job.data)})
-            row.update({f"accuracy/{d}": job.evals[-1][d] for d in DOMAINS})
+            row.update({f"accuracy/{d}": v for d, v in job.evals[-1].items() if d != "step"})
         if checkpoint.due(cfg, k):
             checkpoint.finalize(cfg, k, runner_state(job))
             job.last_checkpoint = k

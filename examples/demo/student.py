@@ -142,19 +142,33 @@ def _train_update(st: Student, loss: torch.Tensor) -> float:
 
 def engine_accuracy(st: Student, cfg: DemoConfig, data: TaskData) -> dict[str, float]:
     """Held-out greedy exact match per domain through the rollout engine (the published weights);
-    the held-out set is split across ranks and the counts all-reduced."""
+    the held-out set is split across ranks and the counts all-reduced. Agent workload: greedy
+    episodes (:func:`examples.demo.workload.run_episodes`), the domain's key is turn 1's answer
+    and ``turn<j>/<domain>`` each turn's."""
     from examples.demo.engine import greedy
+    from examples.demo.teachers import turns
+    from examples.demo.workload import run_episodes
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    counts = torch.zeros(2 * len(DOMAINS), dtype=torch.float64, device=st.device)
+    rank, world, n = dist.get_rank(), dist.get_world_size(), turns(cfg)
+
+    def act(ctx: torch.Tensor, turn: int):
+        y = greedy(st.engine, ctx.tolist(), n_new=cfg.length)
+        return y, torch.zeros(y.shape)
+
+    counts = torch.zeros((n + 1) * len(DOMAINS), dtype=torch.float64, device=st.device)
     for k, task in enumerate(DOMAINS):
         x = data.held_out[task][rank::world]
         if x.shape[0]:
-            gen = greedy(st.engine, prompts_from_letters(task, x).tolist(), n_new=cfg.length)
-            counts[2 * k] = data.correct(task, x, gen).sum()
-        counts[2 * k + 1] = x.shape[0]
+            ep = run_episodes(prompts_from_letters(task, x), data.answer(task, x), n, act)
+            for j, y in enumerate(ep.answers):
+                counts[(n + 1) * k + j] = data.correct(task, x, y).sum()
+        counts[(n + 1) * k + n] = x.shape[0]
     dist.all_reduce(counts)
-    return {t: float(counts[2 * k] / counts[2 * k + 1]) for k, t in enumerate(DOMAINS)}
+    out = {t: float(counts[(n + 1) * k] / counts[(n + 1) * k + n]) for k, t in enumerate(DOMAINS)}
+    if n > 1:
+        out.update({f"turn{j + 1}/{t}": float(counts[(n + 1) * k + j] / counts[(n + 1) * k + n])
+                    for k, t in enumerate(DOMAINS) for j in range(n)})
+    return out
 
 
 def trainer_greedy(st: Student, prompts: torch.Tensor, n_new: int) -> torch.Tensor:

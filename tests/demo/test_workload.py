@@ -193,8 +193,14 @@ def _agent_rank(rank: int, world: int, out_dir: str) -> dict:
                      workload=WorkloadSection(kind="agent", turns=2))
     res = run_demo(cfg)
     destroy_megatron()
-    lines = Path(out_dir, "steps.jsonl").read_text().splitlines() if rank == 0 else []
-    return {"history": res["history"], "colocated": res["colocated"], "steps_jsonl": [json.loads(x) for x in lines]}
+    out = {"history": res["history"], "colocated": res["colocated"], "evals": res["evals"], "accuracy": res["accuracy"]}
+    if rank == 0:
+        from examples.demo.report import timeline_summary, write_outputs
+
+        out["summary"] = timeline_summary(res, res["history"])
+        out["png"] = write_outputs(res, res.pop("history"), res.pop("evals"), out_dir)["png"]
+        out["steps_jsonl"] = [json.loads(x) for x in Path(out_dir, "steps.jsonl").read_text().splitlines()]
+    return out
 
 
 @pytest.mark.multirank
@@ -216,5 +222,11 @@ def test_runner_agent_workload_two_ranks(tmp_path):
             assert h["sharing_ratio"] > 1.0 and h["sharing_ratio_turns"] > h["sharing_ratio"]
             assert h["engine_trainer_max_abs"] < 1e-4  # the engine's behaviour log-probs on every turn = trainer's
             assert all(h[f"time/{p}"] > 0 for p in ("generate", "teacher_scoring", "train", "optimizer", "publish"))
+        for e in r["evals"]:  # held-out greedy episodes through the engine: turn 1 is the domain's accuracy
+            assert all(0.0 <= e[f"turn{j}/{d}"] <= 1.0 for j in (1, 2) for d in ("reverse", "shift"))
+            assert e["reverse"] == e["turn1/reverse"] and e["shift"] == e["turn1/shift"]
+        assert r["accuracy"]["warm_start"]["turn2/reverse"] == r["evals"][0]["turn2/reverse"]
     rows = out[0]["steps_jsonl"]
     assert [x["step"] for x in rows] == [1, 2] and "turn2/sample_accuracy/shift" in rows[0]
+    assert rows[-1]["accuracy/turn2/shift"] == out[0]["evals"][-1]["turn2/shift"]
+    assert "agent episodes, sample accuracy" in out[0]["summary"] and Path(out[0]["png"]).stat().st_size > 10_000
