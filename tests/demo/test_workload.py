@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.demo.config import DemoConfig, DemoConfigError, MOPDStageConfig, TeacherTrainConfig, WarmStartConfig
-from examples.demo.config import WorkloadSection
+from examples.demo.config import (
+    DemoConfig,
+    DemoConfigError,
+    MOPDStageConfig,
+    TeacherTrainConfig,
+    WarmStartConfig,
+    WorkloadSection,
+)
 from examples.demo.tasks import BOS, FIRST_LETTER, OBS, RIGHT, SEP, TASK_TOKEN, WRONG, TaskData, prompts_from_letters
 from examples.demo.workload import answer_spans, corrupt, episode_len, run_episodes, supervised_episodes
 
