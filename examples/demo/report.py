@@ -176,7 +176,10 @@ def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir
     ax[0, 1].set(title="reward = −(sampled reverse KL to routed teacher) per token", xlabel="MOPD step")
     ax[1, 0].plot(steps, [h["tokens_per_s"] for h in history])
     ax[1, 0].set(title="tokens/s (ΣL over step wall time, all ranks)", xlabel="MOPD step")
-    ax[1, 1].plot(steps, [h["sharing_ratio"] for h in history])
+    ax[1, 1].plot(steps, [h["sharing_ratio"] for h in history], label="rows = sequences")
+    if history and "sharing_ratio_turns" in history[0]:  # agent episodes: against one row per turn
+        ax[1, 1].plot(steps, [h["sharing_ratio_turns"] for h in history], label="against one row per turn")
+        ax[1, 1].legend(fontsize=8)
     ax[1, 1].set(title="harts sharing ratio C = ΣL / T", xlabel="MOPD step")
     for a in ax.flat:
         a.grid(alpha=0.3)
