@@ -132,8 +132,7 @@ def engine_resident_fraction(job: Job, freed: dict[str, int]) -> float | None:
 def _rollout(job: Job, k: int):
     """This rank's prompts (alternating domains) and the engine's rows for them: a GRPO group per
     prompt, or agent episodes (:func:`examples.demo.workload.run_episodes`, the engine acting each turn)."""
-    from examples.demo.teachers import turns
-    from examples.demo.workload import run_episodes
+    from examples.demo.workload import model_turns, run_episodes
 
     cfg, m, rank = job.cfg, job.cfg.mopd, dist.get_rank()
     tasks = [DOMAINS[(i + rank + k - 1) % len(DOMAINS)] for i in range(m.prompts_per_step)]
@@ -151,7 +150,7 @@ def _rollout(job: Job, k: int):
             raise EngineCrashedError(k, e) from e
         return torch.tensor(tokens), torch.tensor(logps)
 
-    return tasks, xs, run_episodes(rep, truth, turns(cfg), act)
+    return tasks, xs, run_episodes(rep, truth, model_turns(cfg), act)
 
 
 def _score(job: Job, k: int, batch, routes, old, mask):

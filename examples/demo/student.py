@@ -146,10 +146,9 @@ def engine_accuracy(st: Student, cfg: DemoConfig, data: TaskData) -> dict[str, f
     episodes (:func:`examples.demo.workload.run_episodes`), the domain's key is turn 1's answer
     and ``turn<j>/<domain>`` each turn's."""
     from examples.demo.engine import greedy
-    from examples.demo.teachers import turns
-    from examples.demo.workload import run_episodes
+    from examples.demo.workload import model_turns, run_episodes
 
-    rank, world, n = dist.get_rank(), dist.get_world_size(), turns(cfg)
+    rank, world, n = dist.get_rank(), dist.get_world_size(), model_turns(cfg)
 
     def act(ctx: torch.Tensor, turn: int):
         y = greedy(st.engine, ctx.tolist(), n_new=cfg.length)

@@ -28,15 +28,10 @@ request whose input + ``max_new_tokens`` reaches the context length (RoPE has no
 the margin changes no number)."""
 
 
-def turns(cfg: DemoConfig) -> int:
-    """Model turns per row: 1 for GRPO, ``workload.turns`` for agent episodes."""
-    return cfg.workload.turns if cfg.workload.kind == "agent" else 1
-
-
 def context_len(data: TaskData, cfg: DemoConfig) -> int:
-    from examples.demo.workload import episode_len
+    from examples.demo.workload import episode_len, model_turns
 
-    return episode_len(data.prompt_len, cfg.length, turns(cfg)) + CONTEXT_MARGIN
+    return episode_len(data.prompt_len, cfg.length, model_turns(cfg)) + CONTEXT_MARGIN
 
 
 def tiny_cfg(m: ModelConfig, *, max_len: int):
@@ -81,9 +76,9 @@ def training_loss(model, cfg: DemoConfig, data: TaskData, task: str, x: torch.Te
     prompts = prompts_from_letters(task, x)
     if cfg.workload.kind != "agent":
         return answer_loss(model, torch.cat([prompts, good], 1), data.prompt_len)
-    from examples.demo.workload import supervised_episodes
+    from examples.demo.workload import model_turns, supervised_episodes
 
-    rows, mask = supervised_episodes(prompts, data.answer(task, x), good, turns(cfg), g, letters=cfg.letters,
+    rows, mask = supervised_episodes(prompts, data.answer(task, x), good, model_turns(cfg), g, letters=cfg.letters,
                                      p_wrong=cfg.workload.p_wrong)
     return masked_loss(model, rows, mask)
 

@@ -28,7 +28,9 @@ import torch
 
 from examples.demo.tasks import FIRST_LETTER, OBS, RIGHT, SEP, WRONG
 
-WORKLOADS = ("grpo", "agent")
+def model_turns(cfg) -> int:
+    """Model turns per row of a :class:`~examples.demo.config.DemoConfig`: 1 for GRPO, ``workload.turns`` for agent."""
+    return cfg.workload.turns if cfg.workload.kind == "agent" else 1
 
 
 def feedback(truth: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
