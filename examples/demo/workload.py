@@ -28,6 +28,7 @@ import torch
 
 from examples.demo.tasks import FIRST_LETTER, OBS, RIGHT, SEP, WRONG
 
+
 def model_turns(cfg) -> int:
     """Model turns per row of a :class:`~examples.demo.config.DemoConfig`: 1 for GRPO, ``workload.turns`` for agent."""
     return cfg.workload.turns if cfg.workload.kind == "agent" else 1
