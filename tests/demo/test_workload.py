@@ -192,14 +192,18 @@ def _agent_rank(rank: int, world: int, out_dir: str) -> dict:
     from mcore_distill.testing import destroy_megatron
 
     torch.set_num_threads(1)
-    cfg = DemoConfig(length=4, held_out=16, out_dir=out_dir, progress=False, checkpoint_every=0,
+    cfg = DemoConfig(length=4, held_out=16, out_dir=out_dir, progress=False, checkpoint_every=2,
                      teacher=TeacherTrainConfig(steps=30, batch=16, min_accuracy=0.0, distill_prompts=32),
                      warm_start=WarmStartConfig(steps=3, batch=8),
-                     mopd=MOPDStageConfig(steps=2, prompts_per_step=2, group_size=4, eval_every=1),
+                     mopd=MOPDStageConfig(steps=3, prompts_per_step=2, group_size=4, eval_every=1),
                      workload=WorkloadSection(kind="agent", turns=2))
     res = run_demo(cfg)
     destroy_megatron()
-    out = {"history": res["history"], "colocated": res["colocated"], "evals": res["evals"], "accuracy": res["accuracy"]}
+    cfg.resume = True  # from the step-2 checkpoint: step 3 again
+    resumed = run_demo(cfg)
+    destroy_megatron()
+    out = {"history": res["history"], "colocated": res["colocated"], "evals": res["evals"], "accuracy": res["accuracy"],
+           "resumed": {"from": resumed["resumed_from"], "history": resumed["history"], "evals": resumed["evals"]}}
     if rank == 0:
         from examples.demo.report import timeline_summary, write_outputs
 
@@ -215,8 +219,13 @@ def test_runner_agent_workload_two_ranks(tmp_path):
     from mcore_distill.testing import run_ranks
 
     out = run_ranks(_agent_rank, 2, str(tmp_path), timeout=190)
+    timing = ("time/", "mem/", "tokens_per_s", "step_s", "publish_ms", "bytes/")
     for r in out:
-        assert len(r["history"]) == 2 and r["colocated"]["greedy_match"] is True
+        assert len(r["history"]) == 3 and r["colocated"]["greedy_match"] is True
+        # resume from the step-2 checkpoint: the same episodes, metrics and evals (CPU: exactly)
+        assert r["resumed"]["from"] == 2 and r["resumed"]["evals"] == r["evals"]
+        assert [{k: v for k, v in h.items() if not k.startswith(timing)} for h in r["resumed"]["history"]] == \
+            [{k: v for k, v in h.items() if not k.startswith(timing)} for h in r["history"]]
         for h in r["history"]:
             for key in ("reward/reverse", "reward/shift", "turn1/reward/reverse", "turn2/reward/reverse",
                         "turn1/reward/shift", "turn2/reward/shift", "gnorm", "tokens_per_s"):
@@ -233,6 +242,6 @@ def test_runner_agent_workload_two_ranks(tmp_path):
             assert e["reverse"] == e["turn1/reverse"] and e["shift"] == e["turn1/shift"]
         assert r["accuracy"]["warm_start"]["turn2/reverse"] == r["evals"][0]["turn2/reverse"]
     rows = out[0]["steps_jsonl"]
-    assert [x["step"] for x in rows] == [1, 2] and "turn2/sample_accuracy/shift" in rows[0]
-    assert rows[-1]["accuracy/turn2/shift"] == out[0]["evals"][-1]["turn2/shift"]
+    assert [x["step"] for x in rows] == [1, 2, 3] and "turn2/sample_accuracy/shift" in rows[0]
+    assert rows[-1]["accuracy/turn2/shift"] == out[0]["evals"][-1]["turn2/shift"]  # steps.jsonl of the resumed run
     assert "agent episodes, sample accuracy" in out[0]["summary"] and Path(out[0]["png"]).stat().st_size > 10_000
