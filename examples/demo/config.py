@@ -138,6 +138,26 @@ class MOPDStageConfig:
 
 
 @dataclass(kw_only=True)
+class WorkloadSection:
+    """What the engine rolls out each MOPD step (:mod:`examples.demo.workload`); the phases, the
+    loss and the logging are the same for every kind, only the rows and the loss mask differ."""
+
+    kind: str = "grpo"
+    """``grpo``: a group of ``mopd.group_size`` single answers per prompt. ``agent``: multi-turn
+    episodes: the model answers, the environment appends which positions were wrong
+    (``OBS f_1..f_L SEP``), the model answers again (``turns`` times); observation tokens are
+    masked out of the loss. The teachers and the warm start then learn that format too."""
+    turns: int = 2
+    """Model turns per agent episode (``agent`` only)."""
+    p_wrong: float = 0.5
+    """``agent``: share of non-final turns answered wrong in the supervised episodes the teachers
+    and the warm start learn from (so they see observations with WRONG positions)."""
+
+    def __post_init__(self) -> None:
+        _fields(self)
+
+
+@dataclass(kw_only=True)
 class EngineSection:
     """The rollout engine the runner colocates with the trainer (one code path, chosen here)."""
 
@@ -221,6 +241,8 @@ class DemoConfig:
     """Sequence-level warm start."""
     mopd: MOPDStageConfig = field(default_factory=MOPDStageConfig)
     """On-policy phase."""
+    workload: WorkloadSection = field(default_factory=WorkloadSection)
+    """What the engine rolls out per step (GRPO groups or multi-turn agent episodes)."""
     engine: EngineSection = field(default_factory=EngineSection)
     """Rollout engine."""
     teacher_server: TeacherServerSection = field(default_factory=TeacherServerSection)
@@ -273,6 +295,9 @@ class DemoConfig:
         _check(set(self.teacher.http_routes) <= {"reverse", "shift"} and len(set(self.teacher.http_routes)) < 2,
                "teacher.http_routes", list(self.teacher.http_routes),
                "at most one of reverse|shift (the other stays on the Megatron host)")
+        _check(self.workload.kind in ("grpo", "agent"), "workload.kind", self.workload.kind, "one of grpo|agent")
+        _check(1 <= self.workload.turns <= 4, "workload.turns", self.workload.turns, "must be in [1, 4]")
+        _check(0.0 <= self.workload.p_wrong <= 1.0, "workload.p_wrong", self.workload.p_wrong, "must be in [0, 1]")
         _check(self.engine.kind in ("hf", "sglang"), "engine.kind", self.engine.kind, "one of hf|sglang")
         _check(self.engine.dtype in ("float32", "bfloat16"), "engine.dtype", self.engine.dtype, "one of float32|bfloat16")
         _check(0 < self.engine.mem_fraction_static < 1, "engine.mem_fraction_static", self.engine.mem_fraction_static,

@@ -95,11 +95,20 @@ def timeline_summary(results: dict, history: list[dict]) -> str:
              for p in PHASES + ("checkpoint",)]
     rec = results.get("colocated", {})
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    agent = ""
+    turns = sorted({k.split("/")[0] for h in history for k in h if k.startswith("turn") and "/sample_accuracy/" in k})
+    if turns:  # agent episodes: sample accuracy per model turn over the last 10 steps
+        last = history[-10:]
+        parts_t = [f"{t} " + " ".join(f"{d} {sum(h[f'{t}/sample_accuracy/{d}'] for h in last) / len(last):.1%}"
+                                      for d in DOMAINS) for t in turns]
+        c = sum(h["sharing_ratio_turns"] for h in last) / len(last)
+        agent = ("\nagent episodes, sample accuracy over the last 10 steps: " + "; ".join(parts_t)
+                 + f"; sharing ratio against one row per turn {c:.2f}")
     return ("mean ms per step: " + ", ".join(parts) + "\n"
             f"engine {rec.get('engine')}; trainer resident while generating {fmt(rec.get('trainer_resident_fraction_during_generate'))}, "
             f"engine resident while training {fmt(rec.get('engine_resident_fraction_during_train'))}, "
             f"publish {fmt(rec.get('publish_ms'))} ms (median), greedy engine == trainer: {rec.get('greedy_match')} "
-            f"({rec.get('greedy_checks')} checks)")
+            f"({rec.get('greedy_checks')} checks)" + agent)
 
 
 def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir: str, *,
@@ -157,13 +166,20 @@ def write_outputs(results: dict, history: list[dict], evals: list[dict], out_dir
     ax[2, 1].legend(fontsize=8)
     for d in DOMAINS:
         ax[0, 0].plot([e["step"] for e in evals], [e[d] for e in evals], marker="o", label=f"held-out {d}")
+        last = max((k for k in evals[-1] if k.startswith("turn") and k.endswith(f"/{d}")), default=None) if evals else None
+        if last is not None:  # agent episodes: the last turn, after the environment's feedback
+            ax[0, 0].plot([e["step"] for e in evals], [e[last] for e in evals], ls="--", marker=".",
+                          label=f"held-out {d}, {last.split('/')[0]} after feedback")
         ax[0, 0].axhline(results["teacher_accuracy"][d], ls=":", lw=1)
         ax[0, 1].plot(steps, [h[f"reward/{d}"] for h in history], label=d)
     ax[0, 0].set(title="student greedy exact match (dotted: teachers)", xlabel="MOPD step", ylim=(0, 1.05))
     ax[0, 1].set(title="reward = −(sampled reverse KL to routed teacher) per token", xlabel="MOPD step")
     ax[1, 0].plot(steps, [h["tokens_per_s"] for h in history])
     ax[1, 0].set(title="tokens/s (ΣL over step wall time, all ranks)", xlabel="MOPD step")
-    ax[1, 1].plot(steps, [h["sharing_ratio"] for h in history])
+    ax[1, 1].plot(steps, [h["sharing_ratio"] for h in history], label="rows = sequences")
+    if history and "sharing_ratio_turns" in history[0]:  # agent episodes: against one row per turn
+        ax[1, 1].plot(steps, [h["sharing_ratio_turns"] for h in history], label="against one row per turn")
+        ax[1, 1].legend(fontsize=8)
     ax[1, 1].set(title="harts sharing ratio C = ΣL / T", xlabel="MOPD step")
     for a in ax.flat:
         a.grid(alpha=0.3)

@@ -2,10 +2,11 @@
 
 Per step, on every rank (``colocate.ColocatedCycle`` orders the residency transitions)::
 
-    generate        engine samples GRPO groups (trainer weights, grads, optimizer released)
+    generate        engine samples GRPO groups, or multi-turn agent episodes (``workload.kind``,
+                    :mod:`examples.demo.workload`) (trainer weights, grads, optimizer released)
     release/resume  cycle.to_training(): engine releases kv_cache, weights, cuda_graph; trainer resumes
     teacher_scoring routed teachers score the rows (Megatron host, and the HTTP-served teacher)
-    train           harts tree forward, MOPD loss, backward, DP grad reduce-scatter
+    train           harts tree forward, MOPD loss on the model's tokens, backward, DP grad reduce-scatter
     optimizer       staged AdamW step (state in host slabs)
     [checkpoint]    every ``checkpoint_every`` steps: Megatron + optimizer, HF folder
     publish         cycle.publish(): trainer releases, engine resumes weights, Publisher, engine resumes
@@ -129,17 +130,27 @@ def engine_resident_fraction(job: Job, freed: dict[str, int]) -> float | None:
 
 # ----- one step ----------------------------------------------------------------------------------
 def _rollout(job: Job, k: int):
+    """This rank's prompts (alternating domains) and the engine's rows for them: a GRPO group per
+    prompt, or agent episodes (:func:`examples.demo.workload.run_episodes`, the engine acting each turn)."""
+    from examples.demo.workload import model_turns, run_episodes
+
     cfg, m, rank = job.cfg, job.cfg.mopd, dist.get_rank()
     tasks = [DOMAINS[(i + rank + k - 1) % len(DOMAINS)] for i in range(m.prompts_per_step)]
     xs = torch.cat([job.data.sample(t, 1, job.g) for t in tasks])
     prompts = [prompts_from_letters(t, x[None])[0].tolist() for t, x in zip(tasks, xs, strict=True)]
-    rep = [p for p in prompts for _ in range(m.group_size)]
-    try:
-        tokens, logps = sample(job.st.engine, rep, n_new=cfg.length, temperature=m.temperature,
-                               seed=(cfg.seed * 1_000_003 + (k - 1) * 9973 + rank * 101) % (1 << 62))
-    except Exception as e:  # noqa: BLE001 - whatever the engine raised, the step failed in the engine
-        raise EngineCrashedError(k, e) from e
-    return tasks, xs, rep, torch.tensor(tokens), torch.tensor(logps)
+    rep = torch.tensor([p for p in prompts for _ in range(m.group_size)])
+    truth = torch.cat([job.data.answer(t, x[None]) for t, x in zip(tasks, xs, strict=True)]).repeat_interleave(
+        m.group_size, 0)
+
+    def act(ctx: torch.Tensor, turn: int):
+        seed = (cfg.seed * 1_000_003 + (k - 1) * 9973 + rank * 101 + turn * 7919) % (1 << 62)
+        try:
+            tokens, logps = sample(job.st.engine, ctx.tolist(), n_new=cfg.length, temperature=m.temperature, seed=seed)
+        except Exception as e:  # noqa: BLE001 - whatever the engine raised, the step failed in the engine
+            raise EngineCrashedError(k, e) from e
+        return torch.tensor(tokens), torch.tensor(logps)
+
+    return tasks, xs, run_episodes(rep, truth, model_turns(cfg), act)
 
 
 def _score(job: Job, k: int, batch, routes, old, mask):
@@ -167,10 +178,11 @@ class Rollout:
 
     tasks: list[str]
     xs: torch.Tensor          # [prompts, L] letters of each prompt
-    gen: torch.Tensor         # [B, L] sampled answers
-    batch: object             # mopd.TokenBatch of prompt + answer rows [B, S]
+    answers: list             # per model turn [B, L] sampled answers (one turn for GRPO)
+    batch: object             # mopd.TokenBatch of the rows [B, S] (prompt, answers, observations)
     old: torch.Tensor         # [B, S] behaviour log-probs: old[:, t] ↔ ids[:, t + 1]
-    mask: torch.Tensor        # [B, S] the L answer labels
+    mask: torch.Tensor        # [B, S] the labels of the model's tokens (every turn's answer)
+    turn_masks: list          # per turn [B, S] its answer labels
     routes: list[str]
 
 
@@ -178,18 +190,16 @@ def _generate(job: Job, k: int) -> Rollout:
     from mopd import TokenBatch
     from mopd.routing import stamp_routes
 
-    st, tl, P, L = job.st, job.timeline, job.data.prompt_len, job.cfg.length
+    st, tl, P = job.st, job.timeline, job.data.prompt_len
     with tl.phase("generate"):
-        tasks, xs, rep, gen, behaviour = _rollout(job, k)
+        tasks, xs, ep = _rollout(job, k)
         tl.set("trainer_resident_fraction", trainer_resident_bytes(st) / max(job.trainer_state_bytes, 1))
         job.engine_full_bytes = resident_bytes(st.engine) or job.engine_full_bytes
-    ids = torch.cat([torch.tensor(rep), gen], 1)
-    B, S = ids.shape
-    old = torch.zeros(B, S)
-    old[:, P - 1:P - 1 + L] = behaviour
-    batch = TokenBatch(ids.to(st.device), torch.full((B,), S, device=st.device), torch.full((B,), P - 1, device=st.device))
+    B, S = ep.ids.shape
+    batch = TokenBatch(ep.ids.to(st.device), torch.full((B,), S, device=st.device),
+                       torch.full((B,), P - 1, device=st.device))
     routes = stamp_routes([{"task": t} for t in tasks for _ in range(job.cfg.mopd.group_size)], routing_spec())
-    return Rollout(tasks, xs, gen, batch, old.to(st.device), batch.label_mask(), routes)
+    return Rollout(tasks, xs, ep.answers, batch, ep.old.to(st.device), ep.mask.to(st.device), ep.turn_masks, routes)
 
 
 def _handover_to_training(job: Job) -> None:
@@ -262,13 +272,14 @@ def _verify(job: Job, k: int, want: torch.Tensor | None) -> None:
 
 
 def _metrics(job: Job, r: Rollout, targets, lp: torch.Tensor, compression: float, gnorm: float) -> dict:
-    """Rank-local sums: tokens, reverse-KL estimate, exact samples per domain; the engine/trainer gap."""
+    """Rank-local sums: tokens, reverse-KL estimate, exact samples per domain (the last turn's
+    answer; per turn too for agent episodes); the engine/trainer gap."""
     g = job.cfg.mopd.group_size
     mask, old, lp = r.mask.cpu(), r.old.cpu(), lp.cpu()
     kl_tok = (old - targets.logp_sum.cpu()) * mask                        # sampled reverse-KL estimate per token
     seq_task = torch.tensor([DOMAINS.index(t) for t in r.tasks]).repeat_interleave(g)
-    ok = torch.stack([job.data.correct(t, x[None].expand(g, -1), r.gen[i * g:(i + 1) * g])
-                      for i, (t, x) in enumerate(zip(r.tasks, r.xs, strict=True))]).reshape(-1)
+    ok = [torch.stack([job.data.correct(t, x[None].expand(g, -1), y[i * g:(i + 1) * g])
+                       for i, (t, x) in enumerate(zip(r.tasks, r.xs, strict=True))]).reshape(-1) for y in r.answers]
     B, S = mask.shape
     out = {"tokens": float(B * S), "compact_tokens": float(B * S / compression), "gnorm": gnorm,
            "engine_trainer_max_abs": float(((lp - old) * mask).abs().max())}
@@ -276,8 +287,15 @@ def _metrics(job: Job, r: Rollout, targets, lp: torch.Tensor, compression: float
         rows = seq_task == i
         out[f"{t}/kl_sum"] = float(kl_tok[rows].sum())
         out[f"{t}/tokens"] = float(mask[rows].sum())
-        out[f"{t}/correct"] = float(ok[rows].sum())
+        out[f"{t}/correct"] = float(ok[-1][rows].sum())
         out[f"{t}/samples"] = float(rows.sum())
+        if len(r.answers) > 1:
+            for j, tm in enumerate(r.turn_masks):
+                out[f"turn{j + 1}/{t}/kl_sum"] = float(kl_tok[rows][tm[rows]].sum())
+                out[f"turn{j + 1}/{t}/tokens"] = float(tm[rows].sum())
+                out[f"turn{j + 1}/{t}/correct"] = float(ok[j][rows].sum())
+    if len(r.answers) > 1:  # what a trainer that runs every turn's context as its own row would process
+        out["turn_tokens"] = float(sum(B * (int(tm[0].nonzero().max()) + 2) for tm in r.turn_masks))
     return out
 
 
@@ -322,6 +340,11 @@ def reduce_row(k: int, m: dict, timeline_row: dict, wall: float, device: torch.d
         row[f"reward/{d}"] = -s[f"{d}/kl_sum"] / max(s[f"{d}/tokens"], 1.0)
         row[f"kl/{d}"] = s[f"{d}/kl_sum"] / max(s[f"{d}/tokens"], 1.0)
         row[f"sample_accuracy/{d}"] = s[f"{d}/correct"] / max(s[f"{d}/samples"], 1.0)
+        for j in range(1, 1 + sum(1 for x in s if x.startswith("turn") and x.endswith(f"/{d}/kl_sum"))):
+            row[f"turn{j}/reward/{d}"] = -s[f"turn{j}/{d}/kl_sum"] / max(s[f"turn{j}/{d}/tokens"], 1.0)
+            row[f"turn{j}/sample_accuracy/{d}"] = s[f"turn{j}/{d}/correct"] / max(s[f"{d}/samples"], 1.0)
+    if "turn_tokens" in s:
+        row["sharing_ratio_turns"] = s["turn_tokens"] / s["compact_tokens"]
     row.update(timeline_row)
     return row
 
@@ -342,7 +365,7 @@ def run_mopd(job: Job, *, bar=None, log=None) -> None:
         job.step = k
         if k % cfg.mopd.eval_every == 0 or k == cfg.mopd.steps:
             job.evals.append({"step": k, **engine_accuracy(job.st, cfg, job.data)})
-            row.update({f"accuracy/{d}": job.evals[-1][d] for d in DOMAINS})
+            row.update({f"accuracy/{d}": v for d, v in job.evals[-1].items() if d != "step"})
         if checkpoint.due(cfg, k):
             checkpoint.finalize(cfg, k, runner_state(job))
             job.last_checkpoint = k

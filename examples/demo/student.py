@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from examples.demo.config import DemoConfig
 from examples.demo.tasks import DOMAINS, TaskData, prompts_from_letters
-from examples.demo.teachers import answer_loss, context_len, tiny_cfg
+from examples.demo.teachers import context_len, tiny_cfg, training_loss
 
 TEACHER_OF = {t: f"{t}_teacher" for t in DOMAINS}
 
@@ -142,19 +142,32 @@ def _train_update(st: Student, loss: torch.Tensor) -> float:
 
 def engine_accuracy(st: Student, cfg: DemoConfig, data: TaskData) -> dict[str, float]:
     """Held-out greedy exact match per domain through the rollout engine (the published weights);
-    the held-out set is split across ranks and the counts all-reduced."""
+    the held-out set is split across ranks and the counts all-reduced. Agent workload: greedy
+    episodes (:func:`examples.demo.workload.run_episodes`), the domain's key is turn 1's answer
+    and ``turn<j>/<domain>`` each turn's."""
     from examples.demo.engine import greedy
+    from examples.demo.workload import model_turns, run_episodes
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    counts = torch.zeros(2 * len(DOMAINS), dtype=torch.float64, device=st.device)
+    rank, world, n = dist.get_rank(), dist.get_world_size(), model_turns(cfg)
+
+    def act(ctx: torch.Tensor, turn: int):
+        y = greedy(st.engine, ctx.tolist(), n_new=cfg.length)
+        return y, torch.zeros(y.shape)
+
+    counts = torch.zeros((n + 1) * len(DOMAINS), dtype=torch.float64, device=st.device)
     for k, task in enumerate(DOMAINS):
         x = data.held_out[task][rank::world]
         if x.shape[0]:
-            gen = greedy(st.engine, prompts_from_letters(task, x).tolist(), n_new=cfg.length)
-            counts[2 * k] = data.correct(task, x, gen).sum()
-        counts[2 * k + 1] = x.shape[0]
+            ep = run_episodes(prompts_from_letters(task, x), data.answer(task, x), n, act)
+            for j, y in enumerate(ep.answers):
+                counts[(n + 1) * k + j] = data.correct(task, x, y).sum()
+        counts[(n + 1) * k + n] = x.shape[0]
     dist.all_reduce(counts)
-    return {t: float(counts[2 * k] / counts[2 * k + 1]) for k, t in enumerate(DOMAINS)}
+    out = {t: float(counts[(n + 1) * k] / counts[(n + 1) * k + n]) for k, t in enumerate(DOMAINS)}
+    if n > 1:
+        out.update({f"turn{j + 1}/{t}": float(counts[(n + 1) * k + j] / counts[(n + 1) * k + n])
+                    for k, t in enumerate(DOMAINS) for j in range(n)})
+    return out
 
 
 def trainer_greedy(st: Student, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
@@ -174,22 +187,34 @@ def warm_start(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, *, b
     counts = {t: round(w.batch * w.mix[t] / total) for t in DOMAINS}
     for step in range(w.steps):
         _set_lr(st.opt, w.lr)
-        rows = []
-        for task in DOMAINS:
-            if counts[task] == 0:
-                continue
-            x, y = distill[task]
-            pick = torch.randint(0, x.shape[0], (counts[task],), generator=g)
-            rows.append(torch.cat([prompts_from_letters(task, x[pick]), y[pick]], 1))
         st.ddp.zero_grad_buffer()
         st.opt.zero_grad()
-        loss = answer_loss(st.ddp, torch.cat(rows), data.prompt_len)
+        loss = _warm_start_loss(st, cfg, data, distill, counts, g)
         _train_update(st, loss)
         if bar is not None:
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(phase="warm start", loss=f"{loss.item():.3f}")
     publish(st)
+
+
+def _warm_start_loss(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, counts: dict,
+                     g: torch.Generator) -> torch.Tensor:
+    """Cross entropy on ``counts[task]`` teacher answers per domain: one batch of single-turn rows
+    (GRPO), or the agent workload's supervised episodes per domain, weighted by their rows."""
+    picks = {}
+    for task in DOMAINS:
+        if counts[task]:
+            x, y = distill[task]
+            pick = torch.randint(0, x.shape[0], (counts[task],), generator=g)
+            picks[task] = (x[pick], y[pick])
+    if cfg.workload.kind != "agent":
+        from examples.demo.teachers import answer_loss
+
+        rows = [torch.cat([prompts_from_letters(t, x), y], 1) for t, (x, y) in picks.items()]
+        return answer_loss(st.ddp, torch.cat(rows), data.prompt_len)
+    n = sum(counts.values())
+    return sum(training_loss(st.ddp, cfg, data, t, x, y, g) * (x.shape[0] / n) for t, (x, y) in picks.items())
 
 
 def student_logprobs(st: Student, ids: torch.Tensor, cfg: DemoConfig) -> tuple[torch.Tensor, float]:

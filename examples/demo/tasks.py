@@ -1,6 +1,8 @@
 """Two synthetic domains with exact checkers, over one 32-token vocabulary.
 
 Row layout: ``BOS TASK x_1 .. x_L SEP y_1 .. y_L`` (prompt ``P = L + 3`` tokens, answer ``L``).
+Letters are ids ``FIRST_LETTER ..`` (at most 24 of them, up to id 28); ids 29..31 are the agent
+workload's observation tokens (:mod:`examples.demo.workload`).
 ``reverse``: y_i = x_{L+1-i}.  ``shift``: y_i = (x_i + s) mod A (a Caesar shift over A letters).
 """
 
@@ -12,6 +14,8 @@ PAD, BOS, SEP = 0, 1, 2
 TASK_TOKEN = {"reverse": 3, "shift": 4}
 FIRST_LETTER = 5
 VOCAB = 32
+OBS, RIGHT, WRONG = 29, 30, 31
+"""Observation tokens of the agent workload: ``OBS f_1 .. f_L SEP``, f_i ∈ {RIGHT, WRONG}."""
 DOMAINS = ("reverse", "shift")
 
 

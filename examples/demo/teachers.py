@@ -29,7 +29,9 @@ the margin changes no number)."""
 
 
 def context_len(data: TaskData, cfg: DemoConfig) -> int:
-    return data.prompt_len + cfg.length + CONTEXT_MARGIN
+    from examples.demo.workload import episode_len, model_turns
+
+    return episode_len(data.prompt_len, cfg.length, model_turns(cfg)) + CONTEXT_MARGIN
 
 
 def tiny_cfg(m: ModelConfig, *, max_len: int):
@@ -59,6 +61,28 @@ def teacher_model_config(cfg: DemoConfig, task: str) -> ModelConfig:
     return cfg.teacher.http_model if task in cfg.teacher.http_routes else cfg.teacher.model
 
 
+def masked_loss(model, rows: torch.Tensor, label_mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over the labels ``label_mask [N, S]`` selects (column t ↔ ``rows[:, t + 1]``)."""
+    rows, mask = rows.to(model_device(model)), label_mask.to(model_device(model))
+    pos = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
+    per_token = model(rows, pos, None, labels=torch.roll(rows, -1, dims=1)).float()  # [N, S]
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def training_loss(model, cfg: DemoConfig, data: TaskData, task: str, x: torch.Tensor, good: torch.Tensor,
+                  g: torch.Generator) -> torch.Tensor:
+    """Cross entropy on ``good [N, L]`` answers to ``x``: single-turn rows for GRPO (:func:`answer_loss`);
+    for the agent workload the episodes of :func:`examples.demo.workload.supervised_episodes`."""
+    prompts = prompts_from_letters(task, x)
+    if cfg.workload.kind != "agent":
+        return answer_loss(model, torch.cat([prompts, good], 1), data.prompt_len)
+    from examples.demo.workload import model_turns, supervised_episodes
+
+    rows, mask = supervised_episodes(prompts, data.answer(task, x), good, model_turns(cfg), g, letters=cfg.letters,
+                                     p_wrong=cfg.workload.p_wrong)
+    return masked_loss(model, rows, mask)
+
+
 def answer_loss(model, rows: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """Mean cross entropy of the answer tokens of ``rows [N, P + L]`` given their prefix."""
     rows = rows.to(model_device(model))
@@ -82,9 +106,11 @@ def megatron_greedy(model, prompts: torch.Tensor, n_new: int, *, batch: int = 25
 
 def cache_key(cfg: DemoConfig, world: int) -> str:
     """Hash of everything that determines the trained teachers."""
-    blob = json.dumps({"format": CACHE_FORMAT, "device": cfg.device, "teacher": asdict(cfg.teacher), "length": cfg.length,
-                       "letters": cfg.letters, "shift": cfg.shift, "seed": cfg.seed, "held_out": cfg.held_out,
-                       "world": world}, sort_keys=True)
+    key = {"format": CACHE_FORMAT, "device": cfg.device, "teacher": asdict(cfg.teacher), "length": cfg.length,
+           "letters": cfg.letters, "shift": cfg.shift, "seed": cfg.seed, "held_out": cfg.held_out, "world": world}
+    if cfg.workload.kind == "agent":  # teachers trained on episodes (GRPO keys unchanged)
+        key["workload"] = {"turns": cfg.workload.turns, "p_wrong": cfg.workload.p_wrong}
+    blob = json.dumps(key, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -111,7 +137,8 @@ def train_teacher(task: str, cfg: DemoConfig, data: TaskData, *, bar=None) -> tu
             group["lr"] = cosine_lr(step, t.steps, t.lr, t.min_lr_ratio)
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        loss = answer_loss(ddp, data.full_rows(task, data.sample(task, t.batch, g)), data.prompt_len)
+        x = data.sample(task, t.batch, g)
+        loss = training_loss(ddp, cfg, data, task, x, data.answer(task, x), g)
         loss.backward()
         ddp.finish_grad_sync()
         opt.step()

@@ -141,13 +141,12 @@ def test_config_launch_sets_the_role_env_and_the_teacher_owns_its_server(tmp_pat
     allocator settings replacing the owner's, offline hub, role name), the server arguments;
     mopd's ``HTTPTeacher`` scores against it (log-probs equal to the model's own); closing the
     teacher's pool kills the server's whole process group (no orphan)."""
+    from colocate.config import SGLangServerConfig
+    from colocate.engines import build_hf_model, hf_checkpoint_views
     from mopd.backends import HTTPTeacher, TokenBatch
     from mopd.config import RoutingSpec, TeacherPoolConfig
     from mopd.routing import score_routed
     from mopd.teachers import TeacherPool
-
-    from colocate.config import SGLangServerConfig
-    from colocate.engines import build_hf_model, hf_checkpoint_views
 
     w = weights(3)
     write_hf_checkpoint(tmp_path / "teacher", w, spec=SPEC, dtype=torch.float32)

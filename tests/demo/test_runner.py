@@ -24,7 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.demo.config import DemoConfig, MOPDStageConfig, TeacherTrainConfig, VerifySection, WarmStartConfig
+from examples.demo.config import (
+    DemoConfig,
+    MOPDStageConfig,
+    TeacherTrainConfig,
+    VerifySection,
+    WarmStartConfig,
+)
 
 STEPS, EVERY = 4, 2
 DETERMINISTIC = ("reward/reverse", "reward/shift", "kl/reverse", "kl/shift", "sample_accuracy/reverse",
