@@ -18,7 +18,17 @@ from examples.demo.config import (
     WarmStartConfig,
     WorkloadSection,
 )
-from examples.demo.tasks import BOS, FIRST_LETTER, OBS, RIGHT, SEP, TASK_TOKEN, WRONG, TaskData, prompts_from_letters
+from examples.demo.tasks import (
+    BOS,
+    FIRST_LETTER,
+    OBS,
+    RIGHT,
+    SEP,
+    TASK_TOKEN,
+    WRONG,
+    TaskData,
+    prompts_from_letters,
+)
 from examples.demo.workload import answer_spans, corrupt, episode_len, run_episodes, supervised_episodes
 
 L = 3
