@@ -25,8 +25,7 @@ from colocate.engines import build_hf_model, hf_checkpoint_views
 from colocate.errors import EngineStartError, ReceiverDied
 from colocate.sglang_engine import write_hf_checkpoint
 from colocate.workers import LocalScheduler
-
-from .test_sglang_launch import _group_gone
+from tests._procs import group_gone, group_pids, stat
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
@@ -51,7 +50,7 @@ def test_real_server_start_failure_is_typed_and_leaves_no_process(tmp_path):
     took = time.monotonic() - t0
     (worker,) = sched.workers
     print(f"start failure raised after {took:.1f}s")
-    assert took < 150 and not worker.alive() and _group_gone(worker.pid, timeout=30)
+    assert took < 150 and not worker.alive() and group_gone(worker.pid, timeout=30)
 
 
 @pytest.mark.timeout(300)
@@ -69,7 +68,7 @@ def test_real_server_crash_mid_generate_is_typed_in_time(tmp_path):
         # the server's main process: the guard's direct child (its scheduler and detokenizer are
         # the main process's children). 2026-12-01's run took the lowest pid of the group instead,
         # and the generation (8 × 4000 tokens) finished unharmed: no crash was injected.
-        (target,) = [p for p in _group_pids(group) if _ppid(p) == group]
+        (target,) = [p for p in group_pids(group) if (s := stat(p)) is not None and s.ppid == group]
         killed = threading.Event()
         threading.Timer(1.0, lambda: (os.kill(target, signal.SIGKILL), killed.set())).start()
         t0 = time.monotonic()
@@ -80,26 +79,4 @@ def test_real_server_crash_mid_generate_is_typed_in_time(tmp_path):
         assert killed.is_set() and took < 60
     finally:
         eng.shutdown()
-    assert _group_gone(group, timeout=30), "a process of the crashed SGLang server outlived the owner's shutdown"
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-        return None
-
-
-def _group_pids(pgid: int) -> list[int]:
-    from pathlib import Path
-
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                out.append(int(d.name))
-    return out
+    assert group_gone(group, timeout=30), "a process of the crashed SGLang server outlived the owner's shutdown"

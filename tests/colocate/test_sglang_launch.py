@@ -25,6 +25,7 @@ from colocate.errors import ConfigError
 from colocate.sglang_clients import engine_devices
 from colocate.sglang_engine import hide_megatron_dir, write_hf_checkpoint
 from colocate.workers import LocalScheduler
+from tests._procs import group_gone
 
 from ._contract_server import SPEC, sha, weights
 from .test_workers import _gone
@@ -206,7 +207,7 @@ def test_start_failure_is_typed_and_leaves_no_process(tmp_path):
     assert time.monotonic() - t0 < 90
     assert "line(s) of the log:" in str(ei.value) and "missing" in str(ei.value)  # the log's tail names the cause
     (worker,) = sched.workers
-    assert not worker.alive() and _group_gone(worker.pid)
+    assert not worker.alive() and group_gone(worker.pid)
     assert "missing" in (tmp_path / "server.log").read_text()  # the cause is in the log
 
 
@@ -231,7 +232,7 @@ def test_slow_start_logs_a_heartbeat_and_the_timeout_carries_the_log_tail(tmp_pa
     beats = [r.getMessage() for r in caplog.records if "waiting for /health" in r.getMessage()]
     assert beats and all("log's last line: loading weights: shard 3 of 7" in b for b in beats), beats
     (worker,) = sched.workers
-    assert not worker.alive() and _group_gone(worker.pid)
+    assert not worker.alive() and group_gone(worker.pid)
 
 
 @pytest.mark.timeout(180)
@@ -261,26 +262,7 @@ def test_engine_crash_mid_generate_is_typed_and_in_time(tmp_path):
         assert isinstance(ei.value.cause, ReceiverDied) and 1 in pub.poisoned
     finally:
         eng.shutdown()
-    assert _gone(pid) and _group_gone(sched.workers[0].pid)
-
-
-def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
-    """True once no process of the process group ``pgid`` is left (zombies aside)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                except (FileNotFoundError, ProcessLookupError, IndexError):
-                    continue
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    alive.append(int(d.name))
-        if not alive:
-            return True
-        time.sleep(0.1)
-    return False
+    assert _gone(pid) and group_gone(sched.workers[0].pid)
 
 
 def test_server_config_validates_and_builds_the_role_env():

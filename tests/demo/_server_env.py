@@ -7,22 +7,18 @@ import os
 import sys
 from pathlib import Path
 
+from tests._procs import child_running
+
 KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
         "TORCHELASTIC_RUN_ID", "HF_HUB_OFFLINE", "COLOCATE_ROLE")
 
 
 def _server_pid(guard: int) -> int:
     """The guard's child that runs ``mopd.hf_server`` (not the guard's watcher fork)."""
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                argv = (p / "cmdline").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == guard and argv[1:3] == [b"-m", b"mopd.hf_server"]:
-                return int(p.name)
-    raise SystemExit("no server process under the guard")
+    pid = child_running(guard, "mopd.hf_server")
+    if pid is None:
+        raise SystemExit("no server process under the guard")
+    return pid
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from examples.demo.config import (
     VerifySection,
     WarmStartConfig,
 )
+from tests._procs import argv, child_running, pids, stat
 
 STEPS, EVERY = 4, 2
 DETERMINISTIC = ("reward/reverse", "reward/shift", "kl/reverse", "kl/shift", "sample_accuracy/reverse",
@@ -50,18 +51,15 @@ def _cfg(out_dir: str, **over) -> DemoConfig:
 
 def _server_processes(out_dir: str) -> list[int]:
     """Live (not zombie) processes whose command line names ``out_dir`` and the teacher server."""
-    pids = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
+    out = []
+    for p in pids():
+        s, a = stat(p), argv(p)
+        if s is None or a is None:
             continue
-        try:
-            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if "mopd.hf_server" in cmd and out_dir in cmd and state != "Z":
-            pids.append(int(p.name))
-    return pids
+        cmd = b" ".join(a).decode(errors="replace")
+        if "mopd.hf_server" in cmd and out_dir in cmd and s.state != "Z":
+            out.append(p)
+    return out
 
 
 def _no_orphans(out_dir: str) -> bool:
@@ -218,18 +216,11 @@ def test_engine_crash_mid_generate_then_resume_equals_uninterrupted(tmp_path):
 
 def _kill_server_process(job) -> int:
     """SIGKILL the real server process (the child of the scheduler's guard), as a crash would."""
-    guard = job.server.worker.pid
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                argv = (p / "cmdline").read_bytes().split(b"\0")
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == guard and argv[1:3] == [b"-m", b"mopd.hf_server"]:  # not the guard's watcher fork
-                os.kill(int(p.name), signal.SIGKILL)
-                return int(p.name)
-    raise AssertionError("no server process under the guard")
+    pid = child_running(job.server.worker.pid, "mopd.hf_server")  # not the guard's watcher fork
+    if pid is None:
+        raise AssertionError("no server process under the guard")
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def _faults_rank(rank: int, world: int, root: str) -> dict:
@@ -329,21 +320,15 @@ def _job_processes(root: int) -> list[int]:
     """Descendants of ``root`` running ``examples.demo.run`` (the ranks; torchrun may start them in
     sessions of their own, so a process-group kill would miss them)."""
     children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                children.setdefault(int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(p.name))
-            except (OSError, ValueError, IndexError):
-                continue
+    for p in pids():
+        if (st := stat(p)) is not None:
+            children.setdefault(st.ppid, []).append(p)
     out, todo = [], [root]
     while todo:
         for c in children.get(todo.pop(), []):
             todo.append(c)
-            try:
-                if b"examples.demo.run" in Path(f"/proc/{c}/cmdline").read_bytes():
-                    out.append(c)
-            except OSError:
-                continue
+            if b"examples.demo.run" in b" ".join(argv(c) or []):
+                out.append(c)
     return out
 
 

@@ -326,7 +326,7 @@ def test_teacher_server_launched_as_a_colocated_role_and_closed_with_its_pool(mo
     from colocate.sglang_clients import HTTPClient
     from colocate.sglang_engine import sglang_server_launch_args
     from colocate.workers import LocalScheduler
-    from tests.colocate.test_sglang_launch import _group_gone
+    from tests._procs import group_gone
 
     model.save_pretrained(tmp_path / "teacher")
     root = str(Path(__file__).resolve().parents[2])
@@ -350,4 +350,4 @@ def test_teacher_server_launched_as_a_colocated_role_and_closed_with_its_pool(mo
         assert "ignoring SGLang server flags" in (tmp_path / "teacher.log").read_text()
     finally:
         pool.close()
-    assert client.worker is None and _group_gone(group, timeout=20), "the teacher's server outlived its pool"
+    assert client.worker is None and group_gone(group, timeout=20), "the teacher's server outlived its pool"

@@ -76,7 +76,7 @@ def sglang_url(megatron_state, tmp_path_factory):
     hf.to(torch.bfloat16).save_pretrained(d)
     from colocate import HFModelSpec, SGLangEngine
     from colocate.config import SGLangServerConfig
-    from tests.colocate.test_sglang_launch import _group_gone
+    from tests._procs import group_gone
 
     # the teacher's server: a colocated worker of this process with the teacher role's environment
     log_dir = os.environ.get("MCD_TEST_ARTIFACTS") or str(d)
@@ -95,7 +95,7 @@ def sglang_url(megatron_state, tmp_path_factory):
         yield eng.client.base_url
     finally:
         eng.shutdown()
-    assert _group_gone(group, timeout=30.0), "a process of the teacher's SGLang server outlived its owner's shutdown"
+    assert group_gone(group, timeout=30.0), "a process of the teacher's SGLang server outlived its owner's shutdown"
 
 
 def _batch() -> TokenBatch:
