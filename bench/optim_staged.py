@@ -37,6 +37,7 @@ import argparse
 import functools
 import gc
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -401,6 +402,20 @@ class _Harness:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def measured_iteration(self, ps, opt) -> tuple[float, int]:
+        """One warm iteration (slots, events after a switch), then one timed: its wall ms and the
+        device bytes allocated above the start at its peak (0 on CPU)."""
+        self.iteration(ps, opt)
+        _sync()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        before = _alloc()
+        t0 = time.perf_counter()
+        self.iteration(ps, opt)
+        _sync()
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, (torch.cuda.max_memory_allocated() - before) if CUDA else 0
+
 
 def _gpu_state_bytes(opt) -> int:
     if isinstance(opt, StagedAdamW):
@@ -417,7 +432,6 @@ def host_adamw_rates(n: int, batch: int, tao=None, staged: StagedAdamW | None = 
     torchao runs it (one ``torch.optim.AdamW(fused=True).step()`` per tensor), our host lane's
     kernel calls (``torch._fused_adamw_`` over ``batch``-element slab ranges), and the latter while
     pinned copies run both ways on the GPU (DRAM shared with DMA, as in a split step)."""
-    import time
 
     from optim_staged.update import adamw_update_
 
@@ -474,7 +488,6 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
     """torch fused AdamW (GPU state), torchao ``CPUOffloadOptimizer`` (both modes) and StagedAdamW
     designs on the same parameter set, interleaved ``runs`` times; min wall ms of backward + step +
     synchronize, peak GPU memory, host bytes, GB/s per direction and fraction of each design's floor."""
-    import time
 
     sizes = geometric_sizes(n, count, max(1, int(n * 1.07e6 / 1e9)))
     h = _Harness(sizes)
@@ -570,17 +583,10 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
                 ps, opt = providers["staged"]["params"], staged
             else:
                 ps, opt = providers[name]["params"], providers[name]["opt"]
-            h.iteration(ps, opt)  # warm (slots, events) after the switch
-            _sync()
+            ms, transient = h.measured_iteration(ps, opt)
+            times[name].append(ms)
             if CUDA:
-                torch.cuda.reset_peak_memory_stats()
-            before = _alloc()
-            t0 = time.perf_counter()
-            h.iteration(ps, opt)
-            _sync()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-            if CUDA:
-                peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated() - before)
+                peaks[name] = max(peaks[name], transient)
             persist[name] = sum(p.numel() * p.element_size() for p in ps) + _gpu_state_bytes(opt)
     # Reserved (not only allocated) transient memory: gradients freed while a copy or kernel still
     # reads them stay reserved until it is done. One extra iteration each, from an emptied cache.
@@ -788,7 +794,6 @@ def megatron_exposed_rows(quick: bool, runs: int, microbatches: int = 4) -> list
     Megatron's HybridDeviceOptimizer at fraction 1.0 (torchao-style: gradients down, CPU AdamW,
     weights up). Exposed optimizer time = full step - forward/backward alone, min over
     interleaved runs."""
-    import time
 
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -938,7 +943,6 @@ def offload_ab_main(args) -> None:
     one set of host slabs, ``--runs`` interleaved runs; min/p50 ms and the allocated transient
     against the largest gradient (torchao's offload_gradients transient). Writes
     ``optim_staged_offload_ab.json``."""
-    import time
 
     n, count, runs = (4_000_000, 16, 3) if args.quick else (1_000_000_000, 64, args.runs)
     sizes = geometric_sizes(n, count, max(1, int(n * 1.07e6 / 1e9)))
@@ -967,17 +971,10 @@ def offload_ab_main(args) -> None:
     for _ in range(runs):
         for name, c in configs.items():
             use(c)
-            h.iteration(ps, opt)
-            _sync()
+            ms, transient = h.measured_iteration(ps, opt)
+            times[name].append(ms)
             if CUDA:
-                torch.cuda.reset_peak_memory_stats()
-            before = _alloc()
-            t0 = time.perf_counter()
-            h.iteration(ps, opt)
-            _sync()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-            if CUDA:
-                trans[name] = max(trans[name], torch.cuda.max_memory_allocated() - before)
+                trans[name] = max(trans[name], transient)
             print(f"{name}: {times[name][-1]:.1f} ms, transient {trans[name] / 2**30:.4f} GiB", flush=True)
     rows = []
     for name, c in configs.items():
