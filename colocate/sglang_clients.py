@@ -110,18 +110,19 @@ def _scoped_environ(overrides: Mapping[str, str | None]) -> Iterator[None]:
     previous values of exactly those variables."""
     saved = {k: os.environ.get(k) for k in overrides}
     try:
-        for k, v in overrides.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(overrides)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(saved)
+
+
+def _set_environ(values: Mapping[str, str | None]) -> None:
+    """Set each variable of ``values`` in ``os.environ``; ``None`` removes it."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _ok(result: Any) -> tuple[bool, str]:
