@@ -168,6 +168,13 @@ class HFEngine:
         (their contents are gone) until the next commit."""
         return self._version if self._valid else None
 
+    def resident_bytes(self) -> int:
+        """Bytes of the storages the engine holds now: its parameters and the staging copy (each
+        storage once; a released tag's storages are resized to 0)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*self._params, *(self._shadow or [])]}
+        return sum(storages.values())
+
     def release_memory(self, tags: Sequence[str] | None = None) -> dict[str, int]:
         with self._lock:
             return self.residency.release(tags)

@@ -117,18 +117,10 @@ def greedy(engine, prompts: Sequence[Sequence[int]], *, n_new: int) -> torch.Ten
 
 
 def resident_bytes(engine) -> int | None:
-    """Bytes the HF engine's tensors hold now (parameter storages + its staging shadow; 0 for a
-    released tag); None for SGLang (measured from the device's free memory instead, see
-    :func:`examples.demo.runner.engine_footprint`)."""
-    if not hasattr(engine, "_params"):
-        return None
-    seen, total = set(), 0
-    for t in list(engine._params) + list(engine._shadow or []):
-        st = t.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            total += st.nbytes()
-    return total
+    """Bytes the HF engine's tensors hold now (:meth:`colocate.HFEngine.resident_bytes`); None for
+    SGLang (measured from the device's free memory instead, see
+    :func:`examples.demo.runner.engine_resident_fraction`)."""
+    return engine.resident_bytes() if hasattr(engine, "resident_bytes") else None
 
 
 def shutdown(engine) -> None:
