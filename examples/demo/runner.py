@@ -79,17 +79,6 @@ class Job:
 
 
 # ----- memory accounting ------------------------------------------------------------------------
-def _staged_leaves(opt) -> list:
-    out = []
-    for leaf in getattr(opt, "chained_optimizers", [opt]):
-        x = leaf
-        while x is not None and not hasattr(x, "gpu_state_bytes"):
-            x = getattr(x, "optimizer", None)
-        if x is not None:
-            out.append(x)
-    return out
-
-
 def _ddp_storage_bytes(st: Student, attr: str) -> int:
     return sum(getattr(b, attr).untyped_storage().nbytes() for b in st.ddp.buffers if getattr(b, attr, None) is not None)
 
@@ -97,8 +86,10 @@ def _ddp_storage_bytes(st: Student, attr: str) -> int:
 def trainer_resident_bytes(st: Student) -> int:
     """Bytes the trainer holds on its device now: DDP param and grad buffers (0 once a residency
     release resized them) and the staged optimizer's device slots."""
+    from optim_staged.megatron import staged_leaves
+
     return (_ddp_storage_bytes(st, "param_data") + _ddp_storage_bytes(st, "grad_data")
-            + sum(int(x.gpu_state_bytes) for x in _staged_leaves(st.opt)))
+            + sum(int(x.gpu_state_bytes) for x in staged_leaves(st.opt)))
 
 
 def _slabs(leaf):
@@ -110,7 +101,9 @@ def _slabs(leaf):
 
 def trainer_state_bytes(st: Student) -> int:
     """Params + grads + optimizer state (the host slabs: fp32 masters and moments), all resident."""
-    slabs = sum(int(s.nbytes) for s in map(_slabs, _staged_leaves(st.opt)) if s is not None)
+    from optim_staged.megatron import staged_leaves
+
+    slabs = sum(int(s.nbytes) for s in map(_slabs, staged_leaves(st.opt)) if s is not None)
     return _ddp_storage_bytes(st, "param_data") + _ddp_storage_bytes(st, "grad_data") + slabs
 
 
