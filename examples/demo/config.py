@@ -212,8 +212,12 @@ class VerifySection:
     prompts: int = 8
     """Fixed verification prompts per domain (held-out rows)."""
     max_mismatch: float = 0.0
-    """Largest tolerated fraction of verification prompts whose greedy outputs differ (0: exact;
-    a bf16 engine against an fp32 trainer can flip near-ties)."""
+    """Largest tolerated fraction of verification prompts whose greedy outputs differ beyond a
+    near-tie (0: none)."""
+    tie_margin: float = 0.0
+    """Nats: a row that first leaves the trainer's greedy path by taking the trainer's runner-up
+    where ``log p(top-1) - log p(top-2) <= tie_margin`` counts as a near-tie, not a mismatch
+    (0: exact outputs required; a bf16 engine against the fp32 trainer can flip near-ties)."""
 
     def __post_init__(self) -> None:
         _fields(self)
@@ -319,6 +323,7 @@ class DemoConfig:
                f"must be in [1, held_out={self.held_out}]")
         _check(0.0 <= self.verify.max_mismatch <= 1.0, "verify.max_mismatch", self.verify.max_mismatch,
                "must be in [0, 1]")
+        _check(self.verify.tie_margin >= 0.0, "verify.tie_margin", self.verify.tie_margin, "must be >= 0")
 
 
 SCHEMA_NAME = "demo_schema"

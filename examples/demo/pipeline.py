@@ -188,6 +188,8 @@ def colocated_record(cfg: DemoConfig, job) -> dict:
             "engine_resident_fraction_during_train": worst("engine_resident_fraction"),
             "publish_ms": pub[len(pub) // 2] if pub else None,
             "greedy_match": bool(job.greedy_checks) and all(c["mismatch"] == 0 for c in job.greedy_checks),
+            "greedy_unexplained": max((c.get("unexplained", c["mismatch"]) for c in job.greedy_checks), default=None),
+            "greedy_flip_margins": [m for c in job.greedy_checks for m in c.get("flip_margins", [])],
             "greedy_checks": len(job.greedy_checks)}
 
 

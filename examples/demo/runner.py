@@ -243,9 +243,25 @@ def _publish(job: Job) -> None:
         tl.add_bytes("publish", {f"{owner}/{e.op}/{e.tag}": e.nbytes for e in res.events[n:]})
 
 
-def _verify(job: Job, k: int, want: torch.Tensor | None) -> None:
-    """The engine serves the published version and, when ``want`` (the trainer's greedy outputs
-    on the verification prompts) is given, the same greedy outputs; else :class:`PublishVerificationError`."""
+def unexplained_rows(got: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     tie_margin: float) -> torch.Tensor:
+    """Rows ``[N]`` of the engine's greedy outputs ``got [N, n]`` that the trainer's greedy path
+    ``want`` = (tokens, runner-up, margin), see :func:`examples.demo.student.trainer_greedy`, does
+    not explain. A row is explained when it equals the trainer's tokens, or when it first differs
+    at a position j where the engine took the trainer's runner-up and the trainer's margin
+    ``log p(top-1) - log p(top-2)`` at j is at most ``tie_margin`` nats (a near-tie that a bf16
+    engine may flip; after j the two paths condition on different prefixes and are not compared)."""
+    tokens, runner_up, margin = want
+    diff = got != tokens
+    j = diff.float().argmax(1, keepdim=True)                          # first differing position
+    tie = (got.gather(1, j) == runner_up.gather(1, j)) & (margin.gather(1, j) <= tie_margin)
+    return diff.any(1) & ~tie.squeeze(1)
+
+
+def _verify(job: Job, k: int, want: tuple | None) -> None:
+    """The engine serves the published version and, when ``want`` (the trainer's greedy path on
+    the verification prompts) is given, greedy outputs that path explains (:func:`unexplained_rows`);
+    else :class:`PublishVerificationError`."""
     st, cfg = job.st, job.cfg
     with job.timeline.phase("verify"):
         got_version = st.engine.weight_version()
@@ -255,13 +271,19 @@ def _verify(job: Job, k: int, want: torch.Tensor | None) -> None:
         if want is None:
             return
         got = greedy(st.engine, _verify_prompts(job).tolist(), n_new=cfg.length)
-        bad = float((got != want).any(1).float().mean())
-        job.greedy_checks.append({"step": k, "mismatch": bad})
-        job.timeline.set("verify/greedy_mismatch", bad)
+        exact = float((got != want[0]).any(1).float().mean())
+        bad = float(unexplained_rows(got, want, cfg.verify.tie_margin).float().mean())
+        first = (got != want[0]).float().argmax(1, keepdim=True)
+        flipped = (got != want[0]).any(1)
+        job.greedy_checks.append({"step": k, "mismatch": exact, "unexplained": bad, "flip_margins": [
+            round(float(x), 4) for x in want[2].gather(1, first).squeeze(1)[flipped]]})
+        job.timeline.set("verify/greedy_mismatch", exact)
+        job.timeline.set("verify/greedy_unexplained", bad)
         if bad > cfg.verify.max_mismatch:
             raise PublishVerificationError(st.version, "verify", RuntimeError(
-                f"engine greedy outputs differ from the trainer's on {bad:.1%} of {want.shape[0]} fixed prompts "
-                f"(verify.max_mismatch={cfg.verify.max_mismatch})"))
+                f"engine greedy outputs differ from the trainer's on {bad:.1%} of {got.shape[0]} fixed prompts "
+                f"beyond near-ties of verify.tie_margin={cfg.verify.tie_margin} nats "
+                f"(verify.max_mismatch={cfg.verify.max_mismatch}; {exact:.1%} differ at all)"))
 
 
 def _metrics(job: Job, r: Rollout, targets, lp: torch.Tensor, compression: float, gnorm: float) -> dict:

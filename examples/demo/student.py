@@ -170,11 +170,12 @@ def engine_accuracy(st: Student, cfg: DemoConfig, data: TaskData) -> dict[str, f
     return out
 
 
-def trainer_greedy(st: Student, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
-    """The trainer's (Megatron) greedy continuations ``[N, n_new]``, full recompute."""
-    from examples.demo.teachers import megatron_greedy
+def trainer_greedy(st: Student, prompts: torch.Tensor, n_new: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's (Megatron) greedy path on ``prompts``: tokens, runner-up tokens and top-1/top-2
+    log-prob margins, each ``[N, n_new]`` (:func:`examples.demo.teachers.megatron_greedy_path`)."""
+    from examples.demo.teachers import megatron_greedy_path
 
-    return megatron_greedy(st.model, prompts, n_new)
+    return megatron_greedy_path(st.model, prompts, n_new)
 
 
 def warm_start(st: Student, cfg: DemoConfig, data: TaskData, distill: dict, *, bar=None) -> None:

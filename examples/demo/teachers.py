@@ -92,16 +92,29 @@ def answer_loss(model, rows: torch.Tensor, prompt_len: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def megatron_greedy(model, prompts: torch.Tensor, n_new: int, *, batch: int = 256) -> torch.Tensor:
-    """Greedy continuation ``[N, n_new]`` of equal-length ``prompts [N, P]`` (full recompute)."""
-    outs, dev = [], model_device(model)
+def megatron_greedy_path(model, prompts: torch.Tensor, n_new: int, *, batch: int = 256
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy continuation of equal-length ``prompts [N, P]`` (full recompute) with, at every
+    generated position, the runner-up token and the margin ``log p(top-1) - log p(top-2)``
+    (nats): three ``[N, n_new]`` tensors (tokens, runner-up, margin)."""
+    toks, second, margins, dev = [], [], [], model_device(model)
     for s in range(0, prompts.shape[0], batch):
-        seq = prompts[s:s + batch].to(dev)
+        seq, ru, mg = prompts[s:s + batch].to(dev), [], []
         for _ in range(n_new):
             pos = torch.arange(seq.shape[1], device=dev).expand_as(seq)
-            seq = torch.cat([seq, model(seq, pos, None)[:, -1].argmax(-1, keepdim=True)], 1)
-        outs.append(seq[:, prompts.shape[1]:].cpu())
-    return torch.cat(outs)
+            top = torch.log_softmax(model(seq, pos, None)[:, -1].float(), -1).topk(2, -1)
+            ru.append(top.indices[:, 1])
+            mg.append(top.values[:, 0] - top.values[:, 1])
+            seq = torch.cat([seq, top.indices[:, :1]], 1)
+        toks.append(seq[:, prompts.shape[1]:].cpu())
+        second.append(torch.stack(ru, 1).cpu())
+        margins.append(torch.stack(mg, 1).cpu())
+    return torch.cat(toks), torch.cat(second), torch.cat(margins)
+
+
+def megatron_greedy(model, prompts: torch.Tensor, n_new: int, *, batch: int = 256) -> torch.Tensor:
+    """Greedy continuation ``[N, n_new]`` of equal-length ``prompts [N, P]`` (full recompute)."""
+    return megatron_greedy_path(model, prompts, n_new, batch=batch)[0]
 
 
 def cache_key(cfg: DemoConfig, world: int) -> str:

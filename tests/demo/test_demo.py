@@ -15,6 +15,7 @@ from examples.demo.config import (
     EngineSection,
     MOPDStageConfig,
     TeacherTrainConfig,
+    VerifySection,
     WarmStartConfig,
 )
 from examples.demo.tasks import FIRST_LETTER, TaskData, answer, prompts_from_letters
@@ -45,6 +46,44 @@ def test_gpu_config_is_the_colocated_sglang_job():
     assert cfg.teacher.http_model.hidden_size != cfg.teacher.model.hidden_size  # a teacher of another size
     with pytest.raises(DemoConfigError, match="engine.kind='sglang': sglang needs device=cuda"):
         to_demo_config(_compose(["device=cpu"], "gpu"))
+
+
+def test_unexplained_rows_forgive_only_near_ties_at_the_first_difference():
+    """The GPU job's greedy check: a bf16 engine may take the trainer's runner-up where the
+    trainer's top-1/top-2 margin is small; anything else is a mismatch (tie_margin 0: exact)."""
+    from examples.demo.runner import unexplained_rows
+
+    tokens = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    runner = torch.tensor([[4, 5, 6]] * 5)
+    margin = torch.tensor([[0.5, 0.1, 0.5]] * 5)
+    got = torch.tensor([[1, 2, 3],     # equal
+                        [1, 5, 9],     # runner-up at a 0.1-nat tie, then anything
+                        [1, 7, 3],     # not the runner-up
+                        [4, 2, 3],     # runner-up but margin 0.5
+                        [1, 2, 6]])    # runner-up at margin 0.5
+    assert unexplained_rows(got, (tokens, runner, margin), 0.25).tolist() == [False, False, True, True, True]
+    assert unexplained_rows(got, (tokens, runner, margin), 0.5).tolist() == [False, False, True, False, False]
+    assert unexplained_rows(got, (tokens, runner, margin), 0.0).tolist() == [False, True, True, True, True]
+
+
+def test_megatron_greedy_path_margins_are_top2_log_prob_gaps():
+    """Runner-up and margin of the trainer's greedy path match a plain recompute in fp64 terms."""
+    from examples.demo.teachers import megatron_greedy, megatron_greedy_path
+
+    torch.manual_seed(0)
+    class Bigram(torch.nn.Embedding):  # next-token logits from the current token, Megatron's call signature
+        def forward(self, seq, pos, mask):
+            return super().forward(seq)
+
+    model = lin = Bigram(11, 11)
+    prompts = torch.randint(0, 11, (4, 3))
+    tok, ru, mg = megatron_greedy_path(model, prompts, 5)
+    assert torch.equal(tok, megatron_greedy(model, prompts, 5))
+    last = torch.cat([prompts[:, -1:], tok[:, :-1]], 1)
+    lp = torch.log_softmax(lin.weight.double()[last], -1)
+    top = lp.topk(2, -1)
+    assert torch.equal(tok, top.indices[..., 0]) and torch.equal(ru, top.indices[..., 1])
+    torch.testing.assert_close(mg.double(), top.values[..., 0] - top.values[..., 1], rtol=0, atol=1e-6)
 
 
 def test_phase_timeline_accumulates_and_resets():
@@ -97,6 +136,7 @@ def test_appended_unknown_key_is_refused_with_the_valid_keys():
     ("warm_start.lr", 0.0, {"warm_start": WarmStartConfig(lr=0.0)}),
     ("shift", 16, {"shift": 16}),
     ("engine.start_timeout_s", 0.0, {"engine": EngineSection(start_timeout_s=0.0)}),
+    ("verify.tie_margin", -0.1, {"verify": VerifySection(tie_margin=-0.1)}),
 ])
 def test_bad_values_name_field_and_value(field, value, kw):
     with pytest.raises(DemoConfigError, match=rf"{field}={value!r}"):
