@@ -16,7 +16,9 @@ The HTTP contract used (SGLang 0.5.17, ``sglang/srt/entrypoints/http_server.py``
 
 =====================================  ================================================================
 ``GET /health``                        200 once the server serves
-``GET /server_info``                   ``tp_size`` (one tensor payload per TP rank)
+``GET /server_info``                   ``tp_size`` (one tensor payload per TP rank); ``internal_states[0]
+                                       .memory_usage`` (GiB of ``weight``, ``kvcache``, ``graph`` per
+                                       phase, SGLang's own accounting; :func:`tag_bytes_of`)
 ``GET /model_info``                    ``weight_version`` (a string; ours are decimal integers)
 ``POST /update_weights_from_tensor``   ``{serialized_named_tensors: [base64 per TP rank], load_format,
                                        flush_cache}`` → ``{success, message}``; each payload is a
@@ -132,6 +134,23 @@ def _ok(result: Any) -> tuple[bool, str]:
     if isinstance(result, dict):
         return bool(result.get("success", True)), str(result.get("message", ""))
     return bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
+
+
+def tag_bytes_of(server_info: Mapping[str, Any]) -> dict[str, int]:
+    """Bytes per residency tag (``weights``, ``kv_cache``, ``cuda_graph``) by SGLang's own
+    accounting in a server-info dict (``Engine.get_server_info()`` / ``GET /server_info``):
+    ``internal_states[0]["memory_usage"]`` holds GiB of ``weight`` (free memory taken by the
+    load), ``kvcache`` (K and V buffers) and ``graph`` (per capture phase), rounded to 1 MiB by
+    SGLang. Per GPU of the first scheduler. Raises :class:`ConfigError` when it is missing (SGLang
+    before the accounting existed)."""
+    try:
+        usage = server_info["internal_states"][0]["memory_usage"]
+        gib = {"weights": usage["weight"], "kv_cache": usage["kvcache"],
+               "cuda_graph": sum((usage.get("graph") or {}).values())}
+    except (KeyError, IndexError, TypeError) as e:
+        raise ConfigError(f"SGLang server info has no internal_states[0].memory_usage "
+                          f"{{weight, kvcache, graph}} ({type(e).__name__}: {e})") from e
+    return {tag: round(float(v) * 2**30) for tag, v in gib.items()}
 
 
 def sglang_checksum(engine: Any) -> str:
@@ -364,6 +383,9 @@ class EngineClient:
     def checksum(self) -> str:
         return self._call("checksum", self._checksum, self.engine)
 
+    def server_info(self) -> dict:
+        return self._call("server_info", self.engine.get_server_info)
+
     def weight_version(self) -> str | None:
         return self._version
 
@@ -504,6 +526,9 @@ class HTTPClient:
 
     def checksum(self) -> str:
         return str(self.post("/weights_checker", {"action": "checksum"}).get("per_engine_checksum"))
+
+    def server_info(self) -> dict:
+        return self.get("/server_info")
 
     def weight_version(self) -> str | None:
         return self.get("/model_info").get("weight_version")

@@ -52,7 +52,7 @@ from colocate.config import HFModelSpec, SGLangServerConfig
 from colocate.convert import check_params, hf_param_specs
 from colocate.errors import BusyError, UpdateError
 from colocate.residency import ENGINE_TAGS, Residency
-from colocate.sglang_clients import EngineClient, HTTPClient, flattened_bucket, sglang_checksum
+from colocate.sglang_clients import EngineClient, HTTPClient, flattened_bucket, sglang_checksum, tag_bytes_of
 from mcore_distill.atomic import atomic_write_bytes, publish_directory, temp_directory_for
 
 __all__ = ["SGLangEngine", "hide_megatron_dir", "logprobs_of_prompt", "sglang_checksum", "sglang_engine_args",
@@ -248,6 +248,12 @@ class SGLangEngine:
     def checksum(self) -> str:
         """The engine's current weight checksum (SGLang's weight checker)."""
         return self.client.checksum()
+
+    def tag_bytes(self) -> dict[str, int]:
+        """Bytes the engine's weights, KV cache and CUDA graphs take while resident, by SGLang's
+        own accounting (:func:`~colocate.sglang_clients.tag_bytes_of`): what a release of every
+        tag should return."""
+        return tag_bytes_of(self.client.server_info())
 
     def _tag_hook(self, op: str, tag: str):
         def run() -> int:

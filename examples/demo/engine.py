@@ -54,8 +54,10 @@ def build_engine(cfg: DemoConfig, spec, hf_dir: str | None, device: torch.device
                                      **args)
         _rank0_warning("sglang engine: started in %.1fs", time.monotonic() - t0)
         torch.cuda.synchronize(device)
-        # the device memory the engine's start took (weights, KV pool, graphs, its CUDA context):
-        # what "resident fraction" divides by (nothing else allocates on the device meanwhile)
+        # what "resident fraction" divides by: the bytes of weights + KV + graphs by SGLang's own
+        # accounting; and the device memory the whole start took (its CUDA context included,
+        # which only the process's exit returns; nothing else allocates meanwhile)
+        engine.held_bytes = engine.tag_bytes()
         engine.footprint_bytes = max(0, free0 - torch.cuda.mem_get_info(device)[0])
         return engine
     except Exception as e:  # noqa: BLE001 - every start failure is one typed error naming the engine

@@ -107,18 +107,21 @@ def trainer_state_bytes(st: Student) -> int:
     return _ddp_storage_bytes(st, "param_data") + _ddp_storage_bytes(st, "grad_data") + slabs
 
 
-def engine_resident_fraction(job: Job, freed: dict[str, int]) -> float | None:
-    """Share of the engine's footprint still held after it released for training. HF engine:
-    its tensors' bytes now over their bytes while generating. SGLang: (E − freed) / E, E the
-    device memory its start took (:func:`examples.demo.engine.build_engine`) and ``freed`` the
-    bytes its release returned (free device memory before/after each tag)."""
+def engine_resident_fraction(job: Job, freed: dict[str, int], *, whole_process: bool = False) -> float | None:
+    """Share of the engine's weights + KV cache + graphs still held after it released for
+    training. HF engine: its tensors' bytes now over their bytes while generating. SGLang:
+    (H − freed) / H, H those tags' bytes by SGLang's own accounting at start
+    (:meth:`colocate.SGLangEngine.tag_bytes`) and ``freed`` the bytes its release returned (free
+    device memory before/after each tag). ``whole_process``: over the device memory the engine's
+    start took instead (its CUDA context included: what stays while the process lives)."""
     now = resident_bytes(job.st.engine)
     if now is not None:
         return now / job.engine_full_bytes if job.engine_full_bytes else None
-    footprint = getattr(job.st.engine, "footprint_bytes", None)
-    if not footprint:
+    held = getattr(job.st.engine, "footprint_bytes" if whole_process else "held_bytes", None)
+    held = sum(held.values()) if isinstance(held, dict) else held
+    if not held:
         return None
-    return max(0, footprint - sum(freed.values())) / footprint
+    return max(0, held - sum(freed.values())) / held
 
 
 # ----- one step ----------------------------------------------------------------------------------
@@ -209,6 +212,9 @@ def _handover_to_training(job: Job) -> None:
     tl.add_bytes("release", {f"engine/{t}": n for t, n in handover.engine_released.items()})
     tl.add_bytes("resume", {f"trainer/{t}": n for t, n in handover.trainer_resumed.items()})
     tl.set("engine_resident_fraction", engine_resident_fraction(job, handover.engine_released))
+    if getattr(st.engine, "footprint_bytes", None):
+        tl.set("engine_process_resident_fraction",
+               engine_resident_fraction(job, handover.engine_released, whole_process=True))
 
 
 def _train(job: Job, k: int, r: Rollout, targets) -> tuple[torch.Tensor, float, float]:

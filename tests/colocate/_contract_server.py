@@ -149,8 +149,10 @@ class ContractServer:
         ok = {"success": True, "message": "Success"}
         if path == "/health":
             return 200, None
-        if path == "/server_info":
-            return 200, {"tp_size": 1}
+        if path == "/server_info":  # memory_usage as SGLang's build_memory_usage writes it (GiB, 3 decimals)
+            return 200, {"tp_size": 1, "internal_states": [{"memory_usage": {
+                "weight": 0.004, "kvcache": 0.047, "startup_available": 139.5, "token_capacity": 16384,
+                "token_capacity_swa": None, "graph": {"decode": 0.002}}}]}
         if path == "/openapi.json":
             routes = ["/generate", "/update_weights_from_tensor", "/weights_checker"]
             return 200, {"paths": {r: {} for r in routes + (["/begin_weight_update", "/end_weight_update"]

@@ -143,6 +143,7 @@ def _driver(case_file: str, result_file: str) -> None:
         direct.publish(inplace, version=22)  # back to the adapter under test (same bytes)
 
         rec["greedy_before_cycle"] = [o["output_ids"] for o in eng.generate(PROMPTS, max_new_tokens=8)]
+        rec["tag_bytes"] = eng.tag_bytes()  # SGLang's own accounting while resident
         rec["freed"] = eng.release_memory(["kv_cache", "weights", "cuda_graph"])
         rec["second_release"] = eng.release_memory()
         try:

@@ -41,6 +41,8 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
     try:
         eng = SGLangEngine.connect(server.url, spec=SPEC, dtype=torch.float32, ipc="cpu", timeout_s=30)
         assert eng.has_bracket is bracket and eng.client.tp_size == 1 and eng.client.health()
+        assert eng.tag_bytes() == {"weights": round(0.004 * 2**30), "kv_cache": round(0.047 * 2**30),
+                                   "cuda_graph": round(0.002 * 2**30)}
         pub = Publisher(eng, PublishConfig(bucket_bytes=16 << 10), share_min_bytes=None)
         assert pub.transport == "shm"
         w1 = weights(1)
@@ -144,6 +146,18 @@ def test_one_deadline_covers_a_trickling_answer():
         assert eng.weight_version() is None and server.version == "default"
     finally:
         server.close()
+
+
+def test_tag_bytes_of_names_a_missing_memory_usage():
+    from colocate.errors import ConfigError
+    from colocate.sglang_clients import tag_bytes_of
+
+    info = {"internal_states": [{"memory_usage": {"weight": 1.5, "kvcache": 0.25, "graph": {"decode": 0.125, "prefill": 0.0}}}]}
+    assert tag_bytes_of(info) == {"weights": 3 << 29, "kv_cache": 1 << 28, "cuda_graph": 1 << 27}
+    with pytest.raises(ConfigError, match=r"no internal_states\[0\].memory_usage .*KeyError: 'kvcache'"):
+        tag_bytes_of({"internal_states": [{"memory_usage": {"weight": 1.0}}]})
+    with pytest.raises(ConfigError, match="IndexError"):
+        tag_bytes_of({"internal_states": []})
 
 
 def test_server_args_to_cli():

@@ -378,3 +378,20 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     res = json.loads(Path(dir_, "results.json").read_text())
     assert res["results"]["resumed_from"] == latest["step"]
+
+
+def test_engine_resident_fraction_of_sglang_divides_by_its_tagged_bytes():
+    """SGLang: (H − freed) / H with H = weights + KV + graphs by SGLang's accounting; the
+    whole-process variant divides by the start's device memory (its CUDA context included)."""
+    from types import SimpleNamespace
+
+    from examples.demo.runner import engine_resident_fraction
+
+    engine = SimpleNamespace(held_bytes={"weights": 4 << 20, "kv_cache": 48 << 20, "cuda_graph": 2 << 20},
+                             footprint_bytes=1000 << 20)
+    job = SimpleNamespace(st=SimpleNamespace(engine=engine), engine_full_bytes=None)
+    freed = {"kv_cache": 48 << 20, "weights": 4 << 20, "cuda_graph": 2 << 20}
+    assert engine_resident_fraction(job, freed) == 0.0
+    assert engine_resident_fraction(job, {"kv_cache": 48 << 20}) == 6 / 54
+    assert engine_resident_fraction(job, freed, whole_process=True) == (1000 - 54) / 1000
+    assert engine_resident_fraction(job, {**freed, "weights": 8 << 20}) == 0.0  # page rounding: never below 0
