@@ -168,8 +168,8 @@ class EngineSection:
     """Engine weight dtype (``float32`` / ``bfloat16``); the publisher sends this dtype."""
     mem_fraction_static: float = 0.1
     """SGLang: share of GPU memory for weights + KV pool."""
-    max_total_tokens: int = 16384
-    """SGLang: KV pool size in tokens."""
+    max_total_tokens: int | None = 16384
+    """SGLang: KV pool size in tokens (None: SGLang sizes it from ``mem_fraction_static``)."""
     cuda_graph: bool = False
     """SGLang: capture decode CUDA graphs (batch sizes 1, 2, 4); needs ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in ``env``."""
     env: dict[str, str] = field(default_factory=dict)
@@ -306,6 +306,8 @@ class DemoConfig:
         _check(self.engine.dtype in ("float32", "bfloat16"), "engine.dtype", self.engine.dtype, "one of float32|bfloat16")
         _check(0 < self.engine.mem_fraction_static < 1, "engine.mem_fraction_static", self.engine.mem_fraction_static,
                "must be in (0, 1)")
+        _check(self.engine.max_total_tokens is None or self.engine.max_total_tokens > 0, "engine.max_total_tokens",
+               self.engine.max_total_tokens, "must be > 0 or null")
         _check(self.teacher_server.kind in ("hf", "sglang"), "teacher_server.kind", self.teacher_server.kind,
                "one of hf|sglang")
         for name, v in (("engine.start_timeout_s", self.engine.start_timeout_s),

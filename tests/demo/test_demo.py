@@ -137,6 +137,7 @@ def test_appended_unknown_key_is_refused_with_the_valid_keys():
     ("shift", 16, {"shift": 16}),
     ("engine.start_timeout_s", 0.0, {"engine": EngineSection(start_timeout_s=0.0)}),
     ("verify.tie_margin", -0.1, {"verify": VerifySection(tie_margin=-0.1)}),
+    ("engine.max_total_tokens", 0, {"engine": EngineSection(max_total_tokens=0)}),
 ])
 def test_bad_values_name_field_and_value(field, value, kw):
     with pytest.raises(DemoConfigError, match=rf"{field}={value!r}"):
@@ -307,6 +308,9 @@ def test_sglang_arguments_of_the_gpu_config():
     assert args["sampling_backend"] == "pytorch" and args["grammar_backend"] == "none"
     assert args["skip_tokenizer_init"] and args["enable_memory_saver"] and args["dtype"] == "bfloat16"
     assert args["disable_cuda_graph"] is False and args["mem_fraction_static"] == 0.1 and args["base_gpu_id"] == 0
+    assert "max_total_tokens" not in args  # SGLang sizes the KV pool from its share
+    assert sglang_args(to_demo_config(_compose(["engine.max_total_tokens=4096"], "gpu")), "/m", torch.device("cuda", 0)
+                       )["max_total_tokens"] == 4096
     assert cfg.engine.start_timeout_s > 0
     # the teacher server: colocate's one launch path (SGLangServerConfig → HTTPClient.launch)
     import inspect
