@@ -187,6 +187,7 @@ def colocated_record(cfg: DemoConfig, job) -> dict:
             "trainer_resident_fraction_during_generate": worst("trainer_resident_fraction"),
             "engine_resident_fraction_during_train": worst("engine_resident_fraction"),
             "engine_process_resident_fraction_during_train": worst("engine_process_resident_fraction"),
+            "engine_held_bytes": getattr(job.st.engine, "held_bytes", None),  # SGLang's accounting per tag
             "publish_ms": pub[len(pub) // 2] if pub else None,
             "greedy_match": bool(job.greedy_checks) and all(c["mismatch"] == 0 for c in job.greedy_checks),
             "greedy_unexplained": max((c.get("unexplained", c["mismatch"]) for c in job.greedy_checks), default=None),
