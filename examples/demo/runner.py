@@ -110,18 +110,21 @@ def trainer_state_bytes(st: Student) -> int:
 def engine_resident_fraction(job: Job, freed: dict[str, int], *, whole_process: bool = False) -> float | None:
     """Share of the engine's weights + KV cache + graphs still held after it released for
     training. HF engine: its tensors' bytes now over their bytes while generating. SGLang:
-    (H − freed) / H, H those tags' bytes by SGLang's own accounting at start
-    (:meth:`colocate.SGLangEngine.tag_bytes`) and ``freed`` the bytes its release returned (free
-    device memory before/after each tag). ``whole_process``: over the device memory the engine's
-    start took instead (its CUDA context included: what stays while the process lives)."""
+    Σ_t max(0, H_t − F_t) / Σ_t H_t over the tags t (weights, kv_cache, cuda_graph), H_t the tag's
+    bytes by SGLang's own accounting at start (:meth:`colocate.SGLangEngine.tag_bytes`) and F_t
+    the bytes its release returned (free device memory before/after the tag; a tag cannot make up
+    for another). ``whole_process``: (E − Σ_t F_t) / E over the device memory E the engine's start
+    took instead (its CUDA context included: what stays while the process lives)."""
     now = resident_bytes(job.st.engine)
     if now is not None:
         return now / job.engine_full_bytes if job.engine_full_bytes else None
-    held = getattr(job.st.engine, "footprint_bytes" if whole_process else "held_bytes", None)
-    held = sum(held.values()) if isinstance(held, dict) else held
-    if not held:
+    if whole_process:
+        whole = getattr(job.st.engine, "footprint_bytes", None)
+        return max(0, whole - sum(freed.values())) / whole if whole else None
+    held = getattr(job.st.engine, "held_bytes", None)
+    if not held or not sum(held.values()):
         return None
-    return max(0, held - sum(freed.values())) / held
+    return sum(max(0, h - freed.get(t, 0)) for t, h in held.items()) / sum(held.values())
 
 
 # ----- one step ----------------------------------------------------------------------------------

@@ -395,3 +395,5 @@ def test_engine_resident_fraction_of_sglang_divides_by_its_tagged_bytes():
     assert engine_resident_fraction(job, {"kv_cache": 48 << 20}) == 6 / 54
     assert engine_resident_fraction(job, freed, whole_process=True) == (1000 - 54) / 1000
     assert engine_resident_fraction(job, {**freed, "weights": 8 << 20}) == 0.0  # page rounding: never below 0
+    # per tag: 6 MiB more KV freed does not hide 2 MiB of graphs still held
+    assert engine_resident_fraction(job, {"kv_cache": 54 << 20, "weights": 4 << 20}) == 2 / 54

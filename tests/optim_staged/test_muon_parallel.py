@@ -192,23 +192,3 @@ def test_staged_muon_tp_modes_nccl_2gpu():
         _check(results, MODES, moe=LAYOUTS[layout][3] is not None, atol=2e-3, rtol=2e-3)
     results = run_ranks(parallel_body, 2, "ep2_moe", ["duplicated"], True, timeout=240, backend="nccl")
     _check(results, ["duplicated"], moe=True, atol=1e-6, rtol=1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.multirank
-@pytest.mark.timeout(400)
-def test_staged_muon_tp_modes_gloo_cuda_one_gpu():
-    """GPU lane with one GPU: the TP-mode table with both ranks on the same GPU, collectives over
-    gloo on CUDA tensors (NCCL refuses two ranks on one device). The models, the Newton-Schulz
-    iterations and the slot ring's streams are CUDA; the TP all-gather / all-reduce inside the
-    orthogonalization (issued on the ring's compute stream) go through gloo, which stages CUDA
-    tensors through the host and orders that copy against the issuing stream. It does not exercise
-    NCCL's asynchronous, stream-ordered collectives: that is the 2-GPU test above."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    for layout in ("tp2_dense", "etp2_moe"):
-        results = run_ranks(parallel_body, 2, layout, MODES, False, timeout=360)
-        assert all(r["device"] == "cuda" for r in results)
-        _check(results, MODES, moe=LAYOUTS[layout][3] is not None, atol=2e-3, rtol=2e-3)
-    results = run_ranks(parallel_body, 2, "ep2_moe", ["duplicated"], True, timeout=240)
-    _check(results, ["duplicated"], moe=True, atol=1e-6, rtol=1e-6)
