@@ -109,9 +109,15 @@ class HeadConfig:
     """Sampling temperature τ; logits are divided by it."""
     entropy_requires_grad: bool = False
     """Make the returned entropy differentiable (entropy bonus)."""
+    vocab_size: int | None = None
+    """The real vocabulary when the model's is padded (Megatron pads to a multiple of
+    ``make_vocab_size_divisible_by · TP``; the HF model has ``vocab_size`` rows): output rows at
+    or past it leave the softmax, as in the HF model. None: every row of the output layer counts."""
 
     def __post_init__(self) -> None:
         _validate(self)
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise HartsConfigError(f"HeadConfig.vocab_size must be >= 1 or None, got {self.vocab_size}")
         if self.chunk_size < 1:
             raise HartsConfigError(f"HeadConfig.chunk_size must be >= 1, got {self.chunk_size}")
         if not self.temperature > 0:

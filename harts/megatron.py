@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -354,8 +355,24 @@ def _head_edges_host(tokens: torch.Tensor, parent: np.ndarray) -> HeadEdges:
                      row_ptr=off_d.to(torch.int32))
 
 
+def real_vocab_rows(weight: torch.Tensor, vocab_size: int | None, group=None) -> tuple[torch.Tensor, int]:
+    """This rank's output rows of the real vocabulary and the first vocab id they hold: a padded
+    vocabulary (rows ``≥ vocab_size``, Megatron's padding) is cut from the shard, so those
+    entries leave the softmax as in the HF model. ``weight`` is the vocab-parallel shard ``[V/TP, H]``."""
+    local = weight.shape[0]
+    start = local * (dist.get_rank(group) if group is not None else 0)
+    if vocab_size is None or vocab_size >= start + local:
+        return weight, start
+    keep = vocab_size - start
+    if keep <= 0:
+        raise TreeIncompatibleError(f"vocab_size={vocab_size}: this tensor-parallel rank's output rows "
+                                    f"[{start}, {start + local}) are all padding; the tree LM head needs at least "
+                                    "one real row per rank (pad the vocabulary less, or use a smaller TP size)")
+    return weight[:keep], start
+
+
 def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, temperature: float,
-                    entropy_requires_grad: bool):
+                    entropy_requires_grad: bool, vocab_size: int | None = None):
     def processor(*, hidden_states, output_layer, output_weight, config, **_):
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -369,8 +386,10 @@ def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, te
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=group)
         if h.shape[1] != 1:
             raise ValueError(f"tree forward expects one packed row (b = 1), got hidden {tuple(h.shape)}")
+        tp = group if group is not None and group.size() > 1 else None
+        weight, start = real_vocab_rows(weight, vocab_size, tp)
         return tree_lm_head(h[:, 0], weight, forest.tokens, forest.parent, chunk_size=chunk_size,
-                            temperature=temperature, tp_group=group if group is not None and group.size() > 1 else None,
+                            temperature=temperature, tp_group=tp, vocab_start=start,
                             entropy_requires_grad=entropy_requires_grad, reduce_grad_input=not sp, edges=edges)
 
     return processor
@@ -378,8 +397,8 @@ def _head_processor(forest: Forest, edges: HeadEdges | None, chunk_size: int, te
 
 def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSeqParams | None = None,
                  backend: AttentionBackend | str = AttentionBackend.flex, temperature: float = 1.0,
-                 chunk_size: int = 1024,
-                 entropy_requires_grad: bool = False, head: HeadConfig | None = None) -> TreeHeadOutput | torch.Tensor:
+                 chunk_size: int = 1024, entropy_requires_grad: bool = False, vocab_size: int | None = None,
+                 head: HeadConfig | None = None) -> TreeHeadOutput | torch.Tensor:
     """Run ``model`` (after :func:`apply_harts`) on the compact row of ``forest``.
 
     Returns ``(logp [T], entropy [T])`` on the last pipeline stage (see
@@ -388,18 +407,20 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     Gated DeltaNet metadata; pass it to reuse a BlockMask). A model that is not tree-capable yet
     gets :func:`apply_harts` first (a model run on a packed row without it would attend causally
     across sequences).
-    ``head`` (a :class:`~harts.config.HeadConfig`), when given, overrides the four keyword options.
+    ``vocab_size``: the real vocabulary of a model whose output layer is padded
+    (:attr:`~harts.config.HeadConfig.vocab_size`). ``head`` (a :class:`~harts.config.HeadConfig`),
+    when given, overrides the five keyword options.
     """
     if head is not None:
         backend, temperature, chunk_size = head.backend, head.temperature, head.chunk_size
-        entropy_requires_grad = head.entropy_requires_grad
+        entropy_requires_grad, vocab_size = head.entropy_requires_grad, head.vocab_size
     gpts = _gpt_models(model)
     if not gpts:
         raise ValueError(f"tree_forward: no GPTModel inside {type(model).__name__}")
     if not _tree_capable(model):
         apply_harts(model)
     params = params or make_tree_params(forest, backend=backend, model=model)
-    vocab = getattr(gpts[0], "vocab_size", None)
+    vocab = vocab_size if vocab_size is not None else getattr(gpts[0], "vocab_size", None)
     top = params.max_token if params.max_token is not None else int(forest.tokens.max())
     if vocab is not None and forest.num_nodes and top >= vocab:
         raise TokenOutOfRangeError(f"forest holds token id {top} >= model vocab_size {vocab}")
@@ -407,7 +428,7 @@ def tree_forward(model: torch.nn.Module, forest: Forest, *, params: TreePackedSe
     pos = depth.expand(3, 1, -1) if gpts[0].position_embedding_type == "mrope" else depth
     return model(forest.tokens[None], pos, None, packed_seq_params=params,
                  output_processor=_head_processor(forest, params.head_edges, chunk_size, temperature,
-                                                  entropy_requires_grad))
+                                                  entropy_requires_grad, vocab_size))
 
 
 @dataclass
@@ -447,7 +468,7 @@ def _check_shared(model: torch.nn.Module) -> None:
 
 def tree_shared_step(model: torch.nn.Module, batch: SharedPrefixBatch, loss_fn, *,
                      params: SharedParams | None = None, temperature: float = 1.0, chunk_size: int = 1024,
-                     entropy_requires_grad: bool = False) -> list[torch.Tensor]:
+                     entropy_requires_grad: bool = False, vocab_size: int | None = None) -> list[torch.Tensor]:
     """Forward and backward of a shared-prefix group (:mod:`harts.prefix`); gradients accumulate into
     the parameters' ``.grad`` / ``main_grad`` as for any microbatches. Returns the parts' losses (detached).
 
@@ -461,12 +482,14 @@ def tree_shared_step(model: torch.nn.Module, batch: SharedPrefixBatch, loss_fn, 
     log-probs/entropies entering as leaves, the loss and its backward; then one backward of the
     prefix from the gradients collected on the leaves. Values and gradients equal per-sequence
     execution up to float reduction order. Needs the varlen backend, a single pipeline stage and
-    activation recomputation off.
+    activation recomputation off. ``vocab_size``: the real vocabulary of a padded output layer
+    (:func:`tree_forward`).
     """
     _check_shared(model)
     params = params or make_shared_params(batch)
     ctx = PrefixContext(batch.prefix_len)
-    kw = dict(temperature=temperature, chunk_size=chunk_size, entropy_requires_grad=entropy_requires_grad)
+    kw = dict(temperature=temperature, chunk_size=chunk_size, entropy_requires_grad=entropy_requires_grad,
+              vocab_size=vocab_size)
     out = tree_forward(model, batch.prefix, params=dataclasses.replace(params.prefix, prefix_context=ctx), **kw)
     ctx.freeze()
     lp_leaf = out.logp.detach().requires_grad_(out.logp.requires_grad)
@@ -508,7 +531,7 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
                   temperature: float = 1.0, backend: AttentionBackend | str = AttentionBackend.flex,
                   planner: PlannerConfig | None = None, chunk_size: int = 1024,
                   entropy_requires_grad: bool = False, gdn: GdnTreeConfig | None = None,
-                  forward_only: bool = False, pg_collection=None) -> TreeScores:
+                  forward_only: bool = False, pg_collection=None, vocab_size: int | None = None) -> TreeScores:
     """Score ``input_ids [B, L]`` (row ``b`` is ``input_ids[b, :lengths[b]]``) with a Megatron
     model as prefix trees: plan → tree forward → tree LM head → rows.
 
@@ -526,6 +549,7 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
     through Megatron's forward-only schedule instead (no gradients; any pipeline size, with
     ``pg_collection``'s groups or the global ones; every micro-batch padded to the longest one
     unless the model config has ``variable_seq_lengths``); stages other than the last get zeros.
+    ``vocab_size``: the real vocabulary of a padded output layer (:func:`tree_forward`).
     Inside a training ``forward_step_func`` use :func:`~harts.batch.plan_tree_batch`,
     :func:`tree_forward` and :meth:`~harts.batch.TreeMicrobatch.logprob_rows` per micro-batch.
     """
@@ -536,12 +560,12 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
     batch = plan_tree_batch(input_ids, lengths, config=planner, device=device)
     if forward_only:
         return _scheduled_scores(model, batch, temperature=temperature, backend=backend, chunk_size=chunk_size,
-                                 gdn=gdn, pg_collection=pg_collection)
+                                 gdn=gdn, pg_collection=pg_collection, vocab_size=vocab_size)
     logp, ent = [], []
     for mb in batch.microbatches:
         params = make_tree_params(mb.forest, backend=backend, model=model, gdn=gdn)
         out = tree_forward(model, mb.forest, params=params, temperature=temperature, chunk_size=chunk_size,
-                           entropy_requires_grad=entropy_requires_grad)
+                           entropy_requires_grad=entropy_requires_grad, vocab_size=vocab_size)
         logp.append(mb.logprob_rows(out.logp))
         ent.append(mb.entropy_rows(out.entropy))
     return TreeScores(logp=batch.gather(logp), entropy=batch.gather(ent), batch=batch)
@@ -549,7 +573,7 @@ def tree_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, lengths: torc
 
 @torch.no_grad()
 def _scheduled_scores(model: torch.nn.Module, batch: TreeBatch, *, temperature: float, backend, chunk_size: int,
-                      gdn: GdnTreeConfig | None, pg_collection) -> TreeScores:
+                      gdn: GdnTreeConfig | None, pg_collection, vocab_size: int | None = None) -> TreeScores:
     """:func:`tree_logprobs` through ``get_forward_backward_func(forward_only=True)``."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -562,7 +586,8 @@ def _scheduled_scores(model: torch.nn.Module, batch: TreeBatch, *, temperature: 
     def step(data_iterator, model_):
         mb = next(data_iterator)
         params = make_tree_params(mb.forest, backend=backend, model=model_, gdn=gdn)
-        output = tree_forward(model_, mb.forest, params=params, temperature=temperature, chunk_size=chunk_size)
+        output = tree_forward(model_, mb.forest, params=params, temperature=temperature, chunk_size=chunk_size,
+                              vocab_size=vocab_size)
 
         def collect(output_tensor, non_loss_data=True):
             return torch.stack([mb.logprob_rows(output_tensor[0]), mb.entropy_rows(output_tensor[1])], 1)

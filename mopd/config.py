@@ -253,9 +253,10 @@ class TeacherSpec:
     """http backend: the server returns input-token log-probs of softmax(logits / τ) for the
     request temperature (required when ``rollout_temperature != 1``; SGLang does not by default)."""
     vocab_size: int | None = None
-    """http backend: the served model's ``vocab_size`` (default: read from ``hf_path``'s
-    ``config.json``). SGLang reports input token id ``vocab_size − 1`` as 0; knowing the size
-    lets the client accept exactly that substitution while checking every other id."""
+    """The teacher's real ``vocab_size`` (default: read from ``hf_path``'s ``config.json``).
+    http backend: SGLang reports input token id ``vocab_size − 1`` as 0; knowing the size lets
+    the client accept exactly that substitution while checking every other id. megatron backend:
+    the host's padded output rows past it leave the softmax (:class:`mopd.megatron.MegatronTeacher`)."""
 
     @property
     def weights_path(self) -> str | None:

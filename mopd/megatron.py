@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +48,19 @@ __all__ = [
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                   tp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
+                   tp_group: torch.distributed.ProcessGroup | None = None,
+                   vocab_size: int | None = None) -> torch.Tensor:
     """``log softmax(logits / τ)[label]`` per token, fp32, from vocab-parallel ``logits
-    [b, s, V/TP]`` and ``labels [b, s]``; differentiable (Megatron's cross-entropy kernel)."""
+    [b, s, V/TP]`` and ``labels [b, s]``; differentiable (Megatron's cross-entropy kernel).
+    ``vocab_size``: the real vocabulary when Megatron's is padded (the HF model's
+    ``vocab_size``): the padded columns get −∞, so the softmax is the HF model's over ``vocab_size``
+    entries (a padded row loaded from HF is zeros, logit 0, which would otherwise take mass)."""
     scaled = logits.float() / temperature  # a fresh tensor: the kernel edits its input in place
+    if vocab_size is not None:
+        local = scaled.shape[-1]
+        start = local * (torch.distributed.get_rank(tp_group) if tp_group is not None else 0)
+        if vocab_size < start + local:
+            scaled[..., max(vocab_size - start, 0):] = float("-inf")
     return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels, tp_group=tp_group)
 
 
@@ -187,16 +197,20 @@ class MegatronTeacher:
     loaded in ``load``, collectively).
     ``tree`` (enabled) scores harts tree batches (:meth:`_score_tree`); ``logprob_fn(output,
     micro)`` replaces :func:`token_logprobs` for other batch layouts (not with ``tree``).
+    ``vocab_size``: the teacher's real vocabulary when the host's output layer is padded; the
+    padded entries leave the softmax. None: an HF folder's ``config.json`` ``vocab_size`` (read at
+    :meth:`load`), else every row counts (a Megatron checkpoint trained with its padding).
     """
 
     def __init__(self, teacher_id: str, host: MegatronTeacherHost, checkpoint: str, *, temperature: float = 1.0,
                  logprob_fn: Callable[[torch.Tensor, Any], torch.Tensor] | None = None,
-                 tree: TeacherTreeConfig | None = None) -> None:
+                 tree: TeacherTreeConfig | None = None, vocab_size: int | None = None) -> None:
         if tree is not None and tree.enabled and logprob_fn is not None:
             raise ValueError(f"teacher {teacher_id!r}: logprob_fn and an enabled tree config both define the "
                              "scoring layout; pass one")
         self.teacher_id, self.host, self.checkpoint = teacher_id, host, checkpoint
         self.temperature = temperature
+        self.vocab_size = vocab_size
         self.logprob_fn = logprob_fn
         self.tree = tree if tree is not None and tree.enabled else None
         self.last_tree_stats: dict[str, float] | None = None
@@ -221,6 +235,8 @@ class MegatronTeacher:
             self._staged = None
         elif self._is_hf_folder():
             self.host.load_hf(self.checkpoint, self.teacher_id)
+            if self.vocab_size is None:
+                self.vocab_size = int(json.loads((Path(self.checkpoint) / "config.json").read_text())["vocab_size"])
         else:
             self.host.load_dist_checkpoint(self.checkpoint, self.teacher_id)
 
@@ -257,7 +273,7 @@ class MegatronTeacher:
         labels = torch.cat([ids_p[:, 1:], ids_p[:, -1:]], dim=1)
         micro = [_Micro(ids_p[i:i + mbs], labels[i:i + mbs]) for i in range(0, ids_p.shape[0], mbs)]
         tp_group = _groups(self.host.pg_collection)[0]
-        temperature, custom = self.temperature, self.logprob_fn
+        temperature, custom, vocab_size = self.temperature, self.logprob_fn, self.vocab_size
 
         def step(data_iterator, model):
             mb = next(data_iterator)
@@ -267,7 +283,8 @@ class MegatronTeacher:
             def collect(output_tensor, non_loss_data=True):
                 if custom is not None:
                     return custom(output_tensor, mb)
-                return token_logprobs(output_tensor, mb.labels, temperature=temperature, tp_group=tp_group)
+                return token_logprobs(output_tensor, mb.labels, temperature=temperature, tp_group=tp_group,
+                                      vocab_size=vocab_size)
 
             return output, collect
 
@@ -299,7 +316,7 @@ class MegatronTeacher:
                                 fallback_compression=cfg.fallback_compression, dp_size=1)
         res = tree_logprobs(self.host.chunks[0], batch.input_ids, batch.lengths, temperature=self.temperature,
                             backend=cfg.backend, planner=planner, chunk_size=cfg.chunk_size, forward_only=True,
-                            pg_collection=self.host.pg_collection)
+                            pg_collection=self.host.pg_collection, vocab_size=self.vocab_size)
         plan = res.batch
         self.last_tree_stats = {"compression": plan.compression, "micro_batches": float(len(plan.microbatches)),
                                 "rows": float(plan.rows), "tokens": float(batch.lengths.sum())}
@@ -328,7 +345,7 @@ def build_teacher_pool(config: MOPDConfig, *, host: MegatronTeacherHost | None =
             if not spec.weights_path:
                 raise ValueError(f"teacher {tid!r}: backend='megatron' needs teachers.{tid}.checkpoint or .hf_path")
             backends[tid] = MegatronTeacher(tid, host, spec.weights_path, temperature=config.rollout_temperature,
-                                            logprob_fn=logprob_fn, tree=config.teacher_tree)
+                                            logprob_fn=logprob_fn, tree=config.teacher_tree, vocab_size=spec.vocab_size)
     return TeacherPool(backends, config=config.pool, on_event=on_event)
 
 
@@ -376,10 +393,13 @@ def mopd_loss_func(micro: MOPDMicroBatch, output_tensor: torch.Tensor, *, config
                    route_names: Sequence[str], temperature: float = 1.0,
                    logprob_fn: Callable[[torch.Tensor, MOPDMicroBatch], torch.Tensor] | None = None,
                    rl_loss_fn: Callable[[torch.Tensor, MOPDMicroBatch], torch.Tensor] | None = None,
-                   tp_group: Any | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                   tp_group: Any | None = None,
+                   vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Loss for Megatron's ``forward_step_func``: ``return output, partial(mopd_loss_func, micro, config=...)``.
 
-    Student log-probs come from ``logprob_fn(output, micro)`` or :func:`token_logprobs`.
+    Student log-probs come from ``logprob_fn(output, micro)`` or :func:`token_logprobs`
+    (``vocab_size``: the student's real vocabulary when its output layer is padded, as the engine
+    that sampled it has).
     Total = ``rl_coef · rl_loss_fn(ℓθ, micro) + distill_coef · L_mopd_sum`` (sums over tokens;
     a zero coefficient skips its term, ``rl_loss_fn`` is then not called). Returns
     ``(loss_sum, num_tokens, metrics)``; every metric is a ``[sum, count]`` fp32 pair (Megatron
@@ -392,7 +412,8 @@ def mopd_loss_func(micro: MOPDMicroBatch, output_tensor: torch.Tensor, *, config
     if logprob_fn is not None:
         student = logprob_fn(output_tensor, micro)
     else:
-        student = token_logprobs(output_tensor, micro.labels, temperature=temperature, tp_group=tp_group)
+        student = token_logprobs(output_tensor, micro.labels, temperature=temperature, tp_group=tp_group,
+                                 vocab_size=vocab_size)
     out = mopd_pg_loss(student, micro.old_logp, micro.targets, micro.loss_mask, config=config,
                        normalization_mask=micro.normalization_mask, rl_advantages=micro.rl_advantages)
     rl_sum = rl_loss_fn(student, micro) if config.rl_coef != 0.0 else None

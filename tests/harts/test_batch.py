@@ -158,3 +158,27 @@ def test_tree_logprobs_refuses_a_non_megatron_model(cpu_megatron):
 
     with pytest.raises(ConfigTypeError, match="model must be \\(or wrap\\) a Megatron GPTModel, got Linear"):
         tree_logprobs(torch.nn.Linear(2, 2), torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_real_vocab_rows_cut_the_padding_of_a_shard(monkeypatch):
+    """``HeadConfig.vocab_size`` and the row cut the tree head applies to a padded output layer
+    (the values: tests/mopd/test_hf_teacher.py and the TP=2 case of test_megatron_multirank.py)."""
+    import torch.distributed as dist
+
+    from harts.config import HartsConfigError, HeadConfig
+    from harts.errors import TreeIncompatibleError
+    from harts.megatron import real_vocab_rows
+
+    w = torch.randn(64, 8)
+    cut, start = real_vocab_rows(w, 40)
+    assert start == 0 and cut.shape == (40, 8) and cut.data_ptr() == w.data_ptr()  # a view: gradients reach w
+    assert real_vocab_rows(w, 64)[0] is w and real_vocab_rows(w, None)[0] is w
+    assert HeadConfig(vocab_size=40).vocab_size == 40
+    with pytest.raises(HartsConfigError, match="HeadConfig.vocab_size must be >= 1 or None, got 0"):
+        HeadConfig(vocab_size=0)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)  # rank 1 of a TP group: shard [64, 128)
+    group = object()
+    cut, start = real_vocab_rows(w, 100, group)
+    assert start == 64 and cut.shape == (36, 8)
+    with pytest.raises(TreeIncompatibleError, match=r"vocab_size=50: .*rows \[64, 128\) are all padding"):
+        real_vocab_rows(w, 50, group)

@@ -17,23 +17,30 @@ from tests.mopd.mopd_helpers import reference_logp, tiny_qwen3, token_batch
 
 
 @pytest.mark.timeout(180)
-def test_megatron_teachers_from_hf_folders_match_transformers(cpu_megatron, tmp_path):
+@pytest.mark.parametrize("divisible_by,tree", [(1, False), (64, False), (64, True)],
+                         ids=["unpadded", "padded", "padded-tree"])
+def test_megatron_teachers_from_hf_folders_match_transformers(cpu_megatron, tmp_path, divisible_by, tree):
+    """The teachers' log-probs are the HF models' (vocab 48). ``padded``: Megatron pads the
+    vocabulary to 64 and loads the 16 extra output rows as zeros (logit 0): the teacher leaves
+    them out of the softmax (the HF folder's ``vocab_size``), on the plain and the tree path."""
     from mcore_distill.hf import megatron_model_from_hf
+    from mopd.config import TeacherTreeConfig
     from mopd.megatron import MegatronTeacherHost, build_teacher_pool
 
     hf_a, hf_b = tiny_qwen3(1, layers=2), tiny_qwen3(2, layers=2)
     hf_a.save_pretrained(tmp_path / "a")
     hf_b.save_pretrained(tmp_path / "b")
-    # no vocabulary padding: zero padded rows would add logits of exactly 0 to every softmax
-    host = MegatronTeacherHost(megatron_model_from_hf(tmp_path / "a", make_vocab_size_divisible_by=1),
+    host = MegatronTeacherHost(megatron_model_from_hf(tmp_path / "a", make_vocab_size_divisible_by=divisible_by),
                                micro_batch_size=2)
+    assert host.chunks[0].vocab_size == (48 if divisible_by == 1 else 64)
     with torch.no_grad():
         for p in host.chunks[0].parameters():
             p.zero_()  # the host's own weights must not matter
     cfg = MOPDConfig(teachers={"a": TeacherSpec(hf_path=str(tmp_path / "a")),
                                "b": TeacherSpec(checkpoint=str(tmp_path / "b"), hf_path=str(tmp_path / "b"))},
                      routing=RoutingSpec(routes={"ra": {"a": 1.0}, "rb": {"b": 1.0}, "mix": {"a": 0.5, "b": 0.5}}),
-                     rollout_temperature=0.8, divergence=DivergenceConfig(temperature=0.8))
+                     rollout_temperature=0.8, divergence=DivergenceConfig(temperature=0.8),
+                     teacher_tree=TeacherTreeConfig(enabled=tree, backend="dense"))
     pool = build_teacher_pool(cfg, host=host)
     batch = token_batch(4, 12, vocab=48, seed=4, score_from=True)
     ref_a, ref_b = reference_logp(hf_a, batch, 0.8), reference_logp(hf_b, batch, 0.8)

@@ -57,6 +57,25 @@ def test_token_logprobs_matches_log_softmax(cpu_megatron):
 
 
 @pytest.mark.timeout(120)
+def test_token_logprobs_leave_padded_vocab_out(cpu_megatron):
+    """vocab_size=40 of 64 columns: log-probs and gradients of log_softmax over the first 40 (fp64)."""
+    from mopd.megatron import token_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 40, (3, 7), generator=g)
+    lp = token_logprobs(logits, labels, temperature=0.7, vocab_size=40)
+    x = logits.detach().clone().requires_grad_(True)
+    ref = torch.log_softmax(x[..., :40] / 0.7, -1).gather(-1, labels[..., None])[..., 0]
+    assert_close("logp", ref, lp, atol=1e-6, rtol=1e-6)
+    (g1,) = torch.autograd.grad(lp.sum(), logits)
+    (g2,) = torch.autograd.grad(ref.sum(), x)
+    assert_close("grad", g2, g1, atol=1e-6, rtol=1e-6)
+    assert g1[..., 40:].abs().max() == 0
+    assert torch.equal(token_logprobs(logits, labels, vocab_size=64), token_logprobs(logits, labels))
+
+
+@pytest.mark.timeout(120)
 def test_megatron_teachers_swap_in_place_and_match_transformers(cpu_megatron, tmp_path):
     from megatron.core import dist_checkpointing
 
@@ -170,7 +189,7 @@ def test_every_teacher_config_value_reaches_the_backends(cpu_megatron, tmp_path)
                "server_scales_temperature", "vocab_size", "hf_path"}  # hf_path: pre-flight fingerprints (test_preflight)
     assert {f.name for f in dataclasses.fields(TeacherSpec)} == covered, "cover the new TeacherSpec field"
     cfg = MOPDConfig(
-        teachers={"m": TeacherSpec(checkpoint=str(tmp_path / "m")),
+        teachers={"m": TeacherSpec(checkpoint=str(tmp_path / "m"), vocab_size=40),
                   "h": TeacherSpec(backend="http", url="http://h:1", timeout_s=7.0, max_retries=5,
                                    retry_backoff_s=0.25, max_batch=3, server_scales_temperature=True,
                                    vocab_size=48)},
@@ -181,7 +200,7 @@ def test_every_teacher_config_value_reaches_the_backends(cpu_megatron, tmp_path)
     h, m = pool._backends["h"], pool._backends["m"]
     assert (h.url, h.timeout_s, h.max_retries, h.retry_backoff_s, h.max_batch, h.temperature, h.vocab_size) == (
         "http://h:1", 7.0, 5, 0.25, 3, 0.6, 48)
-    assert (m.checkpoint, m.temperature, m.host) == (str(tmp_path / "m"), 0.6, host)
+    assert (m.checkpoint, m.temperature, m.host, m.vocab_size) == (str(tmp_path / "m"), 0.6, host, 40)
     assert pool.config.prefetch is False and pool.config.wait_timeout_s == 12.0
     with pytest.raises(ValueError, match="no MegatronTeacherHost"):
         build_teacher_pool(cfg)

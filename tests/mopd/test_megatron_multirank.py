@@ -26,10 +26,10 @@ def _cfg(tp: int, pp: int) -> TinyGPTConfig:
                          pipeline_model_parallel_size=pp)
 
 
-def _batch():
+def _batch(vocab: int = 64):
     from tests.mopd.mopd_helpers import token_batch
 
-    return token_batch(B, L, vocab=64, seed=9, score_from=True)
+    return token_batch(B, L, vocab=vocab, seed=9, score_from=True)
 
 
 def _score(tp: int, pp: int, folder: str):
@@ -55,23 +55,39 @@ def _score(tp: int, pp: int, folder: str):
         logp_tree = lease.score(_batch()).take().clone()
     pool.close()
     tree_err = (logp_tree.double() - logp.double()).abs().max().item()
-    return teacher_model, logp, tree_err
+    if tp == 1:
+        return teacher_model, logp, tree_err
+    # a real vocabulary of 40 in the padded 64: rank 1's shard [32, 64) keeps 8 rows
+    pool = TeacherPool({"t": MegatronTeacher("t", host, folder, temperature=0.9, vocab_size=40),
+                        "tree": MegatronTeacher("tree", host, folder, temperature=0.9, tree=tree, vocab_size=40)},
+                       config=TeacherPoolConfig())
+    cut = []
+    for tid in ("t", "tree"):
+        with pool.acquire(tid) as lease:
+            cut.append(lease.score(_batch(40)).take().clone())
+    pool.close()
+    return teacher_model, logp, tree_err, cut
 
 
 def _tp_case(rank: int, folder: str):
     """TP=2: teacher log-probs vs log_softmax of the TP-gathered full logits (fp64)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    model, logp, tree_err = _score(2, 1, folder)
-    batch = _batch()
-    with torch.no_grad():
-        shard = model(batch.input_ids, torch.arange(L).expand(B, L), None)
-        full = gather_from_tensor_model_parallel_region(shard)
-    labels = torch.cat([batch.input_ids[:, 1:], batch.input_ids[:, -1:]], 1)
-    ref = torch.log_softmax(full.double() / 0.9, -1).gather(-1, labels[..., None])[..., 0]
-    ref = torch.where(batch.label_mask(), ref, torch.zeros_like(ref))
+    model, logp, tree_err, cut = _score(2, 1, folder)
+
+    def reference(batch, vocab: int):
+        with torch.no_grad():
+            shard = model(batch.input_ids, torch.arange(L).expand(B, L), None)
+            full = gather_from_tensor_model_parallel_region(shard)
+        labels = torch.cat([batch.input_ids[:, 1:], batch.input_ids[:, -1:]], 1)
+        ref = torch.log_softmax(full[..., :vocab].double() / 0.9, -1).gather(-1, labels[..., None])[..., 0]
+        return torch.where(batch.label_mask(), ref, torch.zeros_like(ref)), full.shape[-1], shard.shape[-1]
+
+    ref, vocab, vocab_shard = reference(_batch(), 64)
+    ref40, _, _ = reference(_batch(40), 40)
+    cut_err = max((c.double() - ref40).abs().max().item() for c in cut)
     destroy_megatron()
-    return (logp.double() - ref).abs().max().item(), full.shape[-1], shard.shape[-1], tree_err
+    return (logp.double() - ref).abs().max().item(), vocab, vocab_shard, tree_err, cut_err
 
 
 def _pp_case(rank: int, folder: str):
@@ -113,8 +129,10 @@ def _both(rank: int, world_size: int, folder_tp: str, folder_pp: str):
 def test_megatron_teacher_tp2_and_pp2():
     with tempfile.TemporaryDirectory() as d:
         results = run_ranks(_both, 2, f"{d}/tp", f"{d}/pp", timeout=200)
-    for rank, ((tp_err, vocab, vocab_shard, tp_tree_err), (pp_err, mass, pp_tree_err)) in enumerate(results):
+    for rank, ((tp_err, vocab, vocab_shard, tp_tree_err, cut_err), (pp_err, mass, pp_tree_err)) in enumerate(results):
         assert vocab == 64 and vocab_shard == 32  # really vocab-parallel
+        # vocab_size=40 < 64: the padded rows leave the softmax on both ranks' shards, plain and tree
+        assert cut_err < 2e-5, f"rank {rank}: vocab_size=40 log-probs off by {cut_err}"
         assert tp_err < 2e-5, f"rank {rank}: TP=2 teacher log-probs off by {tp_err}"
         # fp32 model: tree vs plain scoring agree to float reduction order
         assert tp_tree_err < 2e-5 and pp_tree_err < 2e-5, f"rank {rank}: tree scoring off by {tp_tree_err}, {pp_tree_err}"
