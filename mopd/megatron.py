@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,7 +235,9 @@ class MegatronTeacher:
         elif self._is_hf_folder():
             self.host.load_hf(self.checkpoint, self.teacher_id)
             if self.vocab_size is None:
-                self.vocab_size = int(json.loads((Path(self.checkpoint) / "config.json").read_text())["vocab_size"])
+                from mcore_distill.hf import read_hf_config
+
+                self.vocab_size = int(read_hf_config(self.checkpoint)["vocab_size"])
         else:
             self.host.load_dist_checkpoint(self.checkpoint, self.teacher_id)
 

@@ -13,15 +13,10 @@ LIMIT=${1:-480}; shift || true
 OUT=${OUT:-outputs/colocated-gpu}
 mkdir -p "$OUT"
 T0=$(date +%s)
-TMPD=$(python3 -c 'import tempfile; print(tempfile.gettempdir())')
-S1=$TMPD/site1 S2=$TMPD/site2
-[ -d "$S1/sglang" ] || { echo "batch 1 is not installed (the machine went cold): run .sgl/scripts/call1.sh first"; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$S2" .sgl/b02/*.whl 2>&1 | grep -v "already exists" | tail -3
+. scripts/sglang-batch2.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-sx/*.whl 2>&1 | grep -v "already exists" | tail -3
-export PYTHONPATH=$S2:$S1:/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export MCD_COMMIT=${MCD_COMMIT:-unknown}
-which nvcc >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
-echo "installed in $(( $(date +%s) - T0 ))s"
+echo "project wheels installed after $(( $(date +%s) - T0 ))s"
 RUN=/tmp/colocated
 collect() {
   for f in results.json steps.jsonl demo.png failure.json; do [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"; done

@@ -15,14 +15,8 @@ OUT=${OUT:-outputs/sglang-lane}
 ART=$(mktemp -d /tmp/sgl-art.XXXX)
 mkdir -p "$OUT"
 T0=$(date +%s)
-TMPD=$(python3 -c 'import tempfile; print(tempfile.gettempdir())')
-S1=$TMPD/site1 S2=$TMPD/site2
-[ -d "$S1/sglang" ] || { echo "batch 1 is not installed (the machine went cold): run .sgl/scripts/call1.sh first"; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$S2" .sgl/b02/*.whl 2>&1 | grep -v "already exists" | tail -3
-export PYTHONPATH=$S2:$S1:/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 MCD_TEST_ARTIFACTS=$ART
-export BENCH_OUT=$OUT
-which nvcc >/dev/null || export PATH=$PATH:/usr/local/cuda/bin
-echo "batch 2 installed in $(( $(date +%s) - T0 ))s"
+. scripts/sglang-batch2.sh
+export MCD_TEST_ARTIFACTS=$ART BENCH_OUT=$OUT
 python3 -c "import torch, sglang, transformers, megatron.core as m; print('torch', torch.__version__, 'sglang', sglang.__version__, 'transformers', transformers.__version__, 'megatron-core', m.__version__, torch.cuda.get_device_name(0))" 2>&1 | tail -1
 PT="python3 -m pytest -m sglang -o addopts= -q -rA -p no:cacheprovider"
 lane() {  # lane NAME CMD...: run under the limit, output to $OUT/NAME.log

@@ -77,13 +77,10 @@ def sglang_args(cfg: DemoConfig, hf_dir: str, device: torch.device) -> dict:
     Triton attention, PyTorch sampling, no grammar backend, no tokenizer, the memory saver on)."""
     from colocate.sglang_engine import sglang_engine_args
 
-    args = sglang_engine_args(hf_dir, cuda_graph=cfg.engine.cuda_graph, memory_saver=True,
+    return sglang_engine_args(hf_dir, cuda_graph=cfg.engine.cuda_graph, memory_saver=True,
                               mem_fraction_static=cfg.engine.mem_fraction_static,
                               max_total_tokens=cfg.engine.max_total_tokens, dtype=cfg.engine.dtype,
                               random_seed=cfg.seed, base_gpu_id=device.index or 0)
-    if args["max_total_tokens"] is None:  # SGLang sizes the KV pool from mem_fraction_static
-        del args["max_total_tokens"]
-    return args
 
 
 def _check_folder(hf_dir: str | None, spec) -> None:

@@ -280,10 +280,11 @@ def _verify(job: Job, k: int, want: tuple | None) -> None:
         if want is None:
             return
         got = greedy(st.engine, _verify_prompts(job).tolist(), n_new=cfg.length)
-        exact = float((got != want[0]).any(1).float().mean())
+        diff = got != want[0]
+        flipped = diff.any(1)
+        exact = float(flipped.float().mean())
         bad = float(unexplained_rows(got, want, cfg.verify.tie_margin).float().mean())
-        first = (got != want[0]).float().argmax(1, keepdim=True)
-        flipped = (got != want[0]).any(1)
+        first = diff.float().argmax(1, keepdim=True)  # first differing position of each row
         job.greedy_checks.append({"step": k, "mismatch": exact, "unexplained": bad, "flip_margins": [
             round(float(x), 4) for x in want[2].gather(1, first).squeeze(1)[flipped]]})
         job.timeline.set("verify/greedy_mismatch", exact)

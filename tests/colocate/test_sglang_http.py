@@ -24,6 +24,16 @@ from ._contract_server import SPEC, ContractServer, sha, weights
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 2, 7]
 
 
+def _shared_views(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``w`` as views of one shared-memory storage (what an in-place publish hands over)."""
+    flat = torch.empty(sum(t.numel() for t in w.values())).share_memory_()
+    out, off = {}, 0
+    for n, t in w.items():
+        out[n] = flat[off: off + t.numel()].view(t.shape).copy_(t)
+        off += t.numel()
+    return out
+
+
 def _reference_logprobs(w: dict[str, torch.Tensor]) -> torch.Tensor:
     ref = build_hf_model(SPEC)
     views = hf_checkpoint_views(ref)
@@ -59,11 +69,7 @@ def test_http_adapter_publish_verify_residency_and_errors(bracket, tmp_path):
 
         # in place: the tensors are views of one shared-memory storage, handed over unpacked
         w2 = weights(2)
-        flat = torch.empty(sum(t.numel() for t in w2.values())).share_memory_()
-        inplace, off = {}, 0
-        for n, t in w2.items():
-            inplace[n] = flat[off: off + t.numel()].view(t.shape).copy_(t)
-            off += t.numel()
+        inplace = _shared_views(w2)
         direct = Publisher(eng, PublishConfig(bucket_bytes=16 << 10), share_min_bytes=1)
         direct.last_good = 1
         rep = direct.publish(inplace, version=2)
@@ -243,11 +249,7 @@ def test_flattened_bucket_hand_over(tmp_path):
         assert rep.num_buckets > 2 and server.log.count("flattened") == rep.num_buckets
         assert eng.checksum() == sha(w1) and eng.weight_version() == 1
         w2 = weights(2)
-        flat = torch.empty(sum(t.numel() for t in w2.values())).share_memory_()
-        inplace, off = {}, 0
-        for n, t in w2.items():
-            inplace[n] = flat[off: off + t.numel()].view(t.shape).copy_(t)
-            off += t.numel()
+        inplace = _shared_views(w2)
         direct = Publisher(eng, PublishConfig(), share_min_bytes=1)
         direct.last_good = 1
         n0 = server.log.count("flattened")

@@ -308,7 +308,7 @@ def test_sglang_arguments_of_the_gpu_config():
     assert args["sampling_backend"] == "pytorch" and args["grammar_backend"] == "none"
     assert args["skip_tokenizer_init"] and args["enable_memory_saver"] and args["dtype"] == "bfloat16"
     assert args["disable_cuda_graph"] is False and args["mem_fraction_static"] == 0.1 and args["base_gpu_id"] == 0
-    assert "max_total_tokens" not in args  # SGLang sizes the KV pool from its share
+    assert args["max_total_tokens"] is None  # ServerArgs' default: SGLang sizes the KV pool from its share
     assert sglang_args(to_demo_config(_compose(["engine.max_total_tokens=4096"], "gpu")), "/m", torch.device("cuda", 0)
                        )["max_total_tokens"] == 4096
     assert cfg.engine.start_timeout_s > 0
