@@ -347,6 +347,10 @@ PEER_PROVIDERS = {
         "StagedAdamW.offload_plan(): the largest parameters on the host lane and slots sized so that "
         "slots + any slot-lane gradient <= the largest gradient (allocated peak of torchao's "
         "offload_gradients=True); offload_budget_bytes = 4 x the largest gradient"),
+    "staged_fit_offload_t8": "staged_fit_offload with an 8-thread host lane (host_threads=8)",
+    "staged_fit2_offload_t8": (
+        "offload_plan(min_slot_numel=2 Mi): more of the largest parameters on the host lane for slots of "
+        ">= 2 Mi elements, 8-thread host lane"),
 }
 
 
@@ -546,6 +550,12 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         share, fit_slots = staged.offload_plan()
         configs["staged_fit_offload"] = dict(host_fraction=share, offload_gradients=True, budget=4 * big,
                                              slots=fit_slots)
+        # the host lane with 8 threads takes less of the host DRAM bandwidth the DMA engines share
+        # (bench.optim_split_probe, 2026-12-01 22:40): the same fit, and one with 2 Mi slots
+        configs["staged_fit_offload_t8"] = dict(configs["staged_fit_offload"], host_threads=8)
+        share2, fit2 = staged.offload_plan(min_slot_numel=2 << 20)
+        configs["staged_fit2_offload_t8"] = dict(host_fraction=share2, offload_gradients=True, budget=4 * big,
+                                                 slots=fit2, host_threads=8)
         for offload in (False, True):  # auto_balance finds the split; timed runs then use it fixed
             staged.set_split(0.0, auto_balance=True, offload_gradients=offload)
             ps = providers["staged"]["params"]
@@ -651,9 +661,12 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
              "staged_rss_delta_GiB": staged_rss / gib,
              "host_adamw": rates, "auto_split": {"grads_on_device": found.get(False), "offload": found.get(True)},
              "errors": errors}
-    if dup and r_lane:  # floor of any split with offloaded gradients: max((4 + 8 s) N / B, (1 - s) R N)
+    if dup and r_lane:
+        # floor of any split with offloaded gradients, slot share s: per direction the slot lane moves
+        # its moments (8 B/param) and the host lane a gradient or a weight (4 B/param), so
+        # max((4 + 4 s) N / B, (1 - s) R N) if the lanes did not share host DRAM (they do)
         ss = [i / 1000 for i in range(1001)]
-        fl = [max((4 + 8 * x) * n / (dup * 1e6), (1 - x) * r_lane) for x in ss]
+        fl = [max((4 + 4 * x) * n / (dup * 1e6), (1 - x) * r_lane) for x in ss]
         i = min(range(len(ss)), key=fl.__getitem__)
         extra["split_floor"] = {"ms": fl[i], "slot_share": ss[i], "duplex_GBps": dup, "host_lane_ms": r_lane}
     if best is not None and best_tao is not None:

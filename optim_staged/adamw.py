@@ -291,7 +291,8 @@ class StagedAdamW(StagedOptimizerBase):
             self._grads = keep_grads
         else:
             self._grads = (StateSlabs(("grad",), self.slabs.numel, pin=cfg.pin_memory and cuda,
-                                      memory_margin=cfg.host_memory_margin) if need else None)
+                                      memory_margin=cfg.host_memory_margin, huge_pages=cfg.huge_pages)
+                           if need else None)
         if cuda and self._cuda is None:
             self._cuda = {"grad": torch.cuda.Stream(self._dev), "upload": torch.cuda.Stream(self._dev),
                           "ready": torch.cuda.Event(enable_timing=True),

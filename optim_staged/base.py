@@ -105,7 +105,8 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             self._offsets[i] = off
             off += numels[i]
         self.slabs = StateSlabs(self.state_keys, off, device="cpu", pin=cfg.pin_memory and dev.type == "cuda",
-                                memory_margin=cfg.host_memory_margin, dtype=self._state_dtypes())
+                                memory_margin=cfg.host_memory_margin, dtype=self._state_dtypes(),
+                                huge_pages=cfg.huge_pages)
         roff = 0
         for i in resident:
             self._offsets[i] = roff
@@ -336,7 +337,8 @@ class StagedOptimizerBase(torch.optim.Optimizer):
             fresh, fresh_res = self.slabs, self.resident
         else:
             fresh = StateSlabs(self.state_keys, self.slabs.numel, device="cpu", pin=False,
-                               memory_margin=self.slot_config.host_memory_margin, dtype=self._state_dtypes())
+                               memory_margin=self.slot_config.host_memory_margin, dtype=self._state_dtypes(),
+                               huge_pages=self.slot_config.huge_pages)
             fresh_res = (StateSlabs(self.state_keys, self.resident.numel, device=self.resident.device,
                                     dtype=self._state_dtypes())
                          if self.resident is not None else None)

@@ -34,6 +34,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import mmap
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,7 +45,7 @@ import torch
 
 from optim_staged.config import HostMemoryError
 
-__all__ = ["StateSlabs", "Piece", "Unit", "SlotRing", "Phases", "available_host_bytes", "build_units"]
+__all__ = ["StateSlabs", "host_zeros", "Piece", "Unit", "SlotRing", "Phases", "available_host_bytes", "build_units"]
 
 
 def available_host_bytes() -> int:
@@ -57,6 +60,28 @@ def available_host_bytes() -> int:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
         raise
+
+
+_HUGE = 2 << 20  # bytes in one x86-64 / arm64 transparent huge page
+
+
+def host_zeros(numel: int, dtype: torch.dtype = torch.float32, *, huge_pages: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor of ``numel`` elements. With ``huge_pages`` (and >= 2 MiB, on a system
+    with ``MADV_HUGEPAGE``) it lives in its own anonymous mapping, 2 MiB-aligned and advised for
+    transparent huge pages, pre-faulted by a parallel ``zero_()``; the tensor keeps the mapping
+    alive (``torch.frombuffer``) and it is unmapped when the last view is freed."""
+    nbytes = numel * _itemsize(dtype)
+    if not huge_pages or nbytes < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(numel, dtype=dtype)
+    mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anchor = ctypes.c_char.from_buffer(mm)
+    off = -ctypes.addressof(anchor) % _HUGE
+    del anchor  # releases the buffer export taken to read the address
+    mm.madvise(mmap.MADV_HUGEPAGE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer's note on non-writable buffers
+        t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype)
+    return t.zero_()
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -86,11 +111,11 @@ class StateSlabs:
     """Flat state tensors ``{key: [numel]}`` on the host (or on a device when resident).
 
     ``dtype`` is one dtype for every key, or a ``{key: dtype}`` mapping (keys it omits are fp32),
-    e.g. bf16 moments next to an fp32 master."""
+    e.g. bf16 moments next to an fp32 master. ``huge_pages``: host tensors from :func:`host_zeros`."""
 
     def __init__(self, keys: Sequence[str], numel: int, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32, pin: bool = False,
-                 memory_margin: float = 0.9) -> None:
+                 memory_margin: float = 0.9, huge_pages: bool = False) -> None:
         self.keys = tuple(keys)
         self.numel = int(numel)
         self.device = torch.device(device)
@@ -109,7 +134,10 @@ class StateSlabs:
                     f"{avail} bytes are available "
                     f"(host_memory_margin={memory_margin} allows {int(memory_margin * avail)})"
                 )
-        self.tensors = {k: torch.zeros(self.numel, dtype=self.dtypes[k], device=self.device) for k in self.keys}
+        if self.device.type == "cpu":
+            self.tensors = {k: host_zeros(self.numel, self.dtypes[k], huge_pages=huge_pages) for k in self.keys}
+        else:
+            self.tensors = {k: torch.zeros(self.numel, dtype=self.dtypes[k], device=self.device) for k in self.keys}
         self.pinned = False
         if pin and self.device.type == "cpu" and torch.cuda.is_available():
             self.pin()
