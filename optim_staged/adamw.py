@@ -534,7 +534,9 @@ class StagedAdamW(StagedOptimizerBase):
             return  # offload_gradients: advanced when the backward pass started
         super()._begin_step()
         devs = [self.compute_device]
-        if self._host_batches and self.compute_device.type != "cpu":
+        if self.compute_device.type != "cpu":
+            # always, not only when this split has host batches: auto_balance may give the host lane
+            # its first units after this point (in step(), from a split that had none)
             devs.append(torch.device("cpu"))
         # One step tensor per group and device, filled once on the host side of the step.
         for dev in devs:
