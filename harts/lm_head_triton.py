@@ -103,9 +103,10 @@ def _x_wt_tma(XD, WD, off_m, off_n, H: tl.constexpr, BM: tl.constexpr, BN: tl.co
 
 
 @triton.jit
-def _logit_tile(pid_m, pid_n, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
+def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
                 H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
-                PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr):
+                PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
+                OSTORE: tl.constexpr):
     """One ``[BM, BN]`` tile of :func:`logit_tiles`: GEMM, then the statistics in the epilogue."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -136,8 +137,11 @@ def _logit_tile(pid_m, pid_n, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, 
         e = tl.where(hit, 0.0, e)
         i += 1
     if STORE_E:
-        tl.store(E + rows.to(tl.int64)[:, None] * stride_e + cols[None, :], _cast(e, E.dtype.element_ty, LOW),
-                 mask=rmask[:, None] & cmask[None, :])
+        if OSTORE:  # one bulk tensor store (rows and columns outside E are clipped)
+            OD.store([pid_m * BM, pid_n * BN], _cast(e, E.dtype.element_ty, LOW))
+        else:
+            tl.store(E + rows.to(tl.int64)[:, None] * stride_e + cols[None, :], _cast(e, E.dtype.element_ty, LOW),
+                     mask=rmask[:, None] & cmask[None, :])
     po = pid_n * n + rows  # partials are [tiles, n]: one contiguous vector per tile
     tl.store(PM + po, m, mask=rmask)
     tl.store(PS + po, tot, mask=rmask)
@@ -145,11 +149,11 @@ def _logit_tile(pid_m, pid_n, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, 
 
 
 @triton.jit
-def _logit_tiles_kernel(X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
+def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
                         H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
                         PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr,
-                        TMA: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr, NP: tl.constexpr,
-                        INTERP: tl.constexpr):
+                        TMA: tl.constexpr, OSTORE: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr,
+                        NP: tl.constexpr, INTERP: tl.constexpr):
     # tile t: row tile t % nm, vocabulary tile t // nm, so that consecutive tiles share a tile of W
     # (the large operand). PERSIST: NP programs walk the tiles t = pid, pid + NP, ... (FLAT: one
     # software-pipelined loop, the next tile's loads overlap this tile's epilogue); else one
@@ -162,16 +166,16 @@ def _logit_tiles_kernel(X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, s
             it = 0
             while it < tiles:
                 t = tl.minimum(pid + it, tiles - 1)  # a repeated last tile writes the same values
-                _logit_tile(t % nm, t // nm, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
-                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA)
+                _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
+                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
                 it += NP
         else:
             for t in tl.range(pid, tiles, NP, flatten=FLAT):
-                _logit_tile(t % nm, t // nm, X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
-                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA)
+                _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
+                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
     else:
-        _logit_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV,
-                    stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA)
+        _logit_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV,
+                    stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
 
 
 @triton.jit
@@ -267,9 +271,10 @@ def _hidden_grad_kernel(A, AH, LSE, ENT, GH, PTR, TOK, EG, TGT, W, OUT, GOUT, IN
 
 
 @triton.jit
-def _grad_tile(pid_n, pid_m, X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w,
+def _grad_tile(pid_n, pid_m, X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w,
                stride_dz, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
-               PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr):
+               PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
+               OSTORE: tl.constexpr):
     """One ``[BM, BN]`` tile of :func:`logit_grad`: GEMM, then ``dz`` in the epilogue."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -296,16 +301,19 @@ def _grad_tile(pid_n, pid_m, X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T,
         tok = tl.load(TOK + start + i, mask=has, other=-1) - col0
         d += tl.where(cols[None, :] == tok[:, None], tl.load(EG + start + i, mask=has, other=0.0)[:, None], 0.0)
         i += 1
-    tl.store(DZ + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :], _cast(d * inv_t, DZ.dtype.element_ty, LOW),
-             mask=rmask[:, None] & (cols < nb)[None, :])
+    if OSTORE:
+        OD.store([pid_m * BM, pid_n * BN], _cast(d * inv_t, DZ.dtype.element_ty, LOW))
+    else:
+        tl.store(DZ + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :],
+                 _cast(d * inv_t, DZ.dtype.element_ty, LOW), mask=rmask[:, None] & (cols < nb)[None, :])
 
 
 @triton.jit
-def _logit_grad_kernel(X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w,
+def _logit_grad_kernel(X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV, stride_x, stride_w,
                        stride_dz, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr,
-                       F32: tl.constexpr, TMA: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr,
-                       NP: tl.constexpr, INTERP: tl.constexpr):
+                       F32: tl.constexpr, TMA: tl.constexpr, OSTORE: tl.constexpr, PERSIST: tl.constexpr,
+                       FLAT: tl.constexpr, NP: tl.constexpr, INTERP: tl.constexpr):
     # tile t: column tile t % nn, row tile t // nn, so that consecutive tiles share a tile of X rows
     # (PERSIST, FLAT, NP as in _logit_tiles_kernel; else a 2-D grid, axis 0 over column tiles)
     if PERSIST:
@@ -316,39 +324,44 @@ def _logit_grad_kernel(X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, c
             it = 0
             while it < tiles:
                 t = tl.minimum(pid + it, tiles - 1)
-                _grad_tile(t % nn, t // nn, X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV,
-                           stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA)
+                _grad_tile(t % nn, t // nn, X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV,
+                           stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA, OSTORE)
                 it += NP
         else:
             for t in tl.range(pid, tiles, NP, flatten=FLAT):
-                _grad_tile(t % nn, t // nn, X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV,
-                           stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA)
+                _grad_tile(t % nn, t // nn, X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV,
+                           stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA, OSTORE)
     else:
-        _grad_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0,
-                   INV, stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA)
+        _grad_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0,
+                   INV, stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA, OSTORE)
 
 
 # ----------------------------------------------------------------------------------------------
 # configurations: explicit (tests, the CPU interpreter) or autotuned on first use per shape (CUDA)
 
-# (BM, BN, BK, num_warps, num_stages, TMA, PERSIST, FLAT, programs per SM): the autotuner times
-# these on first use per shape and keeps the fastest. Two families: the pointer-based kernels
+# (BM, BN, BK, num_warps, num_stages, TMA, PERSIST, FLAT, programs per SM, OSTORE): the autotuner
+# times these on first use per shape and keeps the fastest. Two families: the pointer-based kernels
 # (cp.async pipelines, one program per tile) and tensor-descriptor (TMA) kernels, most of them
 # persistent (one program per SM walking the tiles; FLAT: the loop over tiles and K is one
-# software pipeline, so the next tile's loads overlap this tile's epilogue).
+# software pipeline, so the next tile's loads overlap this tile's epilogue); OSTORE: the output
+# tile (``E`` or ``dz``) leaves through a bulk tensor store instead of per-thread stores.
 _MM_CONFIGS = {
-    "logit_tiles": [(256, TILE_N, 64, 8, 3, False, False, False, 1), (128, TILE_N, 64, 8, 4, False, False, False, 1),
-                    (128, TILE_N, 64, 8, 3, True, True, True, 1), (128, TILE_N, 64, 8, 4, True, True, True, 1),
-                    (256, TILE_N, 64, 8, 3, True, True, True, 1), (128, TILE_N, 64, 4, 3, True, True, True, 2),
-                    (256, TILE_N, 64, 8, 3, True, True, False, 1), (256, TILE_N, 64, 8, 3, True, False, False, 1)],
-    "logit_grad": [(128, 256, 64, 8, 3, False, False, False, 1), (128, 128, 64, 8, 3, False, False, False, 1),
-                   (128, 256, 64, 8, 3, True, True, True, 1), (128, 256, 64, 8, 4, True, True, True, 1),
-                   (256, 128, 64, 8, 3, True, True, True, 1), (128, 128, 64, 4, 3, True, True, True, 2),
-                   (128, 256, 64, 8, 3, True, True, False, 1), (128, 256, 64, 8, 3, True, False, False, 1)],
+    "logit_tiles": [(256, TILE_N, 64, 8, 3, False, False, False, 1, False),
+                    (128, TILE_N, 64, 8, 4, False, False, False, 1, False),
+                    (128, TILE_N, 64, 8, 3, True, True, True, 1, False), (128, TILE_N, 64, 8, 4, True, True, True, 1, False),
+                    (256, TILE_N, 64, 8, 3, True, True, True, 1, False), (128, TILE_N, 64, 4, 3, True, True, True, 2, False),
+                    (256, TILE_N, 64, 8, 3, True, True, False, 1, False),
+                    (256, TILE_N, 64, 8, 3, True, False, False, 1, False),
+                    (128, TILE_N, 64, 8, 4, True, True, True, 1, True), (256, TILE_N, 64, 8, 3, True, False, False, 1, True)],
+    "logit_grad": [(128, 256, 64, 8, 3, False, False, False, 1, False), (128, 128, 64, 8, 3, False, False, False, 1, False),
+                   (128, 256, 64, 8, 3, True, True, True, 1, False), (128, 256, 64, 8, 4, True, True, True, 1, False),
+                   (256, 128, 64, 8, 3, True, True, True, 1, False), (128, 128, 64, 4, 3, True, True, True, 2, False),
+                   (128, 256, 64, 8, 3, True, True, False, 1, False), (128, 256, 64, 8, 3, True, False, False, 1, False),
+                   (128, 128, 64, 4, 3, True, True, True, 2, True), (128, 256, 64, 8, 3, True, True, True, 1, True)],
 }
 _KERNELS = {"logit_tiles": _logit_tiles_kernel, "logit_grad": _logit_grad_kernel}
 _INTERPRET_CONFIG = {"BM": 16, "BN": 16, "BK": 16}
-_FLAGS = {"TMA": False, "PERSIST": False, "FLAT": False, "NP": 1}
+_FLAGS = {"TMA": False, "OSTORE": False, "PERSIST": False, "FLAT": False, "NP": 1}
 _TMA_FAILED: list[str] = []  # kernels whose descriptor launch failed in this process (then pointer-only)
 
 
@@ -357,6 +370,8 @@ def _set_blocks(nargs: dict) -> None:
     if nargs.get("XD") is not None:
         nargs["XD"].block_shape = [nargs["BM"], nargs["BK"]]
         nargs["WD"].block_shape = [nargs["BN"], nargs["BK"]]
+    if nargs.get("OD") is not None:
+        nargs["OD"].block_shape = [nargs["BM"], nargs["BN"]]
 
 
 def _bench_or_inf(kernel_call, quantiles):
@@ -374,10 +389,11 @@ def _tuned(name: str, tma: bool, sms: int):
     """Autotuned kernel ``name`` over its configurations (only the pointer-based ones unless ``tma``);
     ``sms``: the device's multiprocessor count (persistent grids)."""
     configs = []
-    for bm, bn, bk, w, st, use_tma, persist, flat, occ in _MM_CONFIGS[name]:
+    for bm, bn, bk, w, st, use_tma, persist, flat, occ, ostore in _MM_CONFIGS[name]:
         if use_tma and not tma:
             continue
-        kw = {"BM": bm, "BK": bk, "TMA": use_tma, "PERSIST": persist, "FLAT": flat, "NP": sms * occ if persist else 1}
+        kw = {"BM": bm, "BK": bk, "TMA": use_tma, "OSTORE": ostore, "PERSIST": persist, "FLAT": flat,
+              "NP": sms * occ if persist else 1}
         if name != "logit_tiles":  # logit_tiles: BN is fixed (the partials' layout)
             kw["BN"] = bn
         configs.append(triton.Config(kw, num_warps=w, num_stages=st, pre_hook=_set_blocks))
@@ -408,20 +424,23 @@ def _tma_ok(*ts: torch.Tensor) -> bool:
     return ts[0].is_cuda and torch.cuda.get_device_capability(ts[0].device)[0] >= 9
 
 
-def _descriptors(x: torch.Tensor, w: torch.Tensor, config: dict | None, bn: int | None = None):
-    """Tensor descriptors of ``x [rows, H]`` and ``w [cols, H]`` with the block shapes of an explicit
-    ``config`` (``bn``: a fixed column tile), or of the interpreter's tiles; placeholders under the
-    autotuner, whose pre-hook sets them per configuration."""
+def _descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, config: dict | None,
+                 bn: int | None = None):
+    """Tensor descriptors of ``x [rows, H]``, ``w [cols, H]`` and the output ``out [rows, cols]``
+    (None: none) with the block shapes of an explicit ``config`` (``bn``: a fixed column tile), or
+    of the interpreter's tiles; placeholders under the autotuner, whose pre-hook sets them per
+    configuration."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     cfg = config or (_INTERPRET_CONFIG if _interpreting() else {"BM": 16, "BN": 16, "BK": 16})
     bm, bk, bn = cfg["BM"], cfg["BK"], bn or cfg["BN"]
+    od = None if out is None else TensorDescriptor(out, list(out.shape), list(out.stride()), [bm, bn])
     return (TensorDescriptor(x, list(x.shape), list(x.stride()), [bm, bk]),
-            TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk]))
+            TensorDescriptor(w, list(w.shape), list(w.stride()), [bn, bk]), od)
 
 
 def _launch(name: str, grid, args: dict, config: dict | None, tma: bool):
-    """Run kernel ``name`` with ``config`` ({BM, BN, BK, TMA, PERSIST, FLAT, NP, num_warps,
+    """Run kernel ``name`` with ``config`` ({BM, BN, BK, TMA, OSTORE, PERSIST, FLAT, NP, num_warps,
     num_stages}; missing flags False, NP 1); ``None``: the autotuned kernel on CUDA, the small
     interpreter tiles elsewhere. ``tma``: the descriptors ``XD, WD`` in ``args`` are usable."""
     if config is None and not _interpreting():
@@ -436,10 +455,10 @@ def _launch(name: str, grid, args: dict, config: dict | None, tma: bool):
                 warnings.warn(f"harts.lm_head_triton: {name} through tensor descriptors failed ({e!r}); using the "
                               "pointer-based kernels from now on", RuntimeWarning, stacklevel=2)
                 _TMA_FAILED.append(name)
-        _tuned(name, False, sms)[grid](**{**args, "XD": None, "WD": None}, INTERP=False)
+        _tuned(name, False, sms)[grid](**{**args, "XD": None, "WD": None, "OD": None}, INTERP=False)
         return
     cfg = {**_FLAGS, **(config or _INTERPRET_CONFIG)}
-    if cfg["TMA"] and not tma:
+    if (cfg["TMA"] or cfg["OSTORE"]) and not tma:
         raise ValueError(f"{name}: config {config} reads through tensor descriptors, which these operands do not allow")
     if name == "logit_tiles":
         cfg.pop("BN", None)  # fixed: the partials' layout
@@ -520,9 +539,9 @@ def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: to
     pm, ps, pq = torch.empty(3, nt, n, dtype=acc, device=h.device)
     # rows padded to a multiple of 64 elements: aligned rows let the GEMM loads pipeline (cp.async)
     e = torch.empty(n, -(-v // 64) * 64, dtype=w.dtype, device=h.device)[:, :v] if store_e else None
-    tma = _tma_ok(h, w)
-    xd, wd = _descriptors(h, w, config, TILE_N) if tma else (None, None)
-    args = dict(X=h, W=w, XD=xd, WD=wd, E=pm if e is None else e, PM=pm, PS=ps, PQ=pq, TGT=tgt, PTR=row_ptr, TOK=tok,
+    tma = _tma_ok(h, w) and (e is None or _tma_ok(e))
+    xd, wd, od = _descriptors(h, w, e, config, TILE_N) if tma else (None, None, None)
+    args = dict(X=h, W=w, XD=xd, WD=wd, OD=od, E=pm if e is None else e, PM=pm, PS=ps, PQ=pq, TGT=tgt, PTR=row_ptr, TOK=tok,
                 n=n, V=v, INV=inv_t, stride_x=h.stride(0), stride_w=w.stride(0),
                 stride_e=0 if e is None else e.stride(0), H=hd, BN=TILE_N, ACC=_acc(h.dtype), PREC=_prec(h.dtype),
                 LOW=_low(w.dtype), STORE_E=store_e, F32=_f32_dots(h.dtype))
@@ -540,7 +559,7 @@ def combine_tiles(pm: torch.Tensor, ps: torch.Tensor, pq: torch.Tensor, *, lse: 
     ``ent`` given (``[n]`` each, the partials' dtype), writes ``lse = M + log S`` and the entropy
     ``log S − Q / S`` there instead and returns ``(lse, ent)``."""
     nt, n = pm.shape
-    br, bt = (16, 16) if _interpreting() else (32, 64)
+    br, bt = (16, 16) if _interpreting() else (8, 128)  # 8 rows per program: ≈ one wave per 1024-row chunk
     if lse is not None:
         _combine_kernel[(triton.cdiv(n, br),)](pm, ps, pq, lse, ent, lse, n, NT=nt, BR=br, BT=bt, FINAL=True)
         return lse, ent
@@ -587,9 +606,9 @@ def logit_grad(h: torch.Tensor, w_block: torch.Tensor, col0: int, lse: torch.Ten
     nb = w_block.shape[0]
     h, w_block = _rows_dense(h), _rows_dense(w_block)
     has_ent = g_ent is not None
-    tma = _tma_ok(h, w_block)
-    xd, wd = _descriptors(h, w_block, config) if tma else (None, None)
-    args = dict(X=h, W=w_block, XD=xd, WD=wd, DZ=out, LSE=lse, G=gsum, GH=g_ent if has_ent else lse, ENT=ent,
+    tma = _tma_ok(h, w_block, out)
+    xd, wd, od = _descriptors(h, w_block, out, config) if tma else (None, None, None)
+    args = dict(X=h, W=w_block, XD=xd, WD=wd, OD=od, DZ=out, LSE=lse, G=gsum, GH=g_ent if has_ent else lse, ENT=ent,
                 PTR=row_ptr, TOK=tok, EG=g_edge, T=t, nb=nb, col0=col0, INV=inv_t, stride_x=h.stride(0),
                 stride_w=w_block.stride(0), stride_dz=out.stride(0), H=hd, ACC=_acc(h.dtype), PREC=_prec(h.dtype),
                 LOW=_low(out.dtype), HAS_ENT=has_ent, F32=_f32_dots(h.dtype))

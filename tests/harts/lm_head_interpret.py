@@ -33,7 +33,9 @@ SEQS = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [5, 6, 7, 13], [1, 2, 3, 4, 7], 
 # (fewer programs than tiles, so each takes several, and a repeated last one), with and without TMA
 VARIANTS = {"": None, " tma": {"BM": 16, "BK": 8, "TMA": True},
             " persistent": {"BM": 32, "BK": 16, "PERSIST": True, "NP": 3},
-            " tma-persistent": {"BM": 16, "BK": 16, "TMA": True, "PERSIST": True, "FLAT": True, "NP": 4}}
+            " tma-persistent": {"BM": 16, "BK": 16, "TMA": True, "PERSIST": True, "FLAT": True, "NP": 4},
+            " tma-store": {"BM": 16, "BK": 16, "TMA": True, "OSTORE": True},
+            " tma-persistent-store": {"BM": 32, "BK": 8, "TMA": True, "OSTORE": True, "PERSIST": True, "NP": 3}}
 
 
 def _err(out, ref) -> float:
@@ -89,8 +91,9 @@ def kernels(dtype: torch.dtype) -> dict[str, float]:
         for c0, nb in ((0, 128), (128, 100), (250, 50)):
             ref = tri.logit_grad_reference(h, w[c0:c0 + nb], c0, lse, gs_r, ge, ent, row_ptr, tok, g_edge, inv)
             for variant, cfg in VARIANTS.items():
-                dz = tri.logit_grad(h, w[c0:c0 + nb], c0, lse, gs, ge, ent, row_ptr, tok, g_edge, inv,
-                                    torch.empty(t, nb, dtype=dtype), config=cfg and {**cfg, "BN": 32})
+                out_buf = torch.empty(t, -(-nb // 8) * 8, dtype=dtype)[:, :nb]  # 16-byte aligned rows (TMA)
+                dz = tri.logit_grad(h, w[c0:c0 + nb], c0, lse, gs, ge, ent, row_ptr, tok, g_edge, inv, out_buf,
+                                    config=cfg and {**cfg, "BN": 32})
                 out[f"kernel logit_grad{variant} ent={with_ent} cols {c0}+{nb}"] = _err(dz, ref)
     return {f"{k} {str(dtype)[6:]}": val for k, val in out.items()}
 
@@ -135,9 +138,10 @@ def heads() -> dict[str, float]:
                    sum_objective=True)
     for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
         out[f"head fp64 sum-objective H=32 {name}"] = val
-    # the same through the persistent TMA kernels (what the GPU's autotuner may pick)
+    # the same through the persistent TMA kernels with bulk output stores (what the GPU's autotuner may pick)
     default = tri._INTERPRET_CONFIG
-    tri._INTERPRET_CONFIG = {"BM": 16, "BN": 32, "BK": 16, "TMA": True, "PERSIST": True, "FLAT": True, "NP": 3}
+    tri._INTERPRET_CONFIG = {"BM": 16, "BN": 32, "BK": 16, "TMA": True, "OSTORE": True, "PERSIST": True, "FLAT": True,
+                             "NP": 3}
     try:
         e = _head_case(f, v=301, hd=32, dtype=torch.float64, chunk=24, vocab_block=96, temp=0.8, ent_grad=True)
     finally:
