@@ -348,6 +348,9 @@ PEER_PROVIDERS = {
         "slots + any slot-lane gradient <= the largest gradient (allocated peak of torchao's "
         "offload_gradients=True); offload_budget_bytes = 4 x the largest gradient"),
     "staged_fit_offload_t8": "staged_fit_offload with an 8-thread host lane (host_threads=8)",
+    "staged_fit_offload_tmax": (
+        "staged_fit_offload with the host lane on one thread fewer than PyTorch's intra-op count (the "
+        "default until 2026-12-01 23:30; the default now is half of it)"),
     "staged_fit2_offload_t8": (
         "offload_plan(min_slot_numel=2 Mi): more of the largest parameters on the host lane for slots of "
         ">= 2 Mi elements, 8-thread host lane"),
@@ -550,9 +553,10 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         share, fit_slots = staged.offload_plan()
         configs["staged_fit_offload"] = dict(host_fraction=share, offload_gradients=True, budget=4 * big,
                                              slots=fit_slots)
-        # the host lane with 8 threads takes less of the host DRAM bandwidth the DMA engines share
-        # (bench.optim_split_probe, 2026-12-01 22:40): the same fit, and one with 2 Mi slots
-        configs["staged_fit_offload_t8"] = dict(configs["staged_fit_offload"], host_threads=8)
+        # host-lane threads: the default (half of the intra-op threads) takes less of the host DRAM
+        # bandwidth the DMA engines share than the former default (all but one; bench.optim_split_probe)
+        configs["staged_fit_offload_tmax"] = dict(configs["staged_fit_offload"],
+                                                  host_threads=max(1, torch.get_num_threads() - 1))
         share2, fit2 = staged.offload_plan(min_slot_numel=2 << 20)
         configs["staged_fit2_offload_t8"] = dict(host_fraction=share2, offload_gradients=True, budget=4 * big,
                                                  slots=fit2, host_threads=8)

@@ -49,7 +49,7 @@ from optim_staged.flat import read_flat_range, write_flat_range
 from optim_staged.slabs import Piece, StateSlabs, Unit, build_units
 from optim_staged.update import adamw_update_, choose_adamw_impl
 
-__all__ = ["StagedAdamW", "merge_units"]
+__all__ = ["StagedAdamW", "host_lane_threads", "merge_units"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -62,6 +62,12 @@ def _dtype_name(field: str, value: Any) -> str:
             raise StagedConfigError(f"{field}={value!r} is invalid: one of torch.float32|torch.bfloat16")
         return _NAMES[value]
     return value
+
+
+def host_lane_threads(intra_op_threads: int, host_threads: int | None) -> int:
+    """OpenMP threads of the host lane's worker: ``host_threads``, or half of PyTorch's intra-op
+    count, which leaves the DMA engines host DRAM bandwidth (docs/optim_staged.md, split probe)."""
+    return host_threads or max(1, intra_op_threads // 2)
 
 
 def merge_units(units: list[Unit], max_numel: int) -> list[Unit]:
@@ -117,9 +123,9 @@ class StagedAdamW(StagedOptimizerBase):
             ``torch.set_num_threads``).
         offload_prefetch: with ``offload_gradients``, each hook starts the H2D of the slot units of
             the parameter expected next (the previous step's arrival order).
-        host_threads: intra-op threads of the host lane's worker (None: one less than the
-            worker's default, so the thread streaming the slot lane keeps a core). Fewer threads
-            draw less host DRAM bandwidth, which the DMA engines share.
+        host_threads: intra-op threads of the host lane's worker (None: half of PyTorch's
+            intra-op count). The host AdamW and the DMA engines share host DRAM bandwidth: a
+            lane on every core slows the link most (measured on the H200 box, docs/optim_staged.md).
         exp_avg_dtype, exp_avg_sq_dtype: moment storage, ``fp32`` | ``bf16`` (or the torch dtypes).
 
     ``state[p]`` holds ``master_param``, ``exp_avg``, ``exp_avg_sq`` (views of the host slabs,
@@ -606,10 +612,10 @@ class StagedAdamW(StagedOptimizerBase):
         if cu is not None:
             if self._dev.index is not None:
                 torch.cuda.set_device(self._dev.index)
-            # By default one core less than PyTorch's intra-op threads (this worker thread only, as
-            # OpenMP thread counts are per thread): the thread streaming the slot lane keeps a
-            # core, and no OpenMP team member is preempted mid-kernel.
-            want = self.host_threads or max(1, cu.setdefault("threads0", torch.get_num_threads()) - 1)
+            # By default half of PyTorch's intra-op threads (this worker thread only, as OpenMP
+            # thread counts are per thread): the DMA engines keep host DRAM bandwidth, the thread
+            # streaming the slot lane keeps a core, and no OpenMP team member is preempted.
+            want = host_lane_threads(cu.setdefault("threads0", torch.get_num_threads()), self.host_threads)
             if cu["threads"] != want:
                 torch.set_num_threads(want)
                 cu["threads"] = want

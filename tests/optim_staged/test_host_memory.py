@@ -1,4 +1,5 @@
-"""Host slabs on transparent huge pages (``SlotConfig.huge_pages``, ``slabs.host_zeros``)."""
+"""Host resources of the staged optimizers: slabs on transparent huge pages
+(``SlotConfig.huge_pages``, ``slabs.host_zeros``) and the host lane's thread count."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from optim_staged import SlotConfig, StagedAdamW
+from optim_staged.adamw import host_lane_threads
 from optim_staged.slabs import host_zeros
 
 LINUX_THP = sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE")
@@ -79,3 +81,10 @@ def test_staged_adamw_same_bits_on_huge_pages():
         assert torch.equal(a, b)
     for a, b in zip(*(r[1] for r in runs)):
         assert torch.equal(a, b)
+
+
+def test_host_lane_threads_default_is_half():
+    assert host_lane_threads(16, None) == 8
+    assert host_lane_threads(15, None) == 7
+    assert host_lane_threads(1, None) == 1
+    assert host_lane_threads(16, 3) == 3
