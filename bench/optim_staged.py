@@ -350,7 +350,7 @@ PEER_PROVIDERS = {
     "staged_fit_offload_t8": "staged_fit_offload with an 8-thread host lane (host_threads=8)",
     "staged_fit_offload_tmax": (
         "staged_fit_offload with the host lane on one thread fewer than PyTorch's intra-op count (the "
-        "default until 2026-12-01 23:30; the default now is half of it)"),
+        "default until 2026-12-01 23:15; the default now is half of it)"),
     "staged_fit2_offload_t8": (
         "offload_plan(min_slot_numel=2 Mi): more of the largest parameters on the host lane for slots of "
         ">= 2 Mi elements, 8-thread host lane"),
