@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,19 +68,21 @@ def host_zeros(numel: int, dtype: torch.dtype = torch.float32, *, huge_pages: bo
     """A zeroed CPU tensor of ``numel`` elements. With ``huge_pages`` (and >= 2 MiB, on a system
     with ``MADV_HUGEPAGE``) it lives in its own anonymous mapping, 2 MiB-aligned and advised for
     transparent huge pages, pre-faulted by a parallel ``zero_()``; the tensor keeps the mapping
-    alive (``torch.frombuffer``) and it is unmapped when the last view is freed."""
+    alive (``torch.frombuffer``) and it is unmapped when the last view is freed. A kernel that
+    refuses the advice (built without transparent huge pages: ``EINVAL``) leaves ordinary pages."""
     nbytes = numel * _itemsize(dtype)
     if not huge_pages or nbytes < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(numel, dtype=dtype)
-    mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise HostMemoryError(f"mapping {nbytes + _HUGE} bytes of host memory for a state slab failed: {e}") from e
     anchor = ctypes.c_char.from_buffer(mm)
     off = -ctypes.addressof(anchor) % _HUGE
     del anchor  # releases the buffer export taken to read the address
-    mm.madvise(mmap.MADV_HUGEPAGE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # frombuffer's note on non-writable buffers
-        t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype)
-    return t.zero_()
+    with contextlib.suppress(OSError):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).zero_()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -88,3 +88,15 @@ def test_host_lane_threads_default_is_half():
     assert host_lane_threads(15, None) == 7
     assert host_lane_threads(1, None) == 1
     assert host_lane_threads(16, 3) == 3
+
+
+@pytest.mark.skipif(not LINUX_THP, reason="needs Linux madvise(MADV_HUGEPAGE)")
+def test_host_zeros_without_kernel_thp_keeps_ordinary_pages(monkeypatch):
+    """A kernel built without transparent huge pages answers MADV_HUGEPAGE with EINVAL: the slab
+    still works, on ordinary pages (simulated by an advice value no kernel knows)."""
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)
+    t = host_zeros(3 << 20)
+    assert torch.count_nonzero(t) == 0 and t.data_ptr() % (2 << 20) == 0
+    assert "hg" not in _vm_flags(t.data_ptr())
+    t += 1
+    assert t.sum().item() == 3 << 20
