@@ -136,7 +136,9 @@ class SlotConfig:
     huge_pages: bool = True
     """Back host slabs of >= 2 MiB with an anonymous mapping advised ``MADV_HUGEPAGE`` (Linux; the
     kernel's transparent-huge-page setting decides). 2 MiB pages cut the TLB misses of the host
-    AdamW lane's sweeps (measured on the H200 box in docs/benchmarks.md); False: ``torch.zeros``."""
+    AdamW lane's sweeps and sped the slot lane up (measured on the H200 box in docs/benchmarks.md).
+    The kernel may compact memory to back them, so building the slabs can take longer (1.9 s
+    instead of 0.2 s for 1 GiB once on the development machine); False: ``torch.zeros``."""
 
     def __post_init__(self) -> None:
         _validate(self)
