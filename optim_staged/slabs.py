@@ -61,7 +61,7 @@ def available_host_bytes() -> int:
         raise
 
 
-_HUGE = 2 << 20  # bytes in one x86-64 / arm64 transparent huge page
+_HUGE = 2 << 20  # bytes in one transparent huge page (x86-64; arm64 with 4 KiB base pages)
 
 
 def host_zeros(numel: int, dtype: torch.dtype = torch.float32, *, huge_pages: bool = True) -> torch.Tensor:
