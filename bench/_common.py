@@ -8,6 +8,7 @@ and draws a PNG. Output folder: ``$BENCH_OUT``, else ``$OUT`` (GPU lane), else `
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -44,6 +45,22 @@ def _git_commit() -> str:
         return "unknown"
 
 
+SOURCE_DIRS = ("mcore_distill", "mopd", "harts", "optim_staged", "colocate", "shared_teacher", "bench", "examples")
+
+
+def source_digest(root: Path | str | None = None) -> str:
+    """12 hex digits of SHA-256 over every ``*.py`` file of the packages, ``bench/`` and
+    ``examples/`` (relative path and bytes, in path order). It names the code a result came from
+    even where the commit cannot be read (a device copy of the tree with a stale ``.git``): run
+    ``python -m bench._common`` on a checkout to compare."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for f in sorted((root / d).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def machine_header() -> dict[str, Any]:
     """Date, host, GPU, and versions of the packages that matter for the numbers."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
@@ -64,6 +81,7 @@ def machine_header() -> dict[str, Any]:
         "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "cpu_count": os.cpu_count(),
         "commit": _git_commit(),
+        "source_digest": source_digest(),
         "versions": versions,
     }
 
@@ -304,3 +322,7 @@ def gpu_idle(trace: dict[str, Any], *, top: int = 12) -> dict[str, Any]:
             "starved_ms": sum(starved.values()), "starved_gaps": starved_n, "queued_ms": queued[1],
             "queued_gaps": queued[0], "starved_by_op": topk(starved), "starved_by_scope": topk(starved_scope),
             "blocking_calls": {k: {"n": int(v[0]), "ms": round(v[1], 3)} for k, v in calls.items()}}
+
+
+if __name__ == "__main__":  # the source digest of this checkout (compare with a result's header)
+    print(source_digest())
