@@ -22,26 +22,32 @@ only). Writes ``optim_split_probe.json``."""
 from __future__ import annotations
 
 import argparse
+import gc
 import threading
 import time
 
 import torch
 
 from bench._common import print_table, write_results
-from bench.optim_staged import CUDA, SlotConfig, StagedAdamW, _Harness, bandwidth, geometric_sizes
-from optim_staged.slabs import host_zeros
-from optim_staged.update import adamw_update_
+from bench.optim_staged import (
+    CUDA,
+    SlotConfig,
+    StagedAdamW,
+    _Harness,
+    bandwidth,
+    geometric_sizes,
+    host_adamw_pass,
+    use_config,
+)
+from optim_staged.slabs import StateSlabs
 
 BATCH = 16 << 20
 
 
-def _adamw_ms(ts: dict[str, torch.Tensor], n: int) -> float:
-    step = torch.tensor(10.0)
+def _adamw_ms(ts, n: int) -> float:
+    """One host-lane AdamW pass over ``ts`` (keys p, g, m, v; ``n`` elements each), wall ms."""
     t0 = time.perf_counter()
-    for a in range(0, n, BATCH):
-        b = min(n, a + BATCH)
-        adamw_update_([ts["p"][a:b]], [ts["g"][a:b]], [ts["m"][a:b]], [ts["v"][a:b]], step=step, lr=1e-4,
-                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    host_adamw_pass(ts["p"], ts["g"], ts["m"], ts["v"], BATCH)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -82,65 +88,29 @@ class _LinkLoad:
         return k * self.chunk / (t1 - t0) / 1e9
 
 
-def _link_rates(host: torch.Tensor) -> dict[str, float]:
-    """GB/s of pinned copies between ``host`` (split in two halves) and the GPU: each way alone and
-    both ways at once (per direction); min time of 5 after a warm-up."""
-    half = host.numel() // 2
-    a, b = host[:half], host[half:2 * half]
-    da, db = torch.empty_like(a, device="cuda"), torch.empty_like(b, device="cuda")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def best(fn):
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return a.numel() * a.element_size() / min(ts) / 1e9
-
-    def duplex():
-        with torch.cuda.stream(s1):
-            da.copy_(a, non_blocking=True)
-        with torch.cuda.stream(s2):
-            b.copy_(db, non_blocking=True)
-
-    return {"h2d_GBps": best(lambda: da.copy_(a, non_blocking=True)),
-            "d2h_GBps": best(lambda: b.copy_(db, non_blocking=True)), "duplex_GBps_dir": best(duplex)}
-
-
 def layout_rows(n: int, threads: int) -> list[dict]:
     """Host AdamW per 1e9 params (and, for pinned memory, the link's rates) on four host layouts."""
     torch.set_num_threads(threads)
     rows = []
     for kind in ("slab_4k_registered", "slab_thp_registered", "pin_memory", "pageable"):
-        if kind.startswith("slab"):
-            ts = {k: host_zeros(n, huge_pages=(kind == "slab_thp_registered")) for k in "pgmv"}
+        if kind.startswith("slab"):  # the optimizer's own slabs, pinned by registration
+            ts = StateSlabs("pgmv", n, pin=CUDA, huge_pages=kind == "slab_thp_registered")
         else:
             ts = {k: torch.zeros(n, dtype=torch.float32, pin_memory=(kind == "pin_memory" and CUDA)) for k in "pgmv"}
-        registered = kind.endswith("registered") and CUDA
-        if registered:
-            for t in ts.values():
-                torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * 4, 0)
         _adamw_ms(ts, n)
         ms = min(_adamw_ms(ts, n) for _ in range(3))
         row = {"case": "layout", "provider": kind, "threads": threads, "ms_per_1e9": ms * 1e9 / n}
         if CUDA and kind != "pageable":
-            row.update(_link_rates(ts["m"]))
+            bw = bandwidth(0, host_memory=ts["m"])
+            row.update(h2d_GBps=bw["h2d"], d2h_GBps=bw["d2h"], duplex_GBps_dir=bw["duplex_per_dir"])
         rows.append(row)
-        if registered:
-            for t in ts.values():
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         del ts
+        gc.collect()  # unregister (slabs) and free before the next layout allocates
     return rows
 
 
 def contention_rows(n: int, thread_counts: list[int]) -> list[dict]:
-    ts = {k: host_zeros(n) for k in "pgmv"}
-    for t in ts.values():
-        torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * 4, 0)
+    ts = StateSlabs("pgmv", n, pin=True, huge_pages=True)
     rows = []
     with _LinkLoad() as link:
         time.sleep(1.0)
@@ -159,8 +129,6 @@ def contention_rows(n: int, thread_counts: list[int]) -> list[dict]:
         rows.append({"case": "contention", "provider": f"host_adamw_{k}t", "threads": k,
                      "ms_per_1e9": solo * 1e9 / n, "ms_per_1e9_with_link": ms * 1e9 / n,
                      "link_GBps_dir": under, "link_frac_of_alone": under / alone})
-    for t in ts.values():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
     return rows
 
 
@@ -177,32 +145,25 @@ def split_rows(n: int, count: int, runs: int, quick: bool) -> tuple[list[dict], 
     configs: dict[str, dict] = {}
     for hp in (True, False):
         tag = "thp" if hp else "4k"
-        configs[f"{tag}_split0"] = dict(hp=hp, host_fraction=0.0, threads=None)
+        configs[f"{tag}_split0"] = dict(hp=hp, host_fraction=0.0, host_threads=None)
         min_slots = (1 << 20, 2 << 20, 4 << 20) if hp else (1 << 20,)
         for min_slot in min_slots:
             share, fit = opts[hp][1].offload_plan(min_slot_numel=(1 << 14) if quick else min_slot)
             for th in ((4, 8, None) if hp else (None,)):
-                configs[f"{tag}_fit{min_slot >> 20}Mi_t{th or 'all'}"] = dict(hp=hp, host_fraction=share, threads=th,
-                                                                             slots=fit)
+                configs[f"{tag}_fit{min_slot >> 20}Mi_t{th or 'all'}"] = dict(hp=hp, host_fraction=share,
+                                                                             host_threads=th, slots=fit)
     for share in (0.12, 0.2, 0.3):
-        configs[f"thp_split{share:g}_t8"] = dict(hp=True, host_fraction=share, threads=8)
-
-    def use(c):
-        ps, opt, slots = opts[c["hp"]]
-        want = c.get("slots", slots)
-        if opt.slot_config != want:
-            opt.set_slot_config(want)
-        opt.offload_budget_bytes = 4 * big
-        opt.host_threads = c["threads"]
-        opt.set_split(c["host_fraction"], auto_balance=False, offload_gradients=True)
-        return ps, opt
+        configs[f"thp_split{share:g}_t8"] = dict(hp=True, host_fraction=share, host_threads=8)
+    for c in configs.values():
+        c.update(offload_gradients=True, budget=4 * big)
 
     times = {k: [] for k in configs}
     trans = dict.fromkeys(configs, 0)
     shares: dict[str, float] = {}
     for r in range(runs):
         for name, c in configs.items():
-            ps, opt = use(c)
+            ps, opt, slots = opts[c["hp"]]
+            use_config(opt, c, slots)
             shares[name] = opt.split
             ms, tr = h.measured_iteration(ps, opt)
             times[name].append(ms)
@@ -213,7 +174,7 @@ def split_rows(n: int, count: int, runs: int, quick: bool) -> tuple[list[dict], 
         t = sorted(times[name])
         s = c.get("slots", opts[c["hp"]][2])
         rows.append({"case": "split", "provider": name, "ms": t[0], "ms_p50": t[len(t) // 2],
-                     "host_fraction": round(shares[name], 3), "threads": c["threads"] or "all",
+                     "host_fraction": round(shares[name], 3), "threads": c["host_threads"] or "all",
                      "slots": f"{s.num_slots}x{s.slot_numel / 2**20:.2f}Mi", "transient_GiB": trans[name] / 2**30,
                      "within_largest_grad": trans[name] <= big + (1 << 20)})
     return rows, {"largest_grad_GiB": big / 2**30, "sizes": [min(sizes), max(sizes)], "count": count}
@@ -225,8 +186,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     rows: list[dict] = []
-    extra: dict = {"threads": torch.get_num_threads()}
     threads0 = torch.get_num_threads()
+    extra: dict = {"threads": threads0}
     if CUDA and not args.quick:
         extra["bandwidth_GBps"] = bandwidth(1 << 30)
         rows += layout_rows(256 << 20, threads0)

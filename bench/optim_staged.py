@@ -45,6 +45,7 @@ import torch
 
 from bench._common import out_dir, print_table, time_cpu, time_cuda, write_results
 from optim_staged import SlotConfig, StagedAdamW
+from optim_staged.update import adamw_update_
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -55,9 +56,16 @@ def _timer(fn, iters):
     return (time_cuda(fn, warmup=2, iters=iters) if CUDA else time_cpu(fn, warmup=1, iters=iters))["p50"]
 
 
-def bandwidth(nbytes: int) -> dict[str, float]:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def bandwidth(nbytes: int, host_memory: torch.Tensor | None = None) -> dict[str, float]:
+    """GB/s of pinned copies: H2D, D2H, and both at once (per direction). ``host_memory``: pinned
+    host memory to copy from and to (its two halves) instead of two new ``nbytes`` buffers."""
+    if host_memory is None:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    else:
+        raw = host_memory.view(torch.uint8)
+        nbytes = raw.numel() // 2
+        host, host2 = raw[:nbytes], raw[nbytes:2 * nbytes]
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
@@ -424,6 +432,19 @@ class _Harness:
         return ms, (torch.cuda.max_memory_allocated() - before) if CUDA else 0
 
 
+def use_config(opt: StagedAdamW, c: dict, slots: SlotConfig) -> None:
+    """Switch one StagedAdamW (one set of host slabs) to configuration ``c`` between steps:
+    ``host_fraction``, ``offload_gradients`` and optionally ``slots`` (else ``slots``),
+    ``budget`` (``offload_budget_bytes``), ``host_threads``, ``prefetch`` (default on)."""
+    want = c.get("slots", slots)
+    if opt.slot_config != want:
+        opt.set_slot_config(want)
+    opt.offload_budget_bytes = c.get("budget")
+    opt.host_threads = c.get("host_threads")
+    opt.offload_prefetch = c.get("prefetch", True)
+    opt.set_split(c["host_fraction"], auto_balance=False, offload_gradients=c["offload_gradients"])
+
+
 def _gpu_state_bytes(opt) -> int:
     if isinstance(opt, StagedAdamW):
         return opt.gpu_state_bytes
@@ -434,13 +455,21 @@ def _gpu_state_bytes(opt) -> int:
     return n
 
 
+def host_adamw_pass(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+    """One AdamW update of flat host tensors as the host lane runs it: ``torch._fused_adamw_`` over
+    ``batch``-element ranges (the bench's hyper-parameters, step 10)."""
+    step = torch.tensor(10.0)
+    for a in range(0, p.numel(), batch):
+        b = min(p.numel(), a + batch)
+        adamw_update_([p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.01)
+
+
 def host_adamw_rates(n: int, batch: int, tao=None, staged: StagedAdamW | None = None, iters: int = 3) -> dict:
     """Host AdamW speed on this machine, in ms per ``n`` params: PyTorch's fused CPU AdamW as
     torchao runs it (one ``torch.optim.AdamW(fused=True).step()`` per tensor), our host lane's
     kernel calls (``torch._fused_adamw_`` over ``batch``-element slab ranges), and the latter while
     pinned copies run both ways on the GPU (DRAM shared with DMA, as in a split step)."""
-
-    from optim_staged.update import adamw_update_
 
     out = {"threads": torch.get_num_threads(), "host_batch_numel": batch}
 
@@ -457,15 +486,10 @@ def host_adamw_rates(n: int, batch: int, tao=None, staged: StagedAdamW | None = 
         opts = list(tao.optim_dict.values())
         out["torch_fused_cpu_per_tensor_ms"] = best(lambda: [o.step() for o in opts])
     if staged is not None:
-        sl, gr = staged.slabs, staged._grads["grad"]
-        total = sl.numel
-        step = torch.tensor(10.0)
+        sl = staged.slabs
 
         def lane():
-            for a in range(0, total, batch):
-                b = min(total, a + batch)
-                adamw_update_([sl["master_param"][a:b]], [gr[a:b]], [sl["exp_avg"][a:b]], [sl["exp_avg_sq"][a:b]],
-                              step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+            host_adamw_pass(sl["master_param"], staged._grads["grad"], sl["exp_avg"], sl["exp_avg_sq"], batch)
 
         out["host_lane_ms"] = best(lane)
         if CUDA:  # the same with PCIe traffic both ways (host DRAM shared with the DMA engines)
@@ -571,15 +595,7 @@ def peers_rows(n: int, count: int, runs: int, bw: dict | None, quick: bool) -> t
         configs["staged_split_offload"] = dict(host_fraction=found[True], offload_gradients=True)
 
     def use(name):
-        """Switch the one StagedAdamW to configuration ``name`` (slots, budget, threads, split)."""
-        c = configs[name]
-        want = c.get("slots", slots)
-        if staged.slot_config != want:
-            staged.set_slot_config(want)
-        staged.offload_budget_bytes = c.get("budget")
-        staged.host_threads = c.get("host_threads")
-        staged.offload_prefetch = c.get("prefetch", True)
-        staged.set_split(c["host_fraction"], auto_balance=False, offload_gradients=c["offload_gradients"])
+        use_config(staged, configs[name], slots)
     order = [k for k in providers if k != "staged"] + (list(configs) if staged is not None else [])
     times: dict[str, list[float]] = {k: [] for k in order}
     peaks: dict[str, int] = {k: 0 for k in order}
@@ -975,19 +991,11 @@ def offload_ab_main(args) -> None:
                "offload_noprefetch": dict(host_fraction=0.0, offload_gradients=True, prefetch=False),
                "fit_offload": dict(host_fraction=share, offload_gradients=True, slots=fit, budget=4 * big)}
 
-    def use(c):
-        want = c.get("slots", slots)
-        if opt.slot_config != want:
-            opt.set_slot_config(want)
-        opt.offload_budget_bytes = c.get("budget")
-        opt.offload_prefetch = c.get("prefetch", True)
-        opt.set_split(c["host_fraction"], auto_balance=False, offload_gradients=c["offload_gradients"])
-
     times = {k: [] for k in configs}
     trans = {k: 0 for k in configs}
     for _ in range(runs):
         for name, c in configs.items():
-            use(c)
+            use_config(opt, c, slots)
             ms, transient = h.measured_iteration(ps, opt)
             times[name].append(ms)
             if CUDA:
