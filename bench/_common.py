@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 __all__ = ["out_dir", "machine_header", "time_cuda", "time_cpu", "peak_memory", "kernel_profile", "kernel_kind",
-           "gpu_idle", "write_results", "print_table", "plot_speedup_vs_c"]
+           "gpu_idle", "host_profile", "write_results", "print_table", "plot_speedup_vs_c"]
 
 
 def out_dir() -> Path:
@@ -197,6 +197,43 @@ def kernel_profile(fn: Callable[[], Any], trace_path: Path | None = None) -> dic
             kinds[k] = kinds.get(k, 0.0) + e["dur"] / 1e3
     return {"kernel_ms": sum(kinds.values()), "wall_ms": wall,
             "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "idle": gpu_idle(trace)}
+
+
+def host_profile(fn: Callable[[], Any], *, iters: int = 3, top: int = 12) -> dict[str, Any]:
+    """Where the host spends one call of ``fn``: ``issue_ms`` (median over ``iters`` of the time
+    until ``fn`` returns, before the device synchronization: the host's own time per step, which
+    bounds the step from below when it exceeds the GPU's), ``wall_ms`` (with the synchronization)
+    and, from one call under :mod:`cProfile`, the ``top`` functions by own time
+    (``[file:line(function), calls, tottime_ms, cumtime_ms]``; cProfile slows Python code, so read
+    them as shares, not absolute times)."""
+    import cProfile
+    import pstats
+
+    issue, wall = [], []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        issue.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    fn()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+
+    def name(k):
+        f, line, fn_name = k
+        return f"{'/'.join(Path(f).parts[-2:]) if f != '~' else ''}:{line}({fn_name})"
+
+    return {"issue_ms": sorted(issue)[len(issue) // 2], "wall_ms": sorted(wall)[len(wall) // 2],
+            "profiled_ms": sum(v[2] for v in stats.values()) * 1e3,
+            "top_tottime": [[name(k), v[1], round(v[2] * 1e3, 3), round(v[3] * 1e3, 3)] for k, v in rows]}
 
 
 def write_results(name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:

@@ -39,6 +39,7 @@ import time
 import torch
 
 from bench._common import (
+    host_profile,
     kernel_profile,
     out_dir,
     peak_memory,
@@ -187,7 +188,9 @@ def bench_layer(args, dev, rows, bwd):
             step()
             tm = time_cpu(step, warmup=1, iters=args.iters)
             mem = peak_memory(step)
-            kern = kernel_profile(step).get("kernel_ms", float("nan"))
+            prof = kernel_profile(step)
+            kern = prof.get("kernel_ms", float("nan"))
+            host = host_profile(step, top=8)
             res[provider], kms[provider] = tm["p50"], kern
             rows.append({"bench": "harts_gdn", "section": "layer", "case": case, "provider": provider,
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
@@ -196,8 +199,9 @@ def bench_layer(args, dev, rows, bwd):
                          "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds if plan else 1,
                          "replay_tokens": plan.replay_tokens if plan else 0,
                          "export_tokens": plan.export_tokens if plan else 0,
-                         "pieces": plan.num_pieces if plan else f.num_seqs})
-            print(f"[layer] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms)", flush=True)
+                         "pieces": plan.num_pieces if plan else f.num_seqs, **_host_fields(prof, host)})
+            print(f"[layer] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, host issue "
+                  f"{host['issue_ms']:.2f} ms)", flush=True)
         _checkpoint(args, rows, bwd)
         st = build_forest_stats(seqs, dev)
         base = res["chain"]
@@ -238,7 +242,7 @@ def bench_model(args, dev, rows, bwd):
     args.backend = backend
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
-        res, mems, plans, kms = {}, {}, {}, {}
+        res, mems, plans, kms, issue = {}, {}, {}, {}, {}
         for provider in ("chain", "tree", "tree_unaligned", "tree_chainsched"):
             f = _forest_for(provider, seqs, dev)
             gdn = _gdn_config(provider)
@@ -260,8 +264,11 @@ def bench_model(args, dev, rows, bwd):
             step()
             tm = time_cpu(step, warmup=1, iters=args.iters)
             mem = peak_memory(step)
-            kern = kernel_profile(step).get("kernel_ms", float("nan"))
+            prof = kernel_profile(step)
+            kern = prof.get("kernel_ms", float("nan"))
+            host = host_profile(step)
             res[provider], mems[provider], plans[provider], kms[provider] = tm["p50"], mem, plan_ms, kern
+            issue[provider] = host["issue_ms"]
             rows.append({"bench": "harts_gdn", "section": "model", "case": case, "provider": provider,
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
                          "ms_p80": tm["p80"], "kernel_ms": kern, "peak_bytes": mem, "rows": f.num_nodes,
@@ -269,9 +276,12 @@ def bench_model(args, dev, rows, bwd):
                          "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds,
                          "replay_tokens": plan.replay_tokens,
                          "export_tokens": plan.export_tokens,
-                         "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3)})
-            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, plan {plan_ms:.1f} ms)",
-                  flush=True)
+                         "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3), **_host_fields(prof, host)})
+            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, host issue "
+                  f"{host['issue_ms']:.2f} ms, plan {plan_ms:.1f} ms)", flush=True)
+            if provider == "tree":
+                for r in host["top_tottime"][:8]:
+                    print(f"    host {r[2]:8.2f} ms own {r[3]:8.2f} ms cum  x{r[1]:<5} {r[0]}", flush=True)
         _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
         table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
@@ -279,8 +289,18 @@ def bench_model(args, dev, rows, bwd):
                       "tree_x": res["chain"] / res["tree"],
                       "tree_x/C": res["chain"] / res["tree"] / c, "chain_MiB": mems["chain"] / 2**20,
                       "tree_MiB": mems["tree"] / 2**20, "tree_plan_ms": plans["tree"], "chain_kern_ms": kms["chain"],
-                      "tree_kern_ms": kms["tree"], "tree_kern_x": kms["chain"] / kms["tree"]})
+                      "tree_kern_ms": kms["tree"], "tree_kern_x": kms["chain"] / kms["tree"],
+                      "chain_issue_ms": issue["chain"], "tree_issue_ms": issue["tree"]})
     return table
+
+
+def _host_fields(prof: dict, host: dict) -> dict:
+    """The row's host-side columns: issue time, the profiled step's starved gaps and blocking
+    CUDA calls (``bench._common.gpu_idle``), and cProfile's top functions by own time."""
+    idle = prof.get("idle", {})
+    return {"issue_ms": host["issue_ms"], "starved_ms": idle.get("starved_ms", float("nan")),
+            "gpu_ops": idle.get("gpu_ops", 0), "starved_by_op": idle.get("starved_by_op", {}),
+            "blocking_calls": idle.get("blocking_calls", {}), "host_top": host["top_tottime"]}
 
 
 def _plot(layer, model, path):
