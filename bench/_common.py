@@ -169,7 +169,9 @@ def kernel_profile(fn: Callable[[], Any], trace_path: Path | None = None) -> dic
     """One profiled call of ``fn`` (CUDA): ``kernel_ms`` (sum of kernel durations: the GPU's busy
     time, which a host-bound step exceeds on the wall clock), ``by_kind`` (ms per
     :func:`kernel_kind`), ``wall_ms`` of the profiled call (profiler overhead included) and
-    ``idle`` (:func:`gpu_idle`: where the GPU waited for the host).
+    ``idle`` (:func:`gpu_idle`: where the GPU waited for the host) and ``cpu_self``: the 15
+    operators with the most host time of their own (``[name, calls, self_ms, total_ms]``, every
+    thread, the autograd engine's included; profiler overhead included).
     ``trace_path``: also write the chrome trace there (gzip). Without CUDA: ``{}``."""
     if not torch.cuda.is_available():
         return {}
@@ -195,8 +197,11 @@ def kernel_profile(fn: Callable[[], Any], trace_path: Path | None = None) -> dic
         if e.get("cat") == "kernel":
             k = kernel_kind(e["name"])
             kinds[k] = kinds.get(k, 0.0) + e["dur"] / 1e3
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]
     return {"kernel_ms": sum(kinds.values()), "wall_ms": wall,
-            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "idle": gpu_idle(trace)}
+            "by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "idle": gpu_idle(trace),
+            "cpu_self": [[a.key, a.count, round(a.self_cpu_time_total / 1e3, 3), round(a.cpu_time_total / 1e3, 3)]
+                         for a in host]}
 
 
 def host_profile(fn: Callable[[], Any], *, iters: int = 3, top: int = 12) -> dict[str, Any]:

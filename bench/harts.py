@@ -53,6 +53,7 @@ import time
 import torch
 
 from bench._common import (
+    host_profile,
     kernel_profile,
     out_dir,
     peak_memory,
@@ -180,7 +181,10 @@ def _profile(runs, case, dev):
             r["step"]()
             continue
         kp = kernel_profile(r["step"], out_dir() / f"harts_trace_{case.replace('=', '')}_{provider}.json.gz")
-        out[provider], idle[provider] = kp["by_kind"], {**kp["idle"], "profiled_wall_ms": kp["wall_ms"]}
+        hp = host_profile(r["step"], iters=5, top=10)
+        out[provider] = kp["by_kind"]
+        idle[provider] = {**kp["idle"], "profiled_wall_ms": kp["wall_ms"], "issue_ms": hp["issue_ms"],
+                          "unprofiled_wall_ms": hp["wall_ms"], "cpu_self": kp["cpu_self"], "host_top": hp["top_tottime"]}
     if out:
         print(f"\nGPU kernel ms by kind, one step of {case}:")
         kinds = list(dict.fromkeys(k for v in out.values() for k in v))
@@ -188,12 +192,13 @@ def _profile(runs, case, dev):
                     [{"kind": "total", **{p: sum(v.values()) for p, v in out.items()}}], ["kind", *out])
         print("\nGPU idle in the profiled step (starved: the host launched the next op after the GPU went idle; "
               "queued: launch latency between queued ops):")
-        print_table([{"provider": p, **{k: v[k] for k in ("profiled_wall_ms", "span_ms", "busy_ms", "gpu_ops",
-                                                          "starved_ms", "starved_gaps", "queued_ms")},
+        print_table([{"provider": p, **{k: v[k] for k in ("issue_ms", "unprofiled_wall_ms", "profiled_wall_ms",
+                                                          "span_ms", "busy_ms", "gpu_ops", "starved_ms", "starved_gaps",
+                                                          "queued_ms")},
                       "top_starved": ", ".join(f"{n} {t:.2f}" for n, t in list(v["starved_by_op"].items())[:4])}
                      for p, v in idle.items()],
-                    ["provider", "profiled_wall_ms", "span_ms", "busy_ms", "gpu_ops", "starved_ms", "starved_gaps",
-                     "queued_ms", "top_starved"])
+                    ["provider", "issue_ms", "unprofiled_wall_ms", "profiled_wall_ms", "span_ms", "busy_ms", "gpu_ops",
+                     "starved_ms", "starved_gaps", "queued_ms", "top_starved"])
     return {"by_kind": out, "idle": idle}
 
 

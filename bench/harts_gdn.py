@@ -282,6 +282,8 @@ def bench_model(args, dev, rows, bwd):
             if provider == "tree":
                 for r in host["top_tottime"][:8]:
                     print(f"    host {r[2]:8.2f} ms own {r[3]:8.2f} ms cum  x{r[1]:<5} {r[0]}", flush=True)
+                for r in prof.get("cpu_self", [])[:10]:
+                    print(f"    op   {r[2]:8.2f} ms self {r[3]:8.2f} ms total x{r[1]:<5} {r[0]}", flush=True)
         _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
         table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
@@ -300,7 +302,8 @@ def _host_fields(prof: dict, host: dict) -> dict:
     idle = prof.get("idle", {})
     return {"issue_ms": host["issue_ms"], "starved_ms": idle.get("starved_ms", float("nan")),
             "gpu_ops": idle.get("gpu_ops", 0), "starved_by_op": idle.get("starved_by_op", {}),
-            "blocking_calls": idle.get("blocking_calls", {}), "host_top": host["top_tottime"]}
+            "blocking_calls": idle.get("blocking_calls", {}), "cpu_self": prof.get("cpu_self", []),
+            "host_top": host["top_tottime"]}
 
 
 def _plot(layer, model, path):
