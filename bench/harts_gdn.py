@@ -6,12 +6,15 @@ Sections:
   ``thd_megatron`` (GPU only): Megatron-Core's own ``GatedDeltaNet`` forward on the unpacked
   sequences as one THD batch (FLA ``causal_conv1d`` + varlen ``chunk_gated_delta_rule``);
   ``chain``: our path on a chain forest (every sequence alone, one round; the same code as the
-  tree, so the ratio isolates sharing); ``tree`` / ``tree_unaligned``: prefix forest with / without
-  chunk alignment (replay), level schedule; ``tree_chainsched``: aligned, chain schedule (one child
-  continues each chain; state-only pieces recompute mid-chain fork states).
+  tree, so the ratio isolates sharing); ``tree``: prefix forest with the default
+  ``GdnTreeConfig()`` (aligned, ``schedule="auto"``: the chain schedule when it has fewer rounds);
+  ``tree_level`` / ``tree_unaligned``: level schedule with / without chunk alignment (replay);
+  ``tree_chainsched``: aligned, chain schedule (one child continues each chain; state-only pieces
+  recompute mid-chain fork states). A forced schedule that is the one ``tree`` chose is not run
+  again: its row repeats ``tree``'s numbers (``same_as``).
 * ``model``: the hybrid GPT (pattern ``GGGA`` twice: Qwen3-Next's 3:1 interleave) fwd+bwd through
   :func:`harts.megatron.tree_forward` with the tree-aware chunked LM head; ``chain`` (THD packing as
-  a forest) vs ``tree`` / ``tree_unaligned`` / ``tree_chainsched``.
+  a forest) vs ``tree`` / ``tree_level`` / ``tree_unaligned`` / ``tree_chainsched``.
 
 Workloads: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9} and a multi-turn
 caterpillar. Per row: time (p20/p50/p80), GPU kernel time of one profiled step (``kernel_ms``:
@@ -138,7 +141,7 @@ def _probe_backward(dev: str) -> bool:
 
 
 def _providers(dev):
-    p = ["chain", "tree", "tree_unaligned", "tree_chainsched"]
+    p = list(MODEL_PROVIDERS)
     return (["thd_megatron"] + p) if dev == "cuda" else p
 
 
@@ -158,7 +161,12 @@ def bench_layer(args, dev, rows, bwd):
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
         res, kms = {}, {}
+        tree_schedule, tree_row = None, -1
         for provider in _providers(dev):
+            if _same_as_tree(provider, tree_schedule):
+                res[provider], kms[provider] = res["tree"], kms["tree"]
+                rows.append({**rows[tree_row], "provider": provider, "same_as": "tree"})
+                continue
             f = _forest_for(provider, seqs, dev)
             gen = torch.Generator(device=dev).manual_seed(0)
             hidden = torch.randn(f.num_nodes, 1, cfg.hidden_size, device=dev, generator=gen).to(cfg.params_dtype)
@@ -192,12 +200,14 @@ def bench_layer(args, dev, rows, bwd):
             kern = prof.get("kernel_ms", float("nan"))
             host = host_profile(step, top=8)
             res[provider], kms[provider] = tm["p50"], kern
+            if provider == "tree":
+                tree_schedule, tree_row = plan.schedule, len(rows)
             rows.append({"bench": "harts_gdn", "section": "layer", "case": case, "provider": provider,
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
                          "ms_p80": tm["p80"], "kernel_ms": kern, "peak_bytes": mem, "rows": f.num_nodes,
                          "total_tokens": f.total_tokens,
                          "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds if plan else 1,
-                         "replay_tokens": plan.replay_tokens if plan else 0,
+                         "schedule": plan.schedule if plan else None, "replay_tokens": plan.replay_tokens if plan else 0,
                          "export_tokens": plan.export_tokens if plan else 0,
                          "pieces": plan.num_pieces if plan else f.num_seqs, **_host_fields(prof, host)})
             print(f"[layer] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, host issue "
@@ -207,7 +217,8 @@ def bench_layer(args, dev, rows, bwd):
         base = res["chain"]
         table.append({"case": case, "C": st[0], "rounds": st[1], "replay": st[2], "chsched_rounds": st[3],
                       "chsched_export": st[4], "thd_mcore_ms": res.get("thd_megatron", float("nan")),
-                      "chain_ms": base, "tree_ms": res["tree"], "unal_ms": res["tree_unaligned"],
+                      "schedule": tree_schedule, "chain_ms": base, "tree_ms": res["tree"], "level_ms": res["tree_level"],
+                      "unal_ms": res["tree_unaligned"],
                       "chsched_ms": res["tree_chainsched"], "tree_x": base / res["tree"],
                       "tree_vs_mcore": res.get("thd_megatron", float("nan")) / res["tree"],
                       "mcore_kern_ms": kms.get("thd_megatron", float("nan")), "chain_kern_ms": kms["chain"],
@@ -225,11 +236,21 @@ def build_forest_stats(seqs, dev):
     return f.compression, p.num_rounds, p.replay_tokens, pc.num_rounds, pc.export_tokens
 
 
+MODEL_PROVIDERS = ("chain", "tree", "tree_level", "tree_unaligned", "tree_chainsched")
+_FORCED = {"tree_level": "level", "tree_unaligned": "level", "tree_chainsched": "chain"}
+
+
 def _gdn_config(provider):
     from harts.gdn import GdnTreeConfig
 
-    return GdnTreeConfig(align=provider != "tree_unaligned",
-                         schedule="chain" if provider == "tree_chainsched" else "level")
+    if provider in _FORCED:
+        return GdnTreeConfig(align=provider != "tree_unaligned", schedule=_FORCED[provider])
+    return GdnTreeConfig()
+
+
+def _same_as_tree(provider: str, tree_schedule: str | None) -> bool:
+    """A forced, aligned schedule equal to the one the default ``tree`` provider chose."""
+    return provider in ("tree_level", "tree_chainsched") and _FORCED[provider] == tree_schedule
 
 
 def bench_model(args, dev, rows, bwd):
@@ -243,7 +264,14 @@ def bench_model(args, dev, rows, bwd):
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
         res, mems, plans, kms, issue = {}, {}, {}, {}, {}
-        for provider in ("chain", "tree", "tree_unaligned", "tree_chainsched"):
+        tree_schedule, tree_row = None, -1
+        for provider in MODEL_PROVIDERS:
+            if _same_as_tree(provider, tree_schedule):
+                res[provider], mems[provider], plans[provider], kms[provider], issue[provider] = (
+                    d["tree"] for d in (res, mems, plans, kms, issue))
+                rows.append({**rows[tree_row], "provider": provider, "same_as": "tree"})
+                print(f"[model] {case} {provider}: the plan of tree ({tree_schedule} schedule)", flush=True)
+                continue
             f = _forest_for(provider, seqs, dev)
             gdn = _gdn_config(provider)
             # metadata is built once per microbatch on the host: timed apart, as in bench/harts.py
@@ -269,12 +297,14 @@ def bench_model(args, dev, rows, bwd):
             host = host_profile(step)
             res[provider], mems[provider], plans[provider], kms[provider] = tm["p50"], mem, plan_ms, kern
             issue[provider] = host["issue_ms"]
+            if provider == "tree":
+                tree_schedule, tree_row = plan.schedule, len(rows)
             rows.append({"bench": "harts_gdn", "section": "model", "case": case, "provider": provider,
                          "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
                          "ms_p80": tm["p80"], "kernel_ms": kern, "peak_bytes": mem, "rows": f.num_nodes,
                          "total_tokens": f.total_tokens,
                          "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds,
-                         "replay_tokens": plan.replay_tokens,
+                         "schedule": plan.schedule, "replay_tokens": plan.replay_tokens,
                          "export_tokens": plan.export_tokens,
                          "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3), **_host_fields(prof, host)})
             print(f"[model] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, host issue "
@@ -286,8 +316,9 @@ def bench_model(args, dev, rows, bwd):
                     print(f"    op   {r[2]:8.2f} ms self {r[3]:8.2f} ms total x{r[1]:<5} {r[0]}", flush=True)
         _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
-        table.append({"case": case, "C": c, "chain_ms": res["chain"], "tree_ms": res["tree"],
-                      "unal_ms": res["tree_unaligned"], "chsched_ms": res["tree_chainsched"],
+        table.append({"case": case, "C": c, "schedule": tree_schedule, "chain_ms": res["chain"], "tree_ms": res["tree"],
+                      "level_ms": res["tree_level"], "unal_ms": res["tree_unaligned"],
+                      "chsched_ms": res["tree_chainsched"],
                       "tree_x": res["chain"] / res["tree"],
                       "tree_x/C": res["chain"] / res["tree"] / c, "chain_MiB": mems["chain"] / 2**20,
                       "tree_MiB": mems["tree"] / 2**20, "tree_plan_ms": plans["tree"], "chain_kern_ms": kms["chain"],

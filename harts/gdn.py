@@ -15,7 +15,8 @@ Two pieces make a linear-attention layer exact on the compact row of a
   Gradients flow through the handoff (``dh_T → dh_0``). The number of rounds is the depth of
   the piece tree: one per level of segments (``schedule='level'``), or, with ``'chain'``, one
   child continues each chain and fork states inside a chain come from state-only pieces that
-  recompute the chain's prefix in the same round (fewer rounds, more recurrence rows).
+  recompute the chain's prefix in the same round (fewer rounds, more recurrence rows);
+  ``'auto'`` (default) takes the chain schedule when it has fewer rounds.
 
 **Chunk alignment** (``align=True``). Chunked kernels split each varlen sequence at offsets
 ``0, C, 2C, ...``; per-sequence execution therefore has chunk boundaries at depths that are
@@ -52,7 +53,7 @@ __all__ = ["GdnConfigError", "GdnShapeError", "GdnTreeConfig", "GdnRound", "GdnP
 _CHUNK_SIZES = (16, 32, 64)
 _BACKENDS = ("auto", "fla", "torch")
 _STATE_DTYPES = ("float32", "float64")
-_SCHEDULES = ("level", "chain")
+_SCHEDULES = ("auto", "level", "chain")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,9 +74,13 @@ class GdnTreeConfig:
     fp64 inputs only, for exactness tests)."""
     conv_width: int = 4
     """Short-convolution width ``W`` (``linear_conv_kernel_dim``; the ancestor table has W columns)."""
-    schedule: str = "level"
+    schedule: str = "auto"
     """``level``: one round per trie level of pieces. ``chain``: one child continues each chain
-    (fewer rounds on deep trees), fork states inside a chain are recomputed by state-only pieces."""
+    (fewer rounds on deep trees), fork states inside a chain are recomputed by state-only pieces.
+    ``auto``: ``chain`` when it needs fewer rounds than ``level``, else ``level``. Every round is
+    one more FLA call per GDN layer, forward and backward, and on an H200 host each costs about as
+    much host time as the GPU spends on a 16k-token round, so rounds, not recomputed tokens, set
+    the wall clock (a 9-round caterpillar: 314 ms level vs 158 ms chain, docs/harts_gdn.md)."""
 
     def __post_init__(self) -> None:
         validate_fields(self, error=GdnConfigError, type_error=HartsConfigTypeError)
@@ -404,14 +409,16 @@ def _chain_pieces(parent, depth, seg_start, seg_end, node_seg, seg_parent, chunk
 
 
 def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, conv_width: int = 4,
-                   schedule: str = "level") -> GdnPlan:
+                   schedule: str = "auto") -> GdnPlan:
     """Plan the recurrence over ``forest``.
 
     ``schedule='level'``: pieces are trie segments (cut at chunk boundaries when aligning); rounds
     = depth of the piece tree. ``schedule='chain'``: one child continues each chain (fewer rounds,
     see :func:`chain_rounds`), fork states in the middle of a chain come from state-only pieces
     that recompute the chain's prefix (``export_tokens``). A piece's round is one more than its
-    state source's round; pieces without a source run in round 0.
+    state source's round; pieces without a source run in round 0. ``schedule='auto'``: the chain
+    schedule if it has fewer rounds than the level schedule, else the level schedule
+    (:attr:`GdnTreeConfig.schedule`); ``GdnPlan.schedule`` names the one used.
     """
     if chunk_size not in _CHUNK_SIZES:
         raise GdnConfigError(f"chunk_size must be one of {_CHUNK_SIZES}, got {chunk_size}")
@@ -422,28 +429,20 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
     parent, depth, seg_off, node_seg = h["parent"], h["depth"], h["seg_offsets"], h["node_seg"]
     t = parent.size
     seg_start, seg_end = seg_off[:-1], seg_off[1:]  # end exclusive
-    if schedule == "level":
-        rows_of, skip, src, replay, export = _level_pieces(parent, depth, seg_start, seg_end, node_seg, t,
-                                                           chunk_size, align)
+    if schedule in ("level", "auto"):
+        pieces = _level_pieces(parent, depth, seg_start, seg_end, node_seg, t, chunk_size, align)
+        rnd = _piece_rounds(pieces[2])
+        if schedule == "auto" and rnd.size and rnd.max() > 1:  # a chain schedule can have fewer rounds
+            chain = _chain_pieces(parent, depth, seg_start, seg_end, node_seg, h["seg_parent"], chunk_size, align)
+            chain_rnd = _piece_rounds(chain[2])
+            if chain_rnd.max() < rnd.max():
+                pieces, rnd, schedule = chain, chain_rnd, "chain"
+        schedule = "level" if schedule == "auto" else schedule
     else:
-        rows_of, skip, src, replay, export = _chain_pieces(parent, depth, seg_start, seg_end, node_seg,
-                                                           h["seg_parent"], chunk_size, align)
+        pieces = _chain_pieces(parent, depth, seg_start, seg_end, node_seg, h["seg_parent"], chunk_size, align)
+        rnd = _piece_rounds(pieces[2])
+    rows_of, skip, src, replay, export = pieces
     n_p = len(rows_of)
-    rnd = np.full(n_p, -1, dtype=np.int64)
-
-    def round_of(i):
-        chain = []
-        while rnd[i] < 0 and src[i] >= 0:
-            chain.append(i)
-            i = src[i]
-        base = rnd[i] if rnd[i] >= 0 else 0
-        rnd[i] = base
-        for j in reversed(chain):
-            base += 1
-            rnd[j] = base
-
-    for i in range(n_p):
-        round_of(i)
     src_a = np.asarray(src, dtype=np.int64)
     skip_a = np.asarray(skip, dtype=np.int64)
     rounds, kept_rows, pos_in_round = [], [], np.zeros(n_p, dtype=np.int64)
@@ -481,6 +480,22 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
                    export_tokens=export, schedule=schedule, conv_cu_seqlens=seg_cu,
                    conv_cu_seqlens_cpu=torch.from_numpy(np.ascontiguousarray(seg_off, dtype=np.int64)),
                    conv_chunk_indices=conv_ci, conv_history=hist_d)
+
+
+def _piece_rounds(src: list[int]) -> np.ndarray:
+    """Round of every piece: 0 without a state source, else one more than its source's round."""
+    rnd = np.full(len(src), -1, dtype=np.int64)
+    for i in range(len(src)):
+        chain = []
+        while rnd[i] < 0 and src[i] >= 0:
+            chain.append(i)
+            i = src[i]
+        base = rnd[i] if rnd[i] >= 0 else 0
+        rnd[i] = base
+        for j in reversed(chain):
+            base += 1
+            rnd[j] = base
+    return rnd
 
 
 def _chunk_indices(cu: np.ndarray, chunk: int) -> np.ndarray:

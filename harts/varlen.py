@@ -208,12 +208,25 @@ def _levels_plan(so: np.ndarray, sp: np.ndarray, mq: int, dev) -> VarlenPlan:
 # ---- kernels: FlashAttention-2 varlen on CUDA, plain torch (same math) elsewhere --------------
 
 
-def _flash_ops():
-    """``torch.ops.torch_attn``: PyTorch's FlashAttention-2 varlen ops, registered when
-    ``torch.nn.attention.varlen`` is first imported."""
-    import torch.nn.attention.varlen  # noqa: F401
+def _flash_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """aten's FlashAttention-2 varlen forward, the kernel ``torch.nn.attention.varlen`` runs, called
+    directly: its custom-op layer costs ~0.1–0.2 ms of host time per call (on the critical path of
+    a tree step, whose attention layers leave the GPU waiting for the host) and launches a memset
+    for an RNG state that dropout 0 never reads. → ``(o, lse, rng)``, ``rng`` for :func:`_flash_backward`."""
+    o, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, window_size_left=-1,
+        window_size_right=0 if causal else -1)
+    return o, lse, (rng_state, unused)
 
-    return torch.ops.torch_attn
+
+def _flash_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float, rng):
+    """aten's FlashAttention-2 varlen backward; ``rng``: the forward's ``(rng_state, unused)`` (not
+    read at dropout 0; ``None`` passes what ``torch.nn.attention.varlen`` passes: zeros, empty)."""
+    if rng is None:
+        rng = (torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device))
+    return torch.ops.aten._flash_attention_backward(
+        do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng[0], rng[1], scale=scale,
+        window_size_left=-1, window_size_right=0 if causal else -1)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
@@ -221,8 +234,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
     """Varlen attention ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` → ``(o [Tq, Hq, D], lse [Hq, Tq] fp32)``,
     ``lse_i = log Σ_j exp(scale · q_i·k_j)`` over the allowed keys (bottom-right causal alignment)."""
     if q.is_cuda:
-        o, lse, _ = _flash_ops()._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, [-1, 0 if causal else -1])
-        return o, lse
+        return _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)[:2]
     dt, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: fp32 math, as flash
     q, k, v = (x.to(acc) for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
@@ -246,14 +258,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, rep: int, scale: float, causal: bo
 
 def attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, *,
-                       causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       causal: bool, scale: float, rng=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash backward of :func:`attention_with_lse` given ``o`` and ``lse`` (possibly those of a
     larger merged attention): ``P = exp(scale·qkᵀ − lse)``, ``D = rowsum(dO ∘ o)``,
-    ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − D)``, ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q``."""
+    ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − D)``, ``dQ = scale · dS K``, ``dK = scale · dSᵀ Q``.
+    ``rng``: the CUDA forward's RNG state, if kept (see :func:`_flash_backward`)."""
     if q.is_cuda:
-        zero = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        return _flash_ops()._varlen_attn_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, zero,
-                                                  scale, [-1, 0 if causal else -1])
+        return _flash_backward(do, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng)
     dt, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     do, q, k, v, o = (x.to(acc) for x in (do, q, k, v, o))
     rep = q.shape[1] // k.shape[1]
@@ -411,8 +422,12 @@ class _GatherAttention(torch.autograd.Function):
             k, v = _rows(k), _rows(v)  # saved: a strided v would keep the whole fused QKV tensor alive
             kk, vv = gather_kv(k, v, plan.kv_index, k.shape[1])
             saved = (k, v)
-        out, lse = attention_with_lse(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, causal=True,
-                                      scale=scale)
+        if q.is_cuda:
+            out, lse, ctx.rng = _flash_forward(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, True, scale)
+        else:
+            out, lse = attention_with_lse(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, causal=True,
+                                          scale=scale)
+            ctx.rng = None
         ctx.save_for_backward(q, *saved, out, lse)
         return out
 
@@ -422,7 +437,7 @@ class _GatherAttention(torch.autograd.Function):
         plan = ctx.plan
         kk, vv = (a, b) if plan.save_gathered_kv else gather_kv(a, b, plan.kv_index, q.shape[1])
         dq, gk, gv = attention_backward(_rows(do), q, kk, vv, out, lse, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
-                                        causal=True, scale=ctx.scale)
+                                        causal=True, scale=ctx.scale, rng=ctx.rng)
         dk, dv = _sum_copies(gk, gv, plan, ctx.rows, ctx.kv_heads)
         return dq, dk, dv, None, None
 
@@ -498,7 +513,25 @@ def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
     kk, vv = _rows(k), _rows(v)  # keys are the rows themselves; v may be a strided slice of a fused QKV
     if not q.is_cuda:
         return segment_attention_reference(q, kk, vv, cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)
-    from torch.nn.attention.varlen import varlen_attn
+    return _CausalVarlen.apply(q, kk, vv, plan, scale)
 
-    return varlen_attn(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, window_size=(-1, 0))
+
+class _CausalVarlen(torch.autograd.Function):
+    """Plain causal varlen attention (a forest of chains: keys are the rows themselves) on aten's
+    flash kernels: ``torch.nn.attention.varlen.varlen_attn``'s math without its custom-op layer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: VarlenPlan, scale: float):
+        out, lse, ctx.rng = _flash_forward(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, True, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        p = ctx.plan
+        dq, dk, dv = _flash_backward(_rows(do), q, k, v, out, lse, p.cu_q, p.cu_k, p.max_q, p.max_k, True, ctx.scale,
+                                     ctx.rng)
+        return dq, dk, dv, None, None
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harts.forest import build_forest
+from harts.forest import build_chain_forest, build_forest
 from harts.gdn import (
     GdnConfigError,
     GdnShapeError,
@@ -25,6 +25,7 @@ from harts.gdn_reference import (
     chunk_gated_delta_rule_reference,
     recurrent_gated_delta_rule_reference,
 )
+from harts.workload import caterpillar
 from mcore_distill.testing import assert_close
 
 C = 16  # chunk size used by the tree cases (forks placed relative to it)
@@ -177,7 +178,6 @@ def test_tree_rule_matches_per_sequence_fp64(seqs, align, schedule):
 
 def test_chain_forest_runs_one_ungathered_round():
     """THD packing (a chain forest) takes the identity fast path and equals per-sequence recurrence."""
-    from harts.forest import build_chain_forest
 
     seqs = GDN_CASES[0].values[0] + GDN_CASES[3].values[0]
     f = build_chain_forest(seqs)
@@ -216,25 +216,25 @@ def test_alignment_reproduces_sequence_chunks_bitwise(schedule):
 def test_plan_shapes_replay_and_rounds():
     # fork exactly at a chunk boundary: no replay; children start from the parent's final state
     f = build_forest([_seq(0, C) + [51, 52], _seq(0, C) + [53]])
-    p = build_gdn_plan(f, chunk_size=C, align=True)
+    p = build_gdn_plan(f, chunk_size=C, align=True, schedule="level")
     assert (p.num_rounds, p.num_pieces, p.replay_tokens) == (2, 3, 0)
     # fork at depth C + 3: the prompt is cut at depth C, each child replays 3 shared tokens
     f = build_forest([_seq(0, C + 3) + [51, 52], _seq(0, C + 3) + [53]])
-    p = build_gdn_plan(f, chunk_size=C, align=True)
+    p = build_gdn_plan(f, chunk_size=C, align=True, schedule="level")
     assert (p.num_rounds, p.num_pieces, p.replay_tokens) == (2, 4, 6)
     assert p.rounds[1].rows.tolist()[:3] == [C, C + 1, C + 2]
-    p = build_gdn_plan(f, chunk_size=C, align=False)
+    p = build_gdn_plan(f, chunk_size=C, align=False, schedule="level")
     assert (p.num_rounds, p.num_pieces, p.replay_tokens) == (2, 3, 0)
     # nested forks inside the first chunk replay from depth 0: everything runs in one round
     f = build_forest(GDN_CASES[1].values[0])
-    p = build_gdn_plan(f, chunk_size=C, align=True)
+    p = build_gdn_plan(f, chunk_size=C, align=True, schedule="level")
     assert p.num_rounds == 1 and p.replay_tokens == (3 + 3) + (5 + 5) + (6 + 6)  # forks at depths 3, 5, 6
-    assert build_gdn_plan(f, chunk_size=C, align=False).num_rounds == 4
+    assert build_gdn_plan(f, chunk_size=C, align=False, schedule="level").num_rounds == 4
     # caterpillar with 3 side forks: 4 level rounds, 2 rounds if one child continued each chain
     spine = _seq(0, 40)
     cat = [spine[:10] + [51], spine[:20] + [52], spine[:30] + [53], spine]
     f = build_forest(cat)
-    assert build_gdn_plan(f, chunk_size=C, align=False).num_rounds == 4
+    assert build_gdn_plan(f, chunk_size=C, align=False, schedule="level").num_rounds == 4
     assert chain_rounds(f) == 2
     # chain schedule: the spine continues; each side fork's state is recomputed from the spine start
     p = build_gdn_plan(f, chunk_size=C, align=False, schedule="chain")
@@ -244,10 +244,33 @@ def test_plan_shapes_replay_and_rounds():
     assert torch.equal(ancestor_table(f.parent, 3)[:3], torch.tensor([[0, -1, -1], [1, 0, -1], [2, 1, 0]]))
     assert not build_gdn_plan(f, chunk_size=C).identity
     # THD packing as a forest: one round, rows in order, no gather
-    from harts.forest import build_chain_forest
 
     p = build_gdn_plan(build_chain_forest(cat), chunk_size=C)
     assert p.identity and p.num_rounds == 1 and p.rounds[0].cu_seqlens.tolist() == [0, 11, 32, 63, 103]
+
+
+def test_auto_schedule_takes_chain_only_with_fewer_rounds():
+    """``schedule='auto'`` (the default): the chain schedule when it has fewer rounds, else level."""
+    spine = _seq(0, 40)
+    cat = build_forest([spine[:10] + [51], spine[:20] + [52], spine[:30] + [53], spine])
+    big = build_forest(caterpillar(1, turns=6, turn_len=40, branches=2, branch_len=8, vocab_size=97))
+    for forest, align, want in ((cat, False, "chain"), (cat, True, "level"), (big, True, "chain")):
+        auto = build_gdn_plan(forest, chunk_size=C, align=align)
+        chain = build_gdn_plan(forest, chunk_size=C, align=align, schedule="chain")
+        level = build_gdn_plan(forest, chunk_size=C, align=align, schedule="level")
+        # aligned, the small caterpillar's side forks replay from chunk starts: 2 level rounds, a tie
+        assert (chain.num_rounds < level.num_rounds) == (want == "chain")
+        ref = chain if want == "chain" else level
+        assert (auto.schedule, auto.num_rounds, auto.export_tokens, auto.replay_tokens) == (
+            want, ref.num_rounds, ref.export_tokens, ref.replay_tokens)
+        assert all(torch.equal(a.rows, b.rows) for a, b in zip(auto.rounds, ref.rounds))
+    # a GRPO fork: both schedules take 2 rounds, so auto keeps the level schedule (nothing recomputed)
+    grpo = build_forest([_seq(0, C + 3) + [51, 52], _seq(0, C + 3) + [53]])
+    auto, chain = build_gdn_plan(grpo, chunk_size=C), build_gdn_plan(grpo, chunk_size=C, schedule="chain")
+    assert auto.num_rounds == chain.num_rounds == 2 and auto.schedule == "level" and auto.export_tokens == 0
+    # one round (a chain forest): nothing to choose
+    assert build_gdn_plan(build_chain_forest([spine]), chunk_size=C).schedule == "level"
+    assert GdnTreeConfig().schedule == "auto"
 
 
 def test_config_is_a_hydra_structured_config():

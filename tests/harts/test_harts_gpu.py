@@ -362,3 +362,36 @@ def test_fused_head_fp64(ent_grad):
     dh_r, dw_r = torch.autograd.grad(obj_r, [hr, wr])
     for name, a, b in (("logp", lr, lp), ("entropy", er, en), ("dhidden", dh_r, dh), ("dweight", dw_r, dw)):
         assert_close(f"fused {name}", a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_direct_flash_calls_equal_torch_varlen_attn_bitwise():
+    """harts calls aten's flash varlen kernels without ``torch.nn.attention.varlen``'s custom-op
+    layer: outputs and every gradient must be bitwise those of the public ``varlen_attn``, for
+    the chain-forest path (plain causal THD) and the gather plan's kernel call (keys = rows)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from harts.varlen import attention_backward, attention_with_lse, varlen_tree_attention
+
+    torch.manual_seed(0)
+    lens = [700, 1, 129, 2048, 333]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    t, mx = int(cu[-1]), max(lens)
+    q = torch.randn(t, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(t, 16, 128, device="cuda", dtype=torch.bfloat16)
+    ref = varlen_attn(q, k, v, cu, cu, mx, mx, scale=0.0883, window_size=(-1, 0))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    plan = build_varlen_plan(cu.cpu(), torch.full((len(lens),), -1), device="cuda")
+    assert plan.kv_index is None  # a forest of chains: the plain THD call
+    out = varlen_tree_attention(q, k, v, plan=plan, scale=0.0883)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert torch.equal(out, ref)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        o, lse = attention_with_lse(q, k, v, cu, cu, mx, mx, causal=True, scale=0.0883)
+        assert torch.equal(o, ref)
+        for name, a, b in zip("qkv", attention_backward(do, q, k, v, o, lse, cu, cu, mx, mx, causal=True, scale=0.0883),
+                              ref_grads):
+            assert torch.equal(a, b), name
