@@ -364,10 +364,12 @@ def test_fused_head_fp64(ent_grad):
         assert_close(f"fused {name}", a, b, atol=1e-12, rtol=1e-12)
 
 
-def test_direct_flash_calls_equal_torch_varlen_attn_bitwise():
+def test_direct_flash_calls_equal_torch_varlen_attn():
     """harts calls aten's flash varlen kernels without ``torch.nn.attention.varlen``'s custom-op
-    layer: outputs and every gradient must be bitwise those of the public ``varlen_attn``, for
-    the chain-forest path (plain causal THD) and the gather plan's kernel call (keys = rows)."""
+    layer: the output and ``dk, dv`` must be bitwise those of the public ``varlen_attn``, for the
+    chain-forest path (plain causal THD) and the plan-level calls. ``dq`` is accumulated with
+    atomics by FlashAttention-2's backward (the order varies from run to run, torch's own
+    reruns included): it must agree to within one bf16 ulp of its largest entry."""
     from torch.nn.attention.varlen import varlen_attn
 
     from harts.varlen import attention_backward, attention_with_lse, varlen_tree_attention
@@ -382,16 +384,19 @@ def test_direct_flash_calls_equal_torch_varlen_attn_bitwise():
     do = torch.randn(t, 16, 128, device="cuda", dtype=torch.bfloat16)
     ref = varlen_attn(q, k, v, cu, cu, mx, mx, scale=0.0883, window_size=(-1, 0))
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    rerun = torch.autograd.grad(varlen_attn(q, k, v, cu, cu, mx, mx, scale=0.0883, window_size=(-1, 0)), q, do)[0]
+    print(f"\ntorch's own dq rerun: max |diff| {(rerun.float() - ref_grads[0].float()).abs().max().item():.3e}")
+
+    def check(out, grads):
+        assert torch.equal(out, ref)
+        dq_err = ((grads[0].float() - ref_grads[0].float()).abs().max() / ref_grads[0].float().abs().max()).item()
+        assert dq_err <= 2 ** -7, dq_err  # one bf16 ulp of the largest entry
+        assert torch.equal(grads[1], ref_grads[1]) and torch.equal(grads[2], ref_grads[2])
+
     plan = build_varlen_plan(cu.cpu(), torch.full((len(lens),), -1), device="cuda")
     assert plan.kv_index is None  # a forest of chains: the plain THD call
     out = varlen_tree_attention(q, k, v, plan=plan, scale=0.0883)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    assert torch.equal(out, ref)
-    for name, a, b in zip("qkv", grads, ref_grads):
-        assert torch.equal(a, b), name
+    check(out, torch.autograd.grad(out, (q, k, v), do))
     with torch.no_grad():
         o, lse = attention_with_lse(q, k, v, cu, cu, mx, mx, causal=True, scale=0.0883)
-        assert torch.equal(o, ref)
-        for name, a, b in zip("qkv", attention_backward(do, q, k, v, o, lse, cu, cu, mx, mx, causal=True, scale=0.0883),
-                              ref_grads):
-            assert torch.equal(a, b), name
+        check(o, attention_backward(do, q, k, v, o, lse, cu, cu, mx, mx, causal=True, scale=0.0883))
