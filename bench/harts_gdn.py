@@ -56,6 +56,17 @@ GDN_QUICK = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_h
                  linear_num_value_heads=4)
 GDN_FULL = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=8,
                 linear_num_value_heads=16)
+WIDTHS = {
+    # the model of every run until 2026-12-02: hidden 1024, GDN 8 key / 16 value heads, vocab 32,000
+    "small": dict(vocab_size=32000, hidden_size=1024, num_attention_heads=16, num_query_groups=4, kv_channels=None,
+                  ffn_hidden_size=3072, gdn=GDN_FULL),
+    # Qwen3-Next-80B-A3B's widths: hidden 2048, attention 16 heads of 256 with 2 KV groups, GDN 16 key /
+    # 32 value heads of 128, vocab 151,936; a dense FFN of 5632, the active width of its MoE layer
+    # (10 routed experts of 512 + a shared one of 512)
+    "qwen3-next": dict(vocab_size=151936, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
+                       kv_channels=256, ffn_hidden_size=5632,
+                       gdn=dict(GDN_FULL, linear_num_key_heads=16, linear_num_value_heads=32)),
+}
 
 
 def _setup():
@@ -70,7 +81,7 @@ def _setup():
     init_megatron(tp=1, pp=1, seed=0)
 
 
-def _model(quick: bool, dev: str, pattern: str):
+def _model(quick: bool, dev: str, pattern: str, widths: str = "small"):
     from megatron.core.models.gpt import GPTModel
 
     from harts.gdn_megatron import hybrid_block_spec
@@ -82,9 +93,9 @@ def _model(quick: bool, dev: str, pattern: str):
         cfg = TinyGPTConfig(vocab_size=512, num_layers=len(pattern), max_sequence_length=4096, extra=dict(GDN_QUICK))
         dtype = torch.float32
     else:
-        cfg = TinyGPTConfig(vocab_size=32000, hidden_size=1024, num_layers=len(pattern), num_attention_heads=16,
-                            num_query_groups=4, ffn_hidden_size=3072, max_sequence_length=65536,
-                            params_dtype=torch.bfloat16, extra=dict(GDN_FULL))
+        w = dict(WIDTHS[widths])
+        cfg = TinyGPTConfig(num_layers=len(pattern), max_sequence_length=65536, params_dtype=torch.bfloat16,
+                            extra=dict(w.pop("gdn")), **w)
         dtype = torch.bfloat16
     model = GPTModel(config=transformer_config(cfg), transformer_layer_spec=hybrid_block_spec(pattern),
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_sequence_length,
@@ -107,7 +118,8 @@ def _cases(args, vocab: int):
 
 def _checkpoint(args, rows, bwd):
     """Rows so far to ``harts_gdn.json`` (rewritten after every case, so a killed run keeps its data)."""
-    return write_results("harts_gdn", rows, {"quick": args.quick, "mode": "fwd+bwd" if bwd else "fwd",
+    return write_results("harts_gdn", rows, {"quick": args.quick, "widths": args.widths,
+                                             "mode": "fwd+bwd" if bwd else "fwd",
                                              "chunk_size": 64, "skipped_cases": args.skipped,
                                              "model_attention_backend": args.backend})
 
@@ -156,7 +168,7 @@ def bench_layer(args, dev, rows, bwd):
 
     from harts.gdn_megatron import make_gdn_tree_params
 
-    model, cfg = _model(args.quick, dev, "G")
+    model, cfg = _model(args.quick, dev, "G", args.widths)
     mixer = model.decoder.layers[0].self_attention
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
@@ -258,7 +270,7 @@ def bench_model(args, dev, rows, bwd):
     from harts.loss import sequence_entropy, sequence_logprobs
     from harts.megatron import tree_forward
 
-    model, cfg = _model(args.quick, dev, "GGGA" * (1 if args.quick else 2))
+    model, cfg = _model(args.quick, dev, "GGGA" * (1 if args.quick else 2), args.widths)
     backend = args.backend or ("varlen" if dev == "cuda" else "dense")
     args.backend = backend
     table = []
@@ -351,6 +363,9 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated subset of the workloads (default: all)")
     ap.add_argument("--backend", default=None, choices=["varlen", "flex", "dense"],
                     help="attention layers of the hybrid model (default: varlen on CUDA, no compilation; dense on CPU)")
+    ap.add_argument("--widths", choices=sorted(WIDTHS), default="small",
+                    help="model widths: 'small' (hidden 1024, vocab 32,000: every run until 2026-12-02) or "
+                         "'qwen3-next' (Qwen3-Next-80B-A3B's hidden, attention, GDN and vocabulary widths, dense FFN)")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="skip the remaining cases once this many seconds have passed (the JSON names them)")
     args = ap.parse_args()
