@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from colocate.buckets import Entry, unpack_bucket
 from colocate.errors import ReceiverDied, ReceiverTimeout, RemoteError, TransportError
 from colocate.protocol import ReceiverLink, WeightReceiver
 from mcore_distill.atomic import atomic_write
+from mcore_distill.lifetime import exit_with_parent
 
 __all__ = ["TransportError", "ReceiverTimeout", "ReceiverDied", "RemoteError", "RemoteReceiver", "LocalLink",
            "link_to", "serve_receiver", "spawn_receiver", "choose_transport", "write_bucket_file", "read_bucket_file",
@@ -175,19 +175,8 @@ def serve_receiver(conn: Any, receiver: Any) -> None:
             conn.send((seq, "err", type(e).__name__, str(e)))
 
 
-def _exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
-    """End this process once ``parent`` is gone (the receiver may be busy in a long load when its
-    owner is killed, and then never reads the pipe's EOF)."""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="colocate-parent-watch", daemon=True).start()
-
-
 def _receiver_main(conn: Any, factory: Callable[..., Any], args: tuple, parent: int) -> None:
-    _exit_with_parent(parent)
+    exit_with_parent(parent)
     torch.set_num_threads(1)
     try:
         receiver = factory(*args)

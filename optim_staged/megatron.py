@@ -17,6 +17,7 @@ The stock build allocates fp32 main-param shards once (4 B/param, freed when the
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -405,8 +406,32 @@ def save_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: 
     from megatron.core import dist_checkpointing
 
     tmp = _begin_save(directory, group)
+    _writer_results_queue_ends_with_rank()
     dist_checkpointing.save(_sharded_state_dict(model_chunk, optimizer), str(tmp))
     _publish(model_chunk, tmp, directory, group)
+
+
+def _writer_results_queue_ends_with_rank() -> None:
+    """Megatron's ``torch_dist`` writer sends write results through a process-wide
+    ``multiprocessing`` Manager queue that it spawns at the first save
+    (``filesystem_async.get_write_results_queue``). The Manager's server process outlives a rank
+    killed with SIGKILL, as an orphan holding the memory of a spawned interpreter (~0.7 GB with
+    torch imported), one per killed rank. Create that queue first, on a Manager whose server
+    process ends with this rank (:func:`mcore_distill.lifetime.exit_with_parent`); Megatron then
+    reuses it. The queue's proxy keeps its Manager alive."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from mcore_distill.lifetime import exit_with_parent
+
+    if getattr(filesystem_async, "_results_queue", None) is not None or not hasattr(filesystem_async,
+                                                                                     "_results_queue"):
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
 
 
 def load_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, group: Any = None) -> None:
@@ -561,6 +586,7 @@ def async_save_checkpoint(model_chunk: Any, optimizer: Any, directory: str, *, g
     from megatron.core import dist_checkpointing
 
     tmp = _begin_save(directory, group)
+    _writer_results_queue_ends_with_rank()
     sharded = _sharded_state_dict(model_chunk, optimizer)
     live = _live_storages(model_chunk, optimizer, sharded)
     request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=True, async_strategy="mcore")

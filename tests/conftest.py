@@ -1,9 +1,14 @@
-"""Shared pytest setup: GPU tests skip without CUDA (the GPU lane runs them with -m gpu)."""
+"""Shared pytest setup: GPU tests skip without CUDA (the GPU lane runs them with -m gpu); every
+test is checked for processes it leaves behind."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
+import warnings
 
+import psutil
 import pytest
 import torch
 
@@ -18,6 +23,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "sglang" in item.keywords:
             item.add_marker(skip)
+
+
+class LeakedProcessWarning(UserWarning):
+    """A test left a process of this interpreter running outside the test session's process tree."""
+
+
+@pytest.fixture(autouse=True)
+def _no_orphaned_processes():
+    """Warn (naming the test) about processes of this Python started during the test that outlive
+    it outside pytest's process tree, e.g. the child of a rank that was killed: they keep memory on
+    the CI machine after the run. Not killed here: a session fixture may own them on purpose."""
+    start = time.time() - 1.0
+    yield
+    exe = os.path.realpath(sys.executable)
+    me = psutil.Process()
+    ours = {p.pid for p in me.children(recursive=True)} | {me.pid}
+    leaked = []
+    for p in psutil.process_iter(["pid", "create_time", "cmdline"]):
+        info = p.info
+        cmd = info.get("cmdline") or []
+        if (info["pid"] not in ours and (info.get("create_time") or 0) >= start and cmd
+                and os.path.realpath(cmd[0]) == exe):
+            leaked.append(f"{info['pid']}: {' '.join(cmd)[:160]}")
+    if leaked:
+        warnings.warn(LeakedProcessWarning("processes left running: " + "; ".join(leaked)), stacklevel=1)
 
 
 @pytest.fixture

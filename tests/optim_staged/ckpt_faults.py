@@ -17,6 +17,8 @@ Commands (``python -m tests.optim_staged.ckpt_faults CMD WORK ...``):
   kill point K.
 * ``async-kill WORK``: save A, train to B, start :func:`async_save_checkpoint` of B with a slowed
   writer, take a step, and die while the writer is in the middle of its files.
+* ``helpers WORK``: save once, write the pids of this process's ``multiprocessing`` children (the
+  write-results queue's manager) to ``WORK/helpers.json`` and wait to be killed.
 * ``verify WORK``: load the checkpoint, record which state it holds (``loaded-final.json``), save
   it again (no fault) and list what is left next to it.
 """
@@ -214,6 +216,14 @@ def main(argv: list[str]) -> None:
         tmp = [p.name for p in ckpt.parent.iterdir() if ".tmp-" in p.name]
         (work / "async-tmp.json").write_text(json.dumps(tmp))
         os.kill(os.getpid(), signal.SIGKILL)
+    elif cmd == "helpers":
+        import multiprocessing as mp
+
+        model, optim = build()
+        train(model, optim, range(1))
+        save_checkpoint(model, optim, str(ckpt))
+        (work / "helpers.json").write_text(json.dumps([c.pid for c in mp.active_children()]))
+        time.sleep(600)
     elif cmd == "verify":
         (work / "loaded-final.json").write_text(json.dumps(load_and_identify(work)))
         before = sorted(p.name for p in ckpt.parent.iterdir())

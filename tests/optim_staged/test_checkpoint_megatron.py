@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _child(*args: str, timeout: float = 120) -> int:
     """Run ``tests.optim_staged.ckpt_faults`` in a fresh process in its own session; returns the
     exit code (-9: killed as planned). Megatron's save starts a helper process (the write-results
-    queue's manager) that outlives a SIGKILLed child: the session is killed afterwards, and the
-    output goes to a file, not to a pipe that helper would hold open."""
+    queue's manager; it now ends with its rank, see ``test_save_helper_process_ends_with_a_killed_rank``);
+    the session is still killed afterwards, and the output goes to a file, not to a pipe."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     log = Path(args[1]) / f"child-{args[0]}-{'-'.join(args[2:])}.log"
     with open(log, "wb") as out:
@@ -260,3 +260,45 @@ def test_layout_recorded_from_parallel_state_not_transformer_config(tmp_path):
         assert "saved layout: TP=2" in r["error"] and "this run: TP=1" in r["error"]
         assert r["untouched"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_save_helper_process_ends_with_a_killed_rank(tmp_path):
+    """Megatron's ``torch_dist`` save spawns a process-wide manager for its write-results queue;
+    a rank SIGKILLed after a save (preemption) left that server running as an orphan (a spawned
+    interpreter, ~0.7 GB with torch imported). ``save_checkpoint`` now creates the queue on a
+    manager that watches its parent: killing the rank alone (not its session) ends it within a
+    few poll intervals."""
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with open(tmp_path / "child.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.optim_staged.ckpt_faults", "helpers", str(tmp_path)],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "helpers.json").exists():
+            assert proc.poll() is None, (tmp_path / "child.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the child did not save in time"
+            time.sleep(0.2)
+        time.sleep(0.2)  # the file is written in one call; let it land
+        helpers = json.loads((tmp_path / "helpers.json").read_text())
+        assert helpers, "the save started no helper process (Megatron's writer changed?)"
+        os.kill(proc.pid, signal.SIGKILL)  # the rank only, as a preemption would
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        alive = helpers
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            time.sleep(0.2)
+        assert not alive, f"helper processes {alive} outlived the SIGKILLed rank by 10 s"
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait()
