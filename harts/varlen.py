@@ -233,8 +233,14 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
                        max_q: int, max_k: int, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` → ``(o [Tq, Hq, D], lse [Hq, Tq] fp32)``,
     ``lse_i = log Σ_j exp(scale · q_i·k_j)`` over the allowed keys (bottom-right causal alignment)."""
+    return _attend(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)[:2]
+
+
+def _attend(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """:func:`attention_with_lse` plus the CUDA forward's RNG state for :func:`attention_backward`
+    (``None`` on CPU): ``(o, lse, rng)``."""
     if q.is_cuda:
-        return _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)[:2]
+        return _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
     dt, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: fp32 math, as flash
     q, k, v = (x.to(acc) for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
@@ -246,7 +252,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: 
         ls = torch.logsumexp(sc, -1)  # [H, nq]
         o[a:b] = (torch.exp(sc - ls[..., None]) @ v[c:d].repeat_interleave(rep, 1).transpose(0, 1)).transpose(0, 1)
         lse[:, a:b] = ls
-    return o.to(dt), lse
+    return o.to(dt), lse, None
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, rep: int, scale: float, causal: bool) -> torch.Tensor:
@@ -410,24 +416,23 @@ class _GatherAttention(torch.autograd.Function):
     query heads followed by :func:`sum_kv_copies` (each shared row's copies and each key head's
     query heads summed in fp32, rounded once). By default the forward gathers grouped keys (the
     kernel reads key head ``h // rep`` itself) and saves the compact ``k, v``; the backward gathers
-    again, expanded. ``plan.save_gathered_kv``: the forward gathers expanded and saves that."""
+    again, expanded. ``plan.save_gathered_kv``: the forward gathers expanded and saves that.
+    A plan without ``kv_index`` (a forest of chains) is the plain causal THD call: the keys are
+    the rows themselves, nothing is gathered or summed."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: VarlenPlan, scale: float):
         ctx.plan, ctx.scale, ctx.rows, ctx.kv_heads = plan, scale, k.shape[0], k.shape[1]
-        if plan.save_gathered_kv:
+        if plan.kv_index is None:
+            kk, vv = saved = _rows(k), _rows(v)
+        elif plan.save_gathered_kv:
             kk, vv = gather_kv(k, v, plan.kv_index, q.shape[1])
             saved = (kk, vv)
         else:
             k, v = _rows(k), _rows(v)  # saved: a strided v would keep the whole fused QKV tensor alive
             kk, vv = gather_kv(k, v, plan.kv_index, k.shape[1])
             saved = (k, v)
-        if q.is_cuda:
-            out, lse, ctx.rng = _flash_forward(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, True, scale)
-        else:
-            out, lse = attention_with_lse(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, causal=True,
-                                          scale=scale)
-            ctx.rng = None
+        out, lse, ctx.rng = _attend(q, kk, vv, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, True, scale)
         ctx.save_for_backward(q, *saved, out, lse)
         return out
 
@@ -435,10 +440,11 @@ class _GatherAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, a, b, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        kk, vv = (a, b) if plan.save_gathered_kv else gather_kv(a, b, plan.kv_index, q.shape[1])
+        gathered = plan.kv_index is not None
+        kk, vv = gather_kv(a, b, plan.kv_index, q.shape[1]) if gathered and not plan.save_gathered_kv else (a, b)
         dq, gk, gv = attention_backward(_rows(do), q, kk, vv, out, lse, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k,
                                         causal=True, scale=ctx.scale, rng=ctx.rng)
-        dk, dv = _sum_copies(gk, gv, plan, ctx.rows, ctx.kv_heads)
+        dk, dv = _sum_copies(gk, gv, plan, ctx.rows, ctx.kv_heads) if gathered else (gk, gv)
         return dq, dk, dv, None, None
 
 
@@ -508,30 +514,6 @@ def varlen_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, 
         raise TypeError(f"varlen tree attention on CUDA needs bf16 or fp16 inputs, got {q.dtype}; use backend='flex'")
     if plan.mode == "levels":
         return _LevelsAttention.apply(q, k, v, plan, scale)
-    if plan.kv_index is not None:
+    if plan.kv_index is not None or q.is_cuda:  # on CUDA a forest of chains is the same call without the gather
         return _GatherAttention.apply(q, k, v, plan, scale)
-    kk, vv = _rows(k), _rows(v)  # keys are the rows themselves; v may be a strided slice of a fused QKV
-    if not q.is_cuda:
-        return segment_attention_reference(q, kk, vv, cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)
-    return _CausalVarlen.apply(q, kk, vv, plan, scale)
-
-
-class _CausalVarlen(torch.autograd.Function):
-    """Plain causal varlen attention (a forest of chains: keys are the rows themselves) on aten's
-    flash kernels: ``torch.nn.attention.varlen.varlen_attn``'s math without its custom-op layer."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, plan: VarlenPlan, scale: float):
-        out, lse, ctx.rng = _flash_forward(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, True, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.scale = plan, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        p = ctx.plan
-        dq, dk, dv = _flash_backward(_rows(do), q, k, v, out, lse, p.cu_q, p.cu_k, p.max_q, p.max_k, True, ctx.scale,
-                                     ctx.rng)
-        return dq, dk, dv, None, None
-
+    return segment_attention_reference(q, _rows(k), _rows(v), cu_q=plan.cu_q, cu_k=plan.cu_k, scale=scale)

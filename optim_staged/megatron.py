@@ -426,9 +426,8 @@ def _writer_results_queue_ends_with_rank() -> None:
 
     from mcore_distill.lifetime import exit_with_parent
 
-    if getattr(filesystem_async, "_results_queue", None) is not None or not hasattr(filesystem_async,
-                                                                                     "_results_queue"):
-        return
+    if not hasattr(filesystem_async, "_results_queue") or filesystem_async._results_queue is not None:
+        return  # renamed upstream (nothing to pre-create), or created already
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -25,24 +26,30 @@ from mcore_distill.testing import run_ranks
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _child(*args: str, timeout: float = 120) -> int:
-    """Run ``tests.optim_staged.ckpt_faults`` in a fresh process in its own session; returns the
-    exit code (-9: killed as planned). Megatron's save starts a helper process (the write-results
-    queue's manager; it now ends with its rank, see ``test_save_helper_process_ends_with_a_killed_rank``);
-    the session is still killed afterwards, and the output goes to a file, not to a pipe."""
+@contextlib.contextmanager
+def _session(*args: str):
+    """``tests.optim_staged.ckpt_faults ARGS`` in a fresh process in its own session, output to
+    ``WORK/child-….log`` (not a pipe a helper could hold open); yields ``(proc, log)`` and kills
+    the whole session on exit. Megatron's save starts a helper process (the write-results queue's
+    manager; it ends with its rank, see ``test_save_helper_process_ends_with_a_killed_rank``)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     log = Path(args[1]) / f"child-{args[0]}-{'-'.join(args[2:])}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "tests.optim_staged.ckpt_faults", *args], cwd=ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+    try:
+        yield proc, log
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def _child(*args: str, timeout: float = 120) -> int:
+    """Run ``tests.optim_staged.ckpt_faults`` to the end (:func:`_session`); returns the exit code
+    (-9: killed as planned)."""
+    with _session(*args) as (proc, log):
+        proc.wait(timeout=timeout)
     if proc.returncode not in (0, -9):
         raise AssertionError(f"child {args} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
     return proc.returncode
@@ -275,14 +282,10 @@ def test_save_helper_process_ends_with_a_killed_rank(tmp_path):
 
     import psutil
 
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with open(tmp_path / "child.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.optim_staged.ckpt_faults", "helpers", str(tmp_path)],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with _session("helpers", str(tmp_path)) as (proc, log):
         deadline = time.monotonic() + 240
         while not (tmp_path / "helpers.json").exists():
-            assert proc.poll() is None, (tmp_path / "child.log").read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "the child did not save in time"
             time.sleep(0.2)
         time.sleep(0.2)  # the file is written in one call; let it land
@@ -296,9 +299,3 @@ def test_save_helper_process_ends_with_a_killed_rank(tmp_path):
             alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
             time.sleep(0.2)
         assert not alive, f"helper processes {alive} outlived the SIGKILLed rank by 10 s"
-    finally:
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        proc.wait()
