@@ -153,7 +153,7 @@ def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, IN
                         H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
                         PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr,
                         TMA: tl.constexpr, OSTORE: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr,
-                        NP: tl.constexpr, INTERP: tl.constexpr):
+                        NP: tl.constexpr, INTERP: tl.constexpr, WS: tl.constexpr = False):
     # tile t: row tile t % nm, vocabulary tile t // nm, so that consecutive tiles share a tile of W
     # (the large operand). PERSIST: NP programs walk the tiles t = pid, pid + NP, ... (FLAT: one
     # software-pipelined loop, the next tile's loads overlap this tile's epilogue); else one
@@ -170,7 +170,7 @@ def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, IN
                             stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
                 it += NP
         else:
-            for t in tl.range(pid, tiles, NP, flatten=FLAT):
+            for t in tl.range(pid, tiles, NP, flatten=FLAT, warp_specialize=WS):
                 _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
                             stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
     else:
@@ -313,7 +313,7 @@ def _logit_grad_kernel(X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, n
                        stride_dz, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, HAS_ENT: tl.constexpr,
                        F32: tl.constexpr, TMA: tl.constexpr, OSTORE: tl.constexpr, PERSIST: tl.constexpr,
-                       FLAT: tl.constexpr, NP: tl.constexpr, INTERP: tl.constexpr):
+                       FLAT: tl.constexpr, NP: tl.constexpr, INTERP: tl.constexpr, WS: tl.constexpr = False):
     # tile t: column tile t % nn, row tile t // nn, so that consecutive tiles share a tile of X rows
     # (PERSIST, FLAT, NP as in _logit_tiles_kernel; else a 2-D grid, axis 0 over column tiles)
     if PERSIST:
@@ -328,7 +328,7 @@ def _logit_grad_kernel(X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, n
                            stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA, OSTORE)
                 it += NP
         else:
-            for t in tl.range(pid, tiles, NP, flatten=FLAT):
+            for t in tl.range(pid, tiles, NP, flatten=FLAT, warp_specialize=WS):
                 _grad_tile(t % nn, t // nn, X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG, T, nb, col0, INV,
                            stride_x, stride_w, stride_dz, H, BM, BN, BK, ACC, PREC, LOW, HAS_ENT, F32, TMA, OSTORE)
     else:
