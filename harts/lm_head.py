@@ -45,7 +45,8 @@ __all__ = ["tree_lm_head", "TreeHeadOutput", "HeadEdges", "head_edges"]
 
 _ROW_BLOCKS = 8  # the torch path's softmax temporaries are [ceil(rows / 8), cols]
 _SLICE_FRACTION = 16  # vocab slices keep [slice, H] fp32 products ≤ 1/16 of a chunk
-_TRITON_VOCAB_BLOCK = 2048  # default backward vocabulary block of the Triton path
+_TRITON_VOCAB_BLOCK = 2048  # narrowest default backward vocabulary block of the Triton path
+_TRITON_DZ_ELEMS = 2048 * 16384  # default dz block size: [T, block] holds at most this many elements
 
 
 class TreeHeadOutput(tuple):
@@ -393,7 +394,7 @@ class _TreeHead(torch.autograd.Function):
         # dW per vocabulary block: one GEMM over all rows, one rounding
         dw = torch.empty_like(weight)
         if cfg.impl == "triton":
-            vb = _triton_vocab_block(t, vl, cfg)
+            vb = _triton_vocab_block(t, vl, cfg.chunk, cfg.vocab_block)
             buf = torch.empty(t, vb, dtype=hidden.dtype, device=hidden.device)
             for b0 in range(0, vl, vb):
                 b1 = min(b0 + vb, vl)
@@ -458,11 +459,15 @@ def _dz_block_torch(z, lse, gsum, g_ent, ent, cfg):
         del p, q
 
 
-def _triton_vocab_block(t: int, vl: int, cfg: _Cfg) -> int:
-    """Backward vocabulary block of the Triton path: ``vocab_block`` (default 2048) columns, fewer
-    when ``[T, block]`` in the model dtype would exceed a forward chunk ``[chunk, V_local]``."""
-    vb = cfg.vocab_block or _TRITON_VOCAB_BLOCK
-    cap = max(128, (cfg.chunk * vl // max(t, 1)) // 128 * 128)
+def _triton_vocab_block(t: int, vl: int, chunk: int, vocab_block: int | None = None) -> int:
+    """Backward vocabulary block of the Triton path: ``vocab_block`` columns if given, else the
+    widest multiple of 256 columns whose ``[T, block]`` dz buffer holds at most 2048 × 16,384
+    elements (64 MiB in bf16), at least 2048 columns: 2048 at T = 16,384 rows, 7,936 at 4,099 rows
+    (20 blocks of ``V = 151,936`` instead of 75: each block costs a Triton launch and a GEMM
+    launch on the host, whatever its size). Either way capped so that the block holds no more
+    than a forward chunk ``[chunk, V_local]``."""
+    vb = vocab_block or max(_TRITON_VOCAB_BLOCK, _TRITON_DZ_ELEMS // max(t, 1) // 256 * 256)
+    cap = max(128, (chunk * vl // max(t, 1)) // 128 * 128)
     return max(1, min(vb, cap, vl))
 
 
@@ -513,8 +518,9 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
             ``impl="auto"``.
         impl: ``"triton"`` (bf16/fp16 on CUDA; kernels autotuned on first use per shape),
             ``"torch"``, or ``"auto"``: Triton where it applies and ``fused`` is off, else torch.
-        vocab_block: vocabulary columns per backward block on the Triton path (default 2048,
-            capped so that ``[T, block]`` stays within a forward chunk).
+        vocab_block: vocabulary columns per backward block on the Triton path (default: 2048 at
+            16,384 rows, wider for fewer rows so that ``[T, block]`` stays at 32 Mi elements;
+            capped so that it stays within a forward chunk).
 
     Returns:
         ``(logp [T], entropy [T])`` in fp32 (fp64 for fp64 inputs).

@@ -12,7 +12,7 @@ import torch
 
 from harts.attention import build_block_mask, build_varlen_plan, tree_attention
 from harts.forest import build_forest
-from harts.lm_head import _TRITON_VOCAB_BLOCK, tree_lm_head
+from harts.lm_head import _triton_vocab_block, tree_lm_head
 from harts.reference import tree_attention_reference, tree_head_reference
 from harts.workload import caterpillar, grpo_groups
 from mcore_distill.testing import assert_close
@@ -161,12 +161,12 @@ def test_head_vs_fp64_at_qwen3_vocab(impl, ent_grad):
 def _head_peak_bound(t, h, v, chunk, ent_grad, impl) -> float:
     """Bytes the head may hold beyond its inputs. Triton path: forward = A [T, H] fp32 (two with
     the entropy gradient) + E [chunk, V] bf16 + the tile partials; backward = A + bf16 dh, then the
-    bf16 dW + dh + a [T, vocab block] bf16 dz block (2048 columns by default). Torch path: the bf16 dW, dh and their former fp32
+    bf16 dW + dh + a [T, vocab block] bf16 dz block (``_triton_vocab_block``: 32 Mi elements by default). Torch path: the bf16 dW, dh and their former fp32
     accumulators + 1.25 fp32 [chunk, V] buffers (the bound before the rewrite, kept)."""
     if impl == "triton":
         a = 4 * t * h * (2 if ent_grad else 1)
         fwd = a + 2 * chunk * v + 12 * chunk * -(-v // 128)
-        bwd = max(a + 2 * t * h, 2 * v * h + 2 * t * h + 2 * t * _TRITON_VOCAB_BLOCK)
+        bwd = max(a + 2 * t * h, 2 * v * h + 2 * t * h + 2 * t * _triton_vocab_block(t, v, chunk))
         return 1.05 * max(fwd, bwd) + 8 * 2**20
     return (v * h + t * h) * (2 + 4) + 1.25 * chunk * v * 4
 

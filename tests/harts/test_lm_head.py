@@ -193,3 +193,23 @@ def test_triton_kernels_under_interpreter():
     assert any(k.startswith("tp2") for k in out) and any(k.startswith("head fp64") for k in out)
     bad = {k: v for k, v in out.items() if not v <= _interpreter_bound(k)}
     assert not bad, f"beyond tolerance: {bad}"
+
+
+def test_triton_backward_vocab_block_keeps_dz_size_not_width():
+    """The Triton backward's default block: 2048 columns at 16,384 rows, wider for fewer rows (the
+    ``[T, block]`` dz buffer stays at 32 Mi elements, so small tree micro-batches pay 20 host launch
+    pairs at V = 151,936 instead of 75), capped by a forward chunk; an explicit block is kept."""
+    from harts.lm_head import _triton_vocab_block
+
+    v = 151936
+    assert _triton_vocab_block(16384, v, 1024) == 2048
+    assert _triton_vocab_block(32768, v, 1024) == 2048  # never narrower than 2048 by default
+    assert _triton_vocab_block(4099, v, 1024) == 7936
+    assert -(-v // _triton_vocab_block(4099, v, 1024)) == 20
+    for t in (1, 100, 3000, 4099, 9000, 16384):
+        vb = _triton_vocab_block(t, v, 1024)
+        assert vb % 256 == 0 or vb == v
+        assert t * vb <= max(2048 * 16384, 2048 * t) and t * vb <= 1024 * v
+    assert _triton_vocab_block(8, v, 1024) == v  # a block wider than the vocabulary is the vocabulary
+    assert _triton_vocab_block(4099, v, 1024, vocab_block=1024) == 1024
+    assert _triton_vocab_block(16384, 4096, 64) == 128  # the forward chunk's cap (64 · 4096 / 16384 -> 128)
