@@ -17,6 +17,7 @@ import time
 import torch
 
 from mcore_distill import cpu_compat
+from mcore_distill.lifetime import end_with_launcher
 from mcore_distill.testing import TinyGPTConfig, build_tiny_gpt, init_megatron
 
 LETTERS = 16  # token ids 3..18 are letters; 0 pad, 1 BOS, 2 SEP
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    end_with_launcher()  # this rank ends if torchrun is killed
     cpu_compat.enable()  # no-op on a CUDA machine
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")

@@ -36,11 +36,13 @@ import torch  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from examples.demo.config import to_demo_config  # noqa: E402 (registers the schema)
+from mcore_distill.lifetime import end_with_launcher  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="demo")
 def main(dcfg: DictConfig) -> None:
     cfg = to_demo_config(dcfg)
+    end_with_launcher()  # torchrun starts ranks in their own sessions: a killed torchrun must not strand them
     logging.getLogger().setLevel(logging.WARNING)  # Megatron / publisher INFO lines would break the bar
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_distill import cpu_compat
 from mcore_distill.hf import megatron_model_from_hf, save_hf_checkpoint
+from mcore_distill.lifetime import end_with_launcher
 
 LETTERS, ALPHABET, VOCAB = 4, 16, 32  # token ids 3..18 are letters; 0 pad, 1 BOS, 2 SEP
 BOS, SEP = 1, 2
@@ -48,7 +49,8 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
 
 def initialize_distributed(tp: int, seed: int) -> None:
     """torchrun's process group (gloo on CPU through ``cpu_compat``, NCCL on CUDA) and Megatron's
-    model-parallel groups, seeded."""
+    model-parallel groups, seeded; the rank ends if torchrun is killed (``end_with_launcher``)."""
+    end_with_launcher()
     cpu_compat.enable()  # a no-op on a CUDA machine
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
