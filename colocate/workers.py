@@ -104,7 +104,8 @@ def mark_ready(**extra: object) -> None:
 # owner (PR_SET_PDEATHSIG → SIGTERM); on SIGTERM it forwards SIGTERM to the worker, waits until
 # the worker exits or the grace period ends, then SIGKILLs the whole group, grandchildren included. A forked watcher in the
 # group covers the case where the guard itself is SIGKILLed (Ray's raylet SIGKILLs the direct
-# children of a dead actor): it gets PR_SET_PDEATHSIG from the guard and then stops the group.
+# children of a dead actor): it gets PR_SET_PDEATHSIG from the guard and then stops the group the
+# same way (SIGTERM, the grace or until no other member is left, SIGKILL).
 # Stdlib only: it starts in milliseconds.
 _GUARD = r"""
 import ctypes, os, signal, subprocess, sys, time
@@ -115,10 +116,22 @@ if os.getppid() != owner:
     os.killpg(0, signal.SIGKILL)
 guard = os.getpid()
 if os.fork() == 0:
+    def others():  # live members of this process group besides the watcher
+        me, pg, n = os.getpid(), os.getpgid(0), 0
+        for d in os.listdir("/proc"):
+            if d.isdigit() and int(d) != me:
+                try:
+                    f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                n += f[0] != "Z" and int(f[2]) == pg
+        return n
     def reap(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.killpg(0, signal.SIGTERM)
-        time.sleep(grace)
+        deadline = time.monotonic() + grace
+        while others() and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.killpg(0, signal.SIGKILL)
     signal.signal(signal.SIGTERM, reap)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -171,6 +171,37 @@ def test_shutdown_kills_every_worker_even_when_one_kill_fails():
 
 
 @pytest.mark.timeout(90)
+def test_a_killed_guard_stops_its_group_without_sitting_out_the_grace():
+    """Ray's raylet SIGKILLs the direct children of a dead actor, the guard among them; the guard's
+    watcher then stops the worker's process group. A worker that exits on SIGTERM must not make the
+    watcher sit out the whole ``kill_grace_s`` (it slept it unconditionally and outlived the
+    Ray no-orphans test); one that ignores SIGTERM still gets its grace before the SIGKILL."""
+    import signal
+
+    from tests._procs import group_gone, group_pids
+
+    sched = LocalScheduler(owner_env=_owner_env())
+    w = sched.fork(WorkerSpec(role="prompt", command=WORKER, health_timeout_s=60, kill_grace_s=30))
+    pgid = w.proc.pid  # the guard leads the worker's process group
+    assert len(group_pids(pgid)) >= 3  # guard, its watcher, the worker
+    os.kill(pgid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert group_gone(pgid, timeout=10), f"still running 10 s after the guard's SIGKILL: {group_pids(pgid)}"
+    assert time.monotonic() - t0 < 10
+
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "from colocate.workers import mark_ready; mark_ready(); time.sleep(120)")
+    s = sched.fork(WorkerSpec(role="stubborn", command=[sys.executable, "-c", stubborn], health_timeout_s=60,
+                              kill_grace_s=2))
+    pgid = s.proc.pid
+    os.kill(pgid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert group_gone(pgid, timeout=15)
+    assert time.monotonic() - t0 >= 1.5  # the grace was given before the SIGKILL
+    sched.shutdown()
+
+
+@pytest.mark.timeout(90)
 def test_no_orphans_when_the_owner_is_killed():
     out = subprocess.run([sys.executable, "-m", "tests.colocate._owner"], env=_owner_env(), capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
