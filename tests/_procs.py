@@ -41,6 +41,21 @@ def argv(pid: int) -> list[bytes] | None:
         return None
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone: reaping is its parent's business)."""
+    return (s := stat(pid)) is not None and s.state != "Z"
+
+
+def gone_within(pids_: list[int], timeout: float) -> list[int]:
+    """Poll until none of ``pids_`` is alive or ``timeout`` seconds passed; the ones still alive."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids_ if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [p for p in left if alive(p)]
+    return left
+
+
 def group_pids(pgid: int) -> list[int]:
     """Live (not zombie) processes of the process group ``pgid``."""
     return [p for p in pids() if (s := stat(p)) is not None and s.pgid == pgid and s.state != "Z"]

@@ -23,6 +23,7 @@ from colocate.workers import (
     physical_gpu_ids,
     scheduler_for,
 )
+from tests._procs import gone_within
 
 from . import _slurm
 
@@ -32,16 +33,7 @@ WORKER = [sys.executable, "-m", "tests.colocate._worker"]
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     """True once ``pid`` does not exist or is a zombie (reaping is the parent's business)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
-        except (FileNotFoundError, IndexError, ProcessLookupError):
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    return False
+    return not gone_within([pid], timeout)
 
 
 def _owner_env(**extra):

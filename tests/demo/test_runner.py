@@ -31,7 +31,7 @@ from examples.demo.config import (
     VerifySection,
     WarmStartConfig,
 )
-from tests._procs import argv, child_running, pids, stat
+from tests._procs import argv, child_running, gone_within, pids, stat
 
 STEPS, EVERY = 4, 2
 DETERMINISTIC = ("reward/reverse", "reward/shift", "kl/reverse", "kl/shift", "sample_accuracy/reverse",
@@ -364,13 +364,7 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     assert len(ranks) == 2
     os.kill(proc.pid, signal.SIGKILL)  # torchrun only
     proc.wait(timeout=30)
-    def live(p):
-        return (st := stat(p)) is not None and st.state != "Z"
-
-    deadline = time.monotonic() + 15
-    while any(map(live, ranks)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = [p for p in ranks if live(p)]
+    left = gone_within(ranks, 15)
     for pid in left:  # clean up before failing
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

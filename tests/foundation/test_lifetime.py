@@ -15,22 +15,16 @@ from pathlib import Path
 import pytest
 
 from mcore_distill.lifetime import end_with_launcher
-from tests._procs import stat
+from tests._procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK = """
 import os, sys, time
 from mcore_distill.lifetime import end_with_launcher
-from tests._procs import stat
 armed = end_with_launcher(poll_s=0.1) if sys.argv[2] == "guard" else False
 open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}"), "w").write(f"{os.getpid()} {int(armed)}")
 time.sleep(120)
 """
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie is gone for this purpose)."""
-    return (st := stat(pid)) is not None and st.state != "Z"
 
 
 def _ranks_after_killing_torchrun(tmp_path: Path, mode: str) -> list[tuple[int, int]]:
@@ -61,9 +55,9 @@ def test_torchrun_ranks_end_with_a_killed_torchrun_only_when_guarded(tmp_path):
     unguarded = _ranks_after_killing_torchrun(tmp_path / "none", "none")
     try:
         assert [armed for _, armed in guarded] == [1, 1]
-        assert not any(_alive(pid) for pid, _ in guarded), "a guarded rank outlived its SIGKILLed torchrun"
+        assert not any(alive(pid) for pid, _ in guarded), "a guarded rank outlived its SIGKILLed torchrun"
         # the control: without the guard the ranks do outlive torchrun (so the check above can fail)
-        assert all(_alive(pid) for pid, _ in unguarded)
+        assert all(alive(pid) for pid, _ in unguarded)
     finally:
         for pid, _ in guarded + unguarded:
             with contextlib.suppress(ProcessLookupError):

@@ -280,7 +280,7 @@ def test_save_helper_process_ends_with_a_killed_rank(tmp_path):
     import signal
     import time
 
-    import psutil
+    from tests._procs import gone_within
 
     with _session("helpers", str(tmp_path)) as (proc, log):
         deadline = time.monotonic() + 240
@@ -293,9 +293,5 @@ def test_save_helper_process_ends_with_a_killed_rank(tmp_path):
         assert helpers, "the save started no helper process (Megatron's writer changed?)"
         os.kill(proc.pid, signal.SIGKILL)  # the rank only, as a preemption would
         proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        alive = helpers
-        while alive and time.monotonic() < deadline:
-            alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-            time.sleep(0.2)
-        assert not alive, f"helper processes {alive} outlived the SIGKILLed rank by 10 s"
+        left = gone_within(helpers, 10)
+        assert not left, f"helper processes {left} outlived the SIGKILLed rank by 10 s"
