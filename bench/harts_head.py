@@ -201,29 +201,53 @@ def sweep_variants(quick: bool):
     if quick:
         return {"torch c16": ({"impl": "torch", "chunk_size": 16}, None)}
     return {
-        "triton c1024 vb2048 (default)": ({}, None),
-        "triton c1024 vb1024": ({"vocab_block": 1024}, None),
+        "triton default": ({}, None),
+        "triton vb2048": ({"vocab_block": 2048}, None),
+        "triton vb1024": ({"vocab_block": 1024}, None),
         "triton, pointer kernels only (no TMA)": ({}, (tri, "_tma_ok", lambda *ts: False)),
         "triton + entropy grad": ({"entropy_requires_grad": True}, None),
     }
 
 
-def run_sweep(case, ref, quick, iters=3):
-    rows = []
-    for name, (kw, patch) in sweep_variants(quick).items():
-        old = None
-        if patch is not None:
-            mod, attr, new = patch
-            old = getattr(mod, attr)
-            setattr(mod, attr, new)
+def _patched(fn, patch):
+    """``fn`` run with ``setattr(module, attr, value)`` in place for the call only."""
+    if patch is None:
+        return fn
+    mod, attr, new = patch
+
+    def call():
+        old = getattr(mod, attr)
+        setattr(mod, attr, new)
         try:
-            fn = harts_fn(case, **kw)
-            r = measure(case, {name: fn}, iters, ref=None if kw.get("entropy_requires_grad") else ref)[name]
+            return fn()
         finally:
-            if patch is not None:
-                setattr(mod, attr, old)
-        rows.append({"variant": name, "ms_min": min(r["samples"]), "peak_GiB": r["peak"] / 2**30,
-                     "err_dW": r.get("err_dW", float("nan")), "err_dh": r.get("err_dh", float("nan")),
+            setattr(mod, attr, old)
+
+    return call
+
+
+def run_sweep(case, ref, quick, iters=5):
+    """Every variant timed in the same interleaved loop (min of ``iters``); errors vs ``ref`` from
+    one separate call each (the entropy-gradient variant's gradients differ by design: none)."""
+    from harts.lm_head import _triton_vocab_block
+
+    variants = sweep_variants(quick)
+    fns = {name: _patched(harts_fn(case, **kw), patch) for name, (kw, patch) in variants.items()}
+    res = measure(case, fns, iters)
+    rows = []
+    for name, (kw, _patch) in variants.items():
+        err_dw = err_dh = float("nan")
+        if not kw.get("entropy_requires_grad"):
+            fns[name]()
+            dw, dh = case.grads()
+            err_dw, err_dh = rel_err(dw, ref[0]), rel_err(dh, ref[1])
+            case.reset()
+        r = res[name]
+        block = None if kw.get("impl") == "torch" else _triton_vocab_block(case.t, case.v, kw.get("chunk_size", 1024),
+                                                                            kw.get("vocab_block"))
+        rows.append({"variant": name, "T": case.t, "vocab_block": block, "ms_min": min(r["samples"]),
+                     "ms_median": statistics.median(r["samples"]), "iters": len(r["samples"]),
+                     "peak_GiB": r["peak"] / 2**30, "err_dW": err_dw, "err_dh": err_dh,
                      "first_call_s": r["first_call_s"]})
     return rows
 
@@ -326,7 +350,7 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     extra = {"cublas_tflops": cublas_tflops(chain), "tuned": _tuned_configs()}
     if args.sweep:
-        extra["sweep"] = run_sweep(chain, chain_ref, args.quick)
+        extra["sweep"] = run_sweep(chain, chain_ref, args.quick, iters)
     if args.profile and dev == "cuda":
         prof = profile_kernels(harts_fn(chain))
         extra["kernel_ms"], extra["profile"] = prof["kernel_ms"], {k: prof[k] for k in ("wall_ms", "idle")}
@@ -413,7 +437,8 @@ def main(argv=None):
               f"{idle.get('queued_gaps')}; top starved {idle.get('starved_by_op')}): "
               + ", ".join(f"{k} {v:.2f}" for k, v in list(ex["kernel_ms"].items())[:12]))
     if "sweep" in ex:
-        print_table(ex["sweep"], ["variant", "ms_min", "peak_GiB", "err_dW", "err_dh", "first_call_s"])
+        print_table(ex["sweep"], ["variant", "T", "vocab_block", "ms_min", "ms_median", "peak_GiB", "err_dW", "err_dh",
+                                 "first_call_s"])
     print_table(result["table"], ["rows", "provider", "ms", "ms_median", "peak_GiB", "grad_rel_err_dW",
                                   "grad_rel_err_dhidden", "roofline_3gemm_fraction", "first_call_s"])
     for line in target_lines(result):
