@@ -25,7 +25,7 @@ from colocate.engines import build_hf_model, hf_checkpoint_views
 from colocate.errors import EngineStartError, ReceiverDied
 from colocate.sglang_engine import write_hf_checkpoint
 from colocate.workers import LocalScheduler
-from tests._procs import group_gone, group_pids, stat
+from tests._procs import child_running, group_gone, group_pids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
@@ -65,10 +65,12 @@ def test_real_server_crash_mid_generate_is_typed_in_time(tmp_path):
     group = eng.client.worker.pid
     try:
         assert len(eng.generate([[1, 2, 3]], max_new_tokens=4)[0]["output_ids"]) == 4
-        # the server's main process: the guard's direct child (its scheduler and detokenizer are
-        # the main process's children). 2026-12-01's run took the lowest pid of the group instead,
-        # and the generation (8 × 4000 tokens) finished unharmed: no crash was injected.
-        (target,) = [p for p in group_pids(group) if (s := stat(p)) is not None and s.ppid == group]
+        # the server's main process: the guard's child that runs `python -m sglang.launch_server`
+        # (its scheduler and detokenizer are the main process's children; the guard's other child is
+        # its watcher fork). 2026-12-01's run took the lowest pid of the group and injected no crash;
+        # 2026-12-02's took "the guard's only child" and found two (server and watcher).
+        target = child_running(group, "sglang.launch_server")
+        assert target is not None, f"no sglang.launch_server child of the guard in group {group_pids(group)}"
         killed = threading.Event()
         threading.Timer(1.0, lambda: (os.kill(target, signal.SIGKILL), killed.set())).start()
         t0 = time.monotonic()
