@@ -138,6 +138,23 @@ def time_cpu(fn: Callable[[], Any], *, warmup: int = 1, iters: int = 5) -> dict[
     return _quantiles(samples)
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int = 5, warmup: int = 1) -> dict[str, dict]:
+    """Wall milliseconds of every function in ``fns``, measured in ``rounds`` interleaved rounds (one
+    call of each per round; round ``r`` starts at the ``r``-th function, so none always runs first or
+    after the same neighbour): per name the samples, ``min`` and p20/p50/p80. Clock, thermal and
+    host-load drift then hit every function alike; compare minima."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            samples[name].append(wall_ms(fns[name]))
+    return {n: {**_quantiles(v), "min": min(v), "samples": v} for n, v in samples.items()}
+
+
 def peak_memory(fn: Callable[[], Any]) -> int:
     """Peak CUDA bytes allocated above the level before ``fn`` (0 without CUDA)."""
     if not torch.cuda.is_available():

@@ -17,8 +17,11 @@ Sections:
   a forest) vs ``tree`` / ``tree_level`` / ``tree_unaligned`` / ``tree_chainsched``.
 
 Workloads: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9} and a multi-turn
-caterpillar. Per row: time (p20/p50/p80), GPU kernel time of one profiled step (``kernel_ms``:
-the GPU's busy time; a wall time far above it means the step is bound by the host), peak memory,
+caterpillar. Per row: time (every provider of a case in the same ``--iters`` interleaved rounds,
+default 5: minimum, p20/p50/p80 and the samples; the tables report the minimum; until 2026-12-02
+each provider was timed alone, one after the other, and p50 was reported), GPU kernel time of one
+profiled step (``kernel_ms``: the GPU's busy time; a wall time far above it means the step is bound
+by the host), peak memory,
 rounds (sequential kernel calls per GDN layer), replayed tokens (alignment), exported tokens
 (chain schedule's state-only pieces), C. The tables add ``tree_kern_x``, the tree's speedup in
 GPU kernel time, next to the wall-clock ``tree_x``.
@@ -49,6 +52,7 @@ from bench._common import (
     plot_speedup_vs_c,
     print_table,
     time_cpu,
+    time_interleaved,
     write_results,
 )
 
@@ -163,6 +167,57 @@ def _forest_for(provider, seqs, dev):
     return (build_chain_forest if provider in ("chain", "thd_megatron") else build_forest)(seqs, device=dev)
 
 
+def _measure(args, section: str, case: str, providers, build, rows: list) -> dict[str, dict]:
+    """Build every provider's step (``build(provider) -> (step, info)``; a forced schedule equal to
+    the one ``tree`` chose is not built again), time all of them in ``args.iters`` interleaved rounds
+    (:func:`bench._common.time_interleaved`), then measure each alone: peak memory, one profiled
+    step (GPU kernel time) and the host side. Appends a row per provider; returns them by name."""
+    built, tree_schedule = {}, None
+    for provider in providers:
+        if _same_as_tree(provider, tree_schedule):
+            continue
+        built[provider] = build(provider)
+        plan = built[provider][1]["plan"]
+        if provider == "tree":
+            tree_schedule = plan.schedule
+    for step, _ in built.values():
+        step()  # compile / autotune / first allocations, outside the timed rounds
+    times = time_interleaved({p: step for p, (step, _) in built.items()}, rounds=args.iters, warmup=0)
+    out = {}
+    for provider in providers:
+        if provider not in built:
+            out[provider] = {**out["tree"], "provider": provider, "same_as": "tree"}
+            rows.append(out[provider])
+            print(f"[{section}] {case} {provider}: the plan of tree ({tree_schedule} schedule)", flush=True)
+            continue
+        step, info = built[provider]
+        plan, f, tm = info["plan"], info["forest"], times[provider]
+        mem = peak_memory(step)
+        prof = kernel_profile(step)
+        kern = prof.get("kernel_ms", float("nan"))
+        host = host_profile(step, top=8 if section == "layer" else 12)
+        row = {"bench": "harts_gdn", "section": section, "case": case, "provider": provider,
+               "mode": info["mode"], "ms_min": tm["min"], "ms_p20": tm["p20"], "ms_p50": tm["p50"],
+               "ms_p80": tm["p80"], "ms_samples": tm["samples"], "kernel_ms": kern, "peak_bytes": mem,
+               "rows": f.num_nodes, "total_tokens": f.total_tokens, "plan_ms": info["plan_ms"],
+               "compression": f.compression, "rounds": plan.num_rounds if plan else 1,
+               "schedule": plan.schedule if plan else None, "replay_tokens": plan.replay_tokens if plan else 0,
+               "export_tokens": plan.export_tokens if plan else 0,
+               "pieces": plan.num_pieces if plan else f.num_seqs,
+               "tokens_per_s": f.total_tokens / (tm["min"] / 1e3), **_host_fields(prof, host)}
+        out[provider] = row
+        rows.append(row)
+        print(f"[{section}] {case} {provider}: {tm['min']:.2f} ms min of {tm['n']} interleaved (p50 {tm['p50']:.2f}; "
+              f"GPU kernels {kern:.2f} ms, host issue {host['issue_ms']:.2f} ms, plan {info['plan_ms']:.1f} ms)",
+              flush=True)
+        if provider == "tree" and section == "model":
+            for r in host["top_tottime"][:8]:
+                print(f"    host {r[2]:8.2f} ms own {r[3]:8.2f} ms cum  x{r[1]:<5} {r[0]}", flush=True)
+            for r in prof.get("cpu_self", [])[:10]:
+                print(f"    op   {r[2]:8.2f} ms self {r[3]:8.2f} ms total x{r[1]:<5} {r[0]}", flush=True)
+    return out
+
+
 def bench_layer(args, dev, rows, bwd):
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -172,67 +227,44 @@ def bench_layer(args, dev, rows, bwd):
     mixer = model.decoder.layers[0].self_attention
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
-        res, kms = {}, {}
-        tree_schedule, tree_row = None, -1
-        for provider in _providers(dev):
-            if _same_as_tree(provider, tree_schedule):
-                res[provider], kms[provider] = res["tree"], kms["tree"]
-                rows.append({**rows[tree_row], "provider": provider, "same_as": "tree"})
-                continue
+
+        def build(provider, seqs=seqs):
             f = _forest_for(provider, seqs, dev)
             gen = torch.Generator(device=dev).manual_seed(0)
             hidden = torch.randn(f.num_nodes, 1, cfg.hidden_size, device=dev, generator=gen).to(cfg.params_dtype)
             hidden.requires_grad_(bwd)
             gdn = _gdn_config(provider)
+            plan_ms = 0.0
             if provider == "thd_megatron":
                 cu = f.seq_offsets.to(torch.int32)
                 mx = int(f.lengths.max())
                 psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mx,
                                       max_seqlen_kv=mx)
-            else:
-                psp = None
-
-            plan_ms = 0.0
-            if psp is None:  # built once per microbatch and shared by every GDN layer: timed apart
+            else:  # built once per microbatch and shared by every GDN layer: timed apart
                 # (the attention part is unused here: the cheap varlen plan, not a dense T×T mask)
-                plan_ms = time_cpu(lambda f=f, gdn=gdn: make_gdn_tree_params(f, config=gdn, backend="varlen"),
+                plan_ms = time_cpu(lambda: make_gdn_tree_params(f, config=gdn, backend="varlen"),
                                    warmup=0, iters=1)["p50"]
                 psp = make_gdn_tree_params(f, config=gdn, backend="varlen")
-            plan = getattr(psp, "gdn_plan", None)
 
-            def step(hidden=hidden, psp=psp):
+            def step():
                 out = mixer(hidden, None, packed_seq_params=psp)[0]
                 if bwd:
                     out.float().square().mean().backward()
 
-            step()
-            tm = time_cpu(step, warmup=1, iters=args.iters)
-            mem = peak_memory(step)
-            prof = kernel_profile(step)
-            kern = prof.get("kernel_ms", float("nan"))
-            host = host_profile(step, top=8)
-            res[provider], kms[provider] = tm["p50"], kern
-            if provider == "tree":
-                tree_schedule, tree_row = plan.schedule, len(rows)
-            rows.append({"bench": "harts_gdn", "section": "layer", "case": case, "provider": provider,
-                         "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
-                         "ms_p80": tm["p80"], "kernel_ms": kern, "peak_bytes": mem, "rows": f.num_nodes,
-                         "total_tokens": f.total_tokens,
-                         "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds if plan else 1,
-                         "schedule": plan.schedule if plan else None, "replay_tokens": plan.replay_tokens if plan else 0,
-                         "export_tokens": plan.export_tokens if plan else 0,
-                         "pieces": plan.num_pieces if plan else f.num_seqs, **_host_fields(prof, host)})
-            print(f"[layer] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, host issue "
-                  f"{host['issue_ms']:.2f} ms)", flush=True)
+            return step, {"forest": f, "plan": getattr(psp, "gdn_plan", None), "plan_ms": plan_ms,
+                          "mode": "fwd+bwd" if bwd else "fwd"}
+
+        got = _measure(args, "layer", case, _providers(dev), build, rows)
         _checkpoint(args, rows, bwd)
         st = build_forest_stats(seqs, dev)
-        base = res["chain"]
+        ms = {p: r["ms_min"] for p, r in got.items()}
+        kms = {p: r["kernel_ms"] for p, r in got.items()}
         table.append({"case": case, "C": st[0], "rounds": st[1], "replay": st[2], "chsched_rounds": st[3],
-                      "chsched_export": st[4], "thd_mcore_ms": res.get("thd_megatron", float("nan")),
-                      "schedule": tree_schedule, "chain_ms": base, "tree_ms": res["tree"], "level_ms": res["tree_level"],
-                      "unal_ms": res["tree_unaligned"],
-                      "chsched_ms": res["tree_chainsched"], "tree_x": base / res["tree"],
-                      "tree_vs_mcore": res.get("thd_megatron", float("nan")) / res["tree"],
+                      "chsched_export": st[4], "thd_mcore_ms": ms.get("thd_megatron", float("nan")),
+                      "schedule": got["tree"]["schedule"], "chain_ms": ms["chain"], "tree_ms": ms["tree"],
+                      "level_ms": ms["tree_level"], "unal_ms": ms["tree_unaligned"],
+                      "chsched_ms": ms["tree_chainsched"], "tree_x": ms["chain"] / ms["tree"],
+                      "tree_vs_mcore": ms.get("thd_megatron", float("nan")) / ms["tree"],
                       "mcore_kern_ms": kms.get("thd_megatron", float("nan")), "chain_kern_ms": kms["chain"],
                       "tree_kern_ms": kms["tree"], "tree_kern_x": kms["chain"] / kms["tree"]})
     return table
@@ -275,24 +307,16 @@ def bench_model(args, dev, rows, bwd):
     args.backend = backend
     table = []
     for case, seqs in _cases(args, cfg.vocab_size):
-        res, mems, plans, kms, issue = {}, {}, {}, {}, {}
-        tree_schedule, tree_row = None, -1
-        for provider in MODEL_PROVIDERS:
-            if _same_as_tree(provider, tree_schedule):
-                res[provider], mems[provider], plans[provider], kms[provider], issue[provider] = (
-                    d["tree"] for d in (res, mems, plans, kms, issue))
-                rows.append({**rows[tree_row], "provider": provider, "same_as": "tree"})
-                print(f"[model] {case} {provider}: the plan of tree ({tree_schedule} schedule)", flush=True)
-                continue
+
+        def build(provider, seqs=seqs):
             f = _forest_for(provider, seqs, dev)
             gdn = _gdn_config(provider)
             # metadata is built once per microbatch on the host: timed apart, as in bench/harts.py
-            plan_ms = time_cpu(lambda f=f, gdn=gdn: make_gdn_tree_params(f, config=gdn, backend=backend),
+            plan_ms = time_cpu(lambda: make_gdn_tree_params(f, config=gdn, backend=backend),
                                warmup=1, iters=args.iters)["p50"]
             params = make_gdn_tree_params(f, config=gdn, backend=backend)
-            plan = params.gdn_plan
 
-            def step(f=f, params=params):
+            def step():
                 model.zero_grad(set_to_none=True)
                 with torch.set_grad_enabled(bwd):
                     out = tree_forward(model, f, params=params)
@@ -301,41 +325,20 @@ def bench_model(args, dev, rows, bwd):
                 if bwd:
                     loss.backward()
 
-            step()
-            tm = time_cpu(step, warmup=1, iters=args.iters)
-            mem = peak_memory(step)
-            prof = kernel_profile(step)
-            kern = prof.get("kernel_ms", float("nan"))
-            host = host_profile(step)
-            res[provider], mems[provider], plans[provider], kms[provider] = tm["p50"], mem, plan_ms, kern
-            issue[provider] = host["issue_ms"]
-            if provider == "tree":
-                tree_schedule, tree_row = plan.schedule, len(rows)
-            rows.append({"bench": "harts_gdn", "section": "model", "case": case, "provider": provider,
-                         "mode": "fwd+bwd" if bwd else "fwd", "ms_p20": tm["p20"], "ms_p50": tm["p50"],
-                         "ms_p80": tm["p80"], "kernel_ms": kern, "peak_bytes": mem, "rows": f.num_nodes,
-                         "total_tokens": f.total_tokens,
-                         "plan_ms": plan_ms, "compression": f.compression, "rounds": plan.num_rounds,
-                         "schedule": plan.schedule, "replay_tokens": plan.replay_tokens,
-                         "export_tokens": plan.export_tokens,
-                         "tokens_per_s": f.total_tokens / (tm["p50"] / 1e3), **_host_fields(prof, host)})
-            print(f"[model] {case} {provider}: {tm['p50']:.2f} ms (GPU kernels {kern:.2f} ms, host issue "
-                  f"{host['issue_ms']:.2f} ms, plan {plan_ms:.1f} ms)", flush=True)
-            if provider == "tree":
-                for r in host["top_tottime"][:8]:
-                    print(f"    host {r[2]:8.2f} ms own {r[3]:8.2f} ms cum  x{r[1]:<5} {r[0]}", flush=True)
-                for r in prof.get("cpu_self", [])[:10]:
-                    print(f"    op   {r[2]:8.2f} ms self {r[3]:8.2f} ms total x{r[1]:<5} {r[0]}", flush=True)
+            return step, {"forest": f, "plan": params.gdn_plan, "plan_ms": plan_ms, "mode": "fwd+bwd" if bwd else "fwd"}
+
+        got = _measure(args, "model", case, MODEL_PROVIDERS, build, rows)
         _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
-        table.append({"case": case, "C": c, "schedule": tree_schedule, "chain_ms": res["chain"], "tree_ms": res["tree"],
-                      "level_ms": res["tree_level"], "unal_ms": res["tree_unaligned"],
-                      "chsched_ms": res["tree_chainsched"],
-                      "tree_x": res["chain"] / res["tree"],
-                      "tree_x/C": res["chain"] / res["tree"] / c, "chain_MiB": mems["chain"] / 2**20,
-                      "tree_MiB": mems["tree"] / 2**20, "tree_plan_ms": plans["tree"], "chain_kern_ms": kms["chain"],
-                      "tree_kern_ms": kms["tree"], "tree_kern_x": kms["chain"] / kms["tree"],
-                      "chain_issue_ms": issue["chain"], "tree_issue_ms": issue["tree"]})
+        ms = {p: r["ms_min"] for p, r in got.items()}
+        table.append({"case": case, "C": c, "schedule": got["tree"]["schedule"], "chain_ms": ms["chain"],
+                      "tree_ms": ms["tree"], "level_ms": ms["tree_level"], "unal_ms": ms["tree_unaligned"],
+                      "chsched_ms": ms["tree_chainsched"], "tree_x": ms["chain"] / ms["tree"],
+                      "tree_x/C": ms["chain"] / ms["tree"] / c, "chain_MiB": got["chain"]["peak_bytes"] / 2**20,
+                      "tree_MiB": got["tree"]["peak_bytes"] / 2**20, "tree_plan_ms": got["tree"]["plan_ms"],
+                      "chain_kern_ms": got["chain"]["kernel_ms"], "tree_kern_ms": got["tree"]["kernel_ms"],
+                      "tree_kern_x": got["chain"]["kernel_ms"] / got["tree"]["kernel_ms"],
+                      "chain_issue_ms": got["chain"]["issue_ms"], "tree_issue_ms": got["tree"]["issue_ms"]})
     return table
 
 
@@ -358,7 +361,8 @@ def _plot(layer, model, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke run")
-    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None,
+                    help="interleaved timing rounds per case (default 5; quick 1); tables report the minimum")
     ap.add_argument("--sections", default="layer,model")
     ap.add_argument("--cases", default="", help="comma-separated subset of the workloads (default: all)")
     ap.add_argument("--backend", default=None, choices=["varlen", "flex", "dense"],
@@ -369,7 +373,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="skip the remaining cases once this many seconds have passed (the JSON names them)")
     args = ap.parse_args()
-    args.iters = args.iters or (1 if args.quick else 3)
+    args.iters = args.iters or (1 if args.quick else 5)
     args.cases = [c for c in args.cases.split(",") if c]
     args.t0, args.skipped = time.monotonic(), []
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -382,10 +386,10 @@ def main():
     _plot(layer, model, out_dir() / "harts_gdn.png")
     print(f"wrote {path}")
     if layer:
-        print("\nGDN layer (ms p50; chain = our path without sharing; thd_mcore = Megatron GatedDeltaNet THD):")
+        print("\nGDN layer (ms: minimum over the interleaved rounds; chain = our path without sharing; thd_mcore = Megatron GatedDeltaNet THD):")
         print_table(layer, list(layer[0]))
     if model:
-        print("\nhybrid model GGGA (ms p50, fwd+bwd step):")
+        print("\nhybrid model GGGA (ms: minimum over the interleaved rounds, fwd+bwd step):")
         print_table(model, list(model[0]))
 
 
