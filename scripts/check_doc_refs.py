@@ -14,7 +14,8 @@ What is checked, in inline code spans and fenced blocks:
 * paths whose first part is a top-level entry of this repository (``examples/demo/run.py``,
   ``docs/img/harts.png``, ``examples/demo/config.py:DemoConfig``): the file must exist (and define
   the name after ``:``); paths with placeholders (``<``, ``*``, ``{``, ``$``, ``...``) are skipped;
-* relative Markdown links ``[text](path#anchor)``: the target file must exist.
+* relative Markdown links ``[text](path#anchor)``: the target file must exist, and an anchor into a
+  Markdown file must be one of its headings' GitHub anchors (:func:`anchors`).
 
 Paths under ``outputs/`` (written at run time) and other repositories' paths (which start with a
 folder this repository does not have, e.g. ``Megatron-LM/examples/...``) are not checked.
@@ -39,6 +40,26 @@ _RUN_MODULE = re.compile(r"python3? -m ([A-Za-z_][\w.]*)")
 _FROM_IMPORT = re.compile(r"\bfrom\s+([A-Za-z_][\w.]*)\s+import\s+(\([^)]*\)|[\w, \t]+)")
 _SKIP = ("<", "*", "{", "$", "...", " ", "…")
 _FILE_NAME = re.compile(r"\.(py|md|json|yaml|yml|png|sh|toml|txt|csv|pt)$")  # harts.json is a file name
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: rendered text (link targets, code ticks, emphasis dropped),
+    lowercased, characters other than letters, digits, ``_``, ``-`` and spaces removed, spaces → ``-``."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(md: Path) -> set[str]:
+    """Every heading anchor of ``md`` (a repeated heading gets ``-1``, ``-2``, … as on GitHub)."""
+    seen: dict[str, int] = {}
+    out = set()
+    body = _FENCE.sub("", md.read_text())
+    for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", body, re.M):
+        slug = _slug(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
 
 
 def doc_files() -> list[Path]:
@@ -141,12 +162,16 @@ def dangling() -> list[str]:
                 if why:
                     problems.append(f"{doc.relative_to(ROOT)}:{text.count(chr(10), 0, pos) + 1}: {ref}: {why}")
         for m in _LINK.finditer(body):
-            target = m.group(1).split("#")[0]
-            if not target or re.match(r"^\w+:", target):
+            target, _, anchor = m.group(1).partition("#")
+            if re.match(r"^\w+:", target):
                 continue
-            if not (doc.parent / target).exists():
-                line = text.count("\n", 0, m.start()) + 1
+            line = text.count("\n", 0, m.start()) + 1
+            path = (doc.parent / target) if target else doc
+            if not path.exists():
                 problems.append(f"{doc.relative_to(ROOT)}:{line}: link {m.group(1)}: no file {target}")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                problems.append(f"{doc.relative_to(ROOT)}:{line}: link {m.group(1)}: no heading with anchor "
+                                f"#{anchor} in {path.relative_to(ROOT)}")
     return problems
 
 

@@ -62,3 +62,15 @@ def test_the_reference_checker_reads_imports_from_our_packages():
                          ("from harts import grpo_groups", "harts has no attribute 'grpo_groups'"),
                          ("from harts.workload import grpo_groups", None)]
     assert not any("torch" in ref for ref, _ in found)
+
+
+def test_the_reference_checker_checks_anchors(tmp_path):
+    """A link's ``#anchor`` must be a heading of the target file, slugged as GitHub does (en dash,
+    parentheses, ``#``, commas and code ticks dropped; a repeated heading gets ``-1``)."""
+    refs = _script("check_doc_refs")
+    assert refs._slug("Model section at Qwen3-Next widths, 2026-12-02 03:58–04:05 UTC (issue #22, item 5)") == \
+        "model-section-at-qwen3-next-widths-2026-12-02-03580405-utc-issue-22-item-5"
+    assert refs._slug("harts (`bench/harts.py`), ρ = 0.75 [link](x.md)") == "harts-benchhartspy-ρ--075-link"
+    md = tmp_path / "a.md"
+    md.write_text("# Title\n\n## Runs\n\n```\n# not a heading\n```\n\n## Runs\n")
+    assert refs.anchors(md) == {"title", "runs", "runs-1"}
