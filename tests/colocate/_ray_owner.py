@@ -15,5 +15,5 @@ if __name__ == "__main__":
     sched = RayScheduler()
     w = sched.fork(WorkerSpec(role="rollout", command=[sys.executable, "-m", "tests.colocate._worker"],
                               health_timeout_s=60))
-    print(w.info["pid"], w.info["child"], w.probe()["pid"], flush=True)
+    print(w.info["pid"], w.info["child"], w.probe()["pid"], os.getpgid(w.info["pid"]), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
