@@ -180,9 +180,8 @@ def _measure(args, section: str, case: str, providers, build, rows: list) -> dic
         plan = built[provider][1]["plan"]
         if provider == "tree":
             tree_schedule = plan.schedule
-    for step, _ in built.values():
-        step()  # compile / autotune / first allocations, outside the timed rounds
-    times = time_interleaved({p: step for p, (step, _) in built.items()}, rounds=args.iters, warmup=0)
+    # the warm-up call of each (compile / autotune / first allocations) runs before the timed rounds
+    times = time_interleaved({p: step for p, (step, _) in built.items()}, rounds=args.iters, warmup=1)
     out = {}
     for provider in providers:
         if provider not in built:

@@ -228,21 +228,17 @@ def _patched(fn, patch):
 
 def run_sweep(case, ref, quick, iters=5):
     """Every variant timed in the same interleaved loop (min of ``iters``); errors vs ``ref`` from
-    one separate call each (the entropy-gradient variant's gradients differ by design: none)."""
+    each variant's warm-up call (none for the entropy-gradient variant: its gradients differ by design)."""
     from harts.lm_head import _triton_vocab_block
 
     variants = sweep_variants(quick)
     fns = {name: _patched(harts_fn(case, **kw), patch) for name, (kw, patch) in variants.items()}
-    res = measure(case, fns, iters)
+    res = measure(case, fns, iters, ref=ref)
     rows = []
     for name, (kw, _patch) in variants.items():
-        err_dw = err_dh = float("nan")
-        if not kw.get("entropy_requires_grad"):
-            fns[name]()
-            dw, dh = case.grads()
-            err_dw, err_dh = rel_err(dw, ref[0]), rel_err(dh, ref[1])
-            case.reset()
         r = res[name]
+        err_dw, err_dh = ((float("nan"), float("nan")) if kw.get("entropy_requires_grad")
+                          else (r["err_dW"], r["err_dh"]))
         block = None if kw.get("impl") == "torch" else _triton_vocab_block(case.t, case.v, kw.get("chunk_size", 1024),
                                                                             kw.get("vocab_block"))
         rows.append({"variant": name, "T": case.t, "vocab_block": block, "ms_min": min(r["samples"]),

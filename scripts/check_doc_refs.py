@@ -24,6 +24,7 @@ folder this repository does not have, e.g. ``Megatron-LM/examples/...``) are not
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import re
@@ -49,7 +50,8 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def anchors(md: Path) -> set[str]:
+@functools.lru_cache
+def anchors(md: Path) -> frozenset[str]:
     """Every heading anchor of ``md`` (a repeated heading gets ``-1``, ``-2``, … as on GitHub)."""
     seen: dict[str, int] = {}
     out = set()
@@ -59,7 +61,7 @@ def anchors(md: Path) -> set[str]:
         n = seen.get(slug, 0)
         seen[slug] = n + 1
         out.add(slug if n == 0 else f"{slug}-{n}")
-    return out
+    return frozenset(out)
 
 
 def doc_files() -> list[Path]:
