@@ -14,7 +14,12 @@ Sections:
   again: its row repeats ``tree``'s numbers (``same_as``).
 * ``model``: the hybrid GPT (pattern ``GGGA`` twice: Qwen3-Next's 3:1 interleave) fwd+bwd through
   :func:`harts.megatron.tree_forward` with the tree-aware chunked LM head; ``chain`` (THD packing as
-  a forest) vs ``tree`` / ``tree_level`` / ``tree_unaligned`` / ``tree_chainsched``.
+  a forest) vs ``tree`` / ``tree_level`` / ``tree_unaligned`` / ``tree_chainsched``, and
+  ``tree_eager``: ``tree`` with ``GdnTreeConfig(cuda_graphs=False)`` (every FLA round call eager).
+
+Every timed step gets new :class:`harts.gdn_graphs.RoundGraphs`, as a new microbatch would: the
+eager first call and the capture of each round and direction are part of every step (the plan
+itself is built once and timed apart).
 
 Workloads: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9} and a multi-turn
 caterpillar. Per row: time (every provider of a case in the same ``--iters`` interleaved rounds,
@@ -157,7 +162,7 @@ def _probe_backward(dev: str) -> bool:
 
 
 def _providers(dev):
-    p = list(MODEL_PROVIDERS)
+    p = list(LAYER_PROVIDERS)
     return (["thd_megatron"] + p) if dev == "cuda" else p
 
 
@@ -246,6 +251,7 @@ def bench_layer(args, dev, rows, bwd):
                 psp = make_gdn_tree_params(f, config=gdn, backend="varlen")
 
             def step():
+                _fresh_graphs(psp)
                 out = mixer(hidden, None, packed_seq_params=psp)[0]
                 if bwd:
                     out.float().square().mean().backward()
@@ -279,7 +285,8 @@ def build_forest_stats(seqs, dev):
     return f.compression, p.num_rounds, p.replay_tokens, pc.num_rounds, pc.export_tokens
 
 
-MODEL_PROVIDERS = ("chain", "tree", "tree_level", "tree_unaligned", "tree_chainsched")
+LAYER_PROVIDERS = ("chain", "tree", "tree_level", "tree_unaligned", "tree_chainsched")
+MODEL_PROVIDERS = LAYER_PROVIDERS + ("tree_eager",)
 _FORCED = {"tree_level": "level", "tree_unaligned": "level", "tree_chainsched": "chain"}
 
 
@@ -288,7 +295,15 @@ def _gdn_config(provider):
 
     if provider in _FORCED:
         return GdnTreeConfig(align=provider != "tree_unaligned", schedule=_FORCED[provider])
-    return GdnTreeConfig()
+    return GdnTreeConfig(cuda_graphs=provider != "tree_eager")
+
+
+def _fresh_graphs(params):
+    """New CUDA graphs for the step, as every microbatch builds (``params.gdn_graphs`` None: eager)."""
+    from harts.gdn_graphs import RoundGraphs
+
+    if getattr(params, "gdn_graphs", None) is not None:
+        params.gdn_graphs = RoundGraphs(params.gdn_plan)
 
 
 def _same_as_tree(provider: str, tree_schedule: str | None) -> bool:
@@ -316,6 +331,7 @@ def bench_model(args, dev, rows, bwd):
             params = make_gdn_tree_params(f, config=gdn, backend=backend)
 
             def step():
+                _fresh_graphs(params)
                 model.zero_grad(set_to_none=True)
                 with torch.set_grad_enabled(bwd):
                     out = tree_forward(model, f, params=params)
@@ -332,8 +348,8 @@ def bench_model(args, dev, rows, bwd):
         ms = {p: r["ms_min"] for p, r in got.items()}
         table.append({"case": case, "C": c, "schedule": got["tree"]["schedule"], "chain_ms": ms["chain"],
                       "tree_ms": ms["tree"], "level_ms": ms["tree_level"], "unal_ms": ms["tree_unaligned"],
-                      "chsched_ms": ms["tree_chainsched"], "tree_x": ms["chain"] / ms["tree"],
-                      "tree_x/C": ms["chain"] / ms["tree"] / c, "chain_MiB": got["chain"]["peak_bytes"] / 2**20,
+                      "chsched_ms": ms["tree_chainsched"], "eager_ms": ms["tree_eager"],
+                      "tree_x": ms["chain"] / ms["tree"], "tree_x/C": ms["chain"] / ms["tree"] / c, "chain_MiB": got["chain"]["peak_bytes"] / 2**20,
                       "tree_MiB": got["tree"]["peak_bytes"] / 2**20, "tree_plan_ms": got["tree"]["plan_ms"],
                       "chain_kern_ms": got["chain"]["kernel_ms"], "tree_kern_ms": got["tree"]["kernel_ms"],
                       "tree_kern_x": got["chain"]["kernel_ms"] / got["tree"]["kernel_ms"],

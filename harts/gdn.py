@@ -81,6 +81,11 @@ class GdnTreeConfig:
     one more FLA call per GDN layer, forward and backward, and on an H200 host each costs about as
     much host time as the GPU spends on a 16k-token round, so rounds, not recomputed tokens, set
     the wall clock (a 9-round caterpillar: 314 ms level vs 158 ms chain, docs/harts_gdn.md)."""
+    cuda_graphs: bool = True
+    """FLA backend: capture each round's FLA call (forward and backward) in a CUDA graph at its second
+    use in a microbatch and replay it for the remaining GDN layers (:mod:`harts.gdn_graphs`; bitwise
+    equal results; FLA's host cost per call is paid about twice per round and direction instead of
+    once per layer). No effect on the torch backend."""
 
     def __post_init__(self) -> None:
         validate_fields(self, error=GdnConfigError, type_error=HartsConfigTypeError)
@@ -550,9 +555,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, cu_cpu: torch.Tensor, h0: torch.Tensor, scale: float,
-               chunk_size: int, backend: str, chunk_indices: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk_size: int, backend: str, chunk_indices: torch.Tensor | None = None, graphs=None,
+               index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One varlen call: packed ``[n, ...]`` inputs, ``h0 [N, HV, K, V]`` → ``o [n, HV, V]``, ``ht [N, ...]``."""
+    if backend == "fla" and graphs is not None and not torch.is_autocast_enabled(q.device.type):
+        from harts.gdn_graphs import fla_round
+
+        o, ht = fla_round(q[None], k[None], v[None], g[None], beta[None], h0, graphs=graphs, index=index,
+                          scale=scale, chunk_size=chunk_size)
+        return o[0], ht
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -576,13 +587,15 @@ def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, cu_cpu: torch.Tensor, h0: 
 
 def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           *, plan: GdnPlan, scale: float | None = None, backend: str = "auto",
-                          state_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          state_dtype: torch.dtype = torch.float32, graphs=None) -> torch.Tensor:
     """Gated delta rule over the forest of ``plan``: ``q, k [T, H, K]``, ``v [T, HV, V]``,
     ``g, beta [T, HV]`` (g in log space) → ``o [T, HV, V]``.
 
     Each round gathers its rows (replayed ancestors included), starts every piece from its
     source piece's final state (zeros at roots), runs one varlen call and keeps the non-replayed
     outputs; the kept outputs of all rounds are permuted back to compact order.
+    ``graphs``: the microbatch's :class:`harts.gdn_graphs.RoundGraphs` (built for ``plan``); FLA
+    rounds are then captured once and replayed by the other layers.
     """
     t = plan.num_nodes
     if q.dim() != 3 or k.shape != q.shape:
@@ -595,6 +608,8 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         raise GdnShapeError(f"inputs have T={q.shape[0]} rows but the plan was built for T={t}")
     if state_dtype not in (torch.float32, torch.float64):
         raise GdnConfigError(f"state_dtype must be torch.float32 (or float64 for fp64 tests), got {state_dtype}")
+    if graphs is not None and getattr(graphs, "plan", None) is not plan:
+        raise GdnConfigError("graphs were built for another plan: create one RoundGraphs(plan) per microbatch")
     backend = resolve_backend(backend, q.device)
     if state_dtype == torch.float64 and (backend != "torch" or q.dtype != torch.float64):
         raise GdnConfigError(f"state_dtype=float64 needs backend 'torch' and fp64 inputs, got {backend!r}, {q.dtype}")
@@ -604,7 +619,7 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
     scale = kd ** -0.5 if scale is None else scale
     states, kept = [], []
-    for rd in plan.rounds:
+    for index, rd in enumerate(plan.rounds):
         n_pieces = rd.cu_seqlens.numel() - 1
         h0 = q.new_zeros(n_pieces, hv, kd, vd, dtype=state_dtype)
         for sr, si, di in rd.init_sources:
@@ -612,11 +627,11 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         if plan.identity:  # one round over all rows in order, nothing replayed (e.g. a chain forest)
             return _run_round(q, k, v, g, beta, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
                               chunk_indices=rd.chunk_indices,
-                              chunk_size=plan.chunk_size, backend=backend)[0]
+                              chunk_size=plan.chunk_size, backend=backend, graphs=graphs, index=index)[0]
         gather = [x.index_select(0, rd.rows) for x in (q, k, v, g, beta)]
         o, ht = _run_round(*gather, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
                            chunk_indices=rd.chunk_indices,
-                           chunk_size=plan.chunk_size, backend=backend)
+                           chunk_size=plan.chunk_size, backend=backend, graphs=graphs, index=index)
         states.append(ht.to(state_dtype))
         kept.append(o.index_select(0, rd.keep))
     return torch.cat(kept).index_select(0, plan.inverse)

@@ -44,6 +44,7 @@ from harts.gdn import (
     tree_causal_conv1d_fla,
     tree_gated_delta_rule,
 )
+from harts.gdn_graphs import RoundGraphs
 from harts.gdn_reference import (
     causal_conv1d_reference,
     l2norm_reference,
@@ -65,6 +66,9 @@ class GdnTreeParams(TreePackedSeqParams):
     """Recurrence kernel, see :class:`harts.gdn.GdnTreeConfig`."""
     gdn_state_dtype: torch.dtype = torch.float32
     """Dtype of handed-off states."""
+    gdn_graphs: RoundGraphs | None = None
+    """CUDA graphs of the plan's FLA rounds, shared by the microbatch's GDN layers (``None``: eager);
+    see :class:`harts.gdn_graphs.RoundGraphs`. One per microbatch: never share across plans."""
 
 
 def make_gdn_tree_params(forest: Forest, *, config: GdnTreeConfig | None = None, backend: str = "flex",
@@ -76,7 +80,8 @@ def make_gdn_tree_params(forest: Forest, *, config: GdnTreeConfig | None = None,
                           schedule=config.schedule)
     kw = {f.name: getattr(base, f.name) for f in fields(base)}
     return GdnTreeParams(**kw, gdn_plan=plan, gdn_backend=config.backend,
-                         gdn_state_dtype=getattr(torch, config.state_dtype))
+                         gdn_state_dtype=getattr(torch, config.state_dtype),
+                         gdn_graphs=RoundGraphs(plan) if config.cuda_graphs else None)
 
 
 def _plain_prepare(mod: GatedDeltaNet, qkv, gate, batch, seq_len, beta, alpha):
@@ -171,7 +176,8 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         g, beta = g_beta(self.A_log, self.dt_bias, alpha, beta)
         if psp is not None:
             o = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], plan=psp.gdn_plan,
-                                      backend=backend, state_dtype=psp.gdn_state_dtype)[None]
+                                      backend=backend, state_dtype=psp.gdn_state_dtype,
+                                      graphs=psp.gdn_graphs)[None]
         else:
             o, _ = recurrent_gated_delta_rule_reference(query, key, value, g, beta)
             o = o.to(value.dtype)

@@ -1,5 +1,5 @@
 """``bench.harts_gdn`` stays runnable on CPU: the ``--quick`` model section writes a row per
-provider with the host-side columns, the default ``tree`` reports the schedule ``auto`` chose and a
+provider (``tree_eager``: CUDA graphs off) with the host-side columns, the default ``tree`` reports the schedule ``auto`` chose and a
 forced schedule equal to it repeats its row; the Qwen3-Next widths build a hybrid model that runs
 the tree path (one GDN and one attention layer, small vocabulary, CPU)."""
 
@@ -29,7 +29,7 @@ def test_gdn_bench_quick_model_rows(tmp_path):
     rows = json.loads((tmp_path / "harts_gdn.json").read_text())["rows"]
     for case in ("rho=0.0", "rho=0.75"):
         got = {r["provider"]: r for r in rows if r["case"] == case}
-        assert set(got) == {"chain", "tree", "tree_level", "tree_unaligned", "tree_chainsched"}
+        assert set(got) == {"chain", "tree", "tree_level", "tree_unaligned", "tree_chainsched", "tree_eager"}
         tree = got["tree"]
         assert tree["schedule"] in ("level", "chain") and "same_as" not in tree
         forced = "tree_level" if tree["schedule"] == "level" else "tree_chainsched"

@@ -282,6 +282,54 @@ def test_config_is_a_hydra_structured_config():
         OmegaConf.to_object(OmegaConf.merge(cfg, {"chunk_size": 48}))
 
 
+def test_round_graphs_belong_to_one_plan_and_stay_idle_off_fla():
+    """``RoundGraphs`` is built for one plan (another plan is a typed error); on the torch backend it is
+    never used (no eager/capture/replay counted) and results equal a run without it."""
+    from harts.gdn_graphs import RoundGraphs, fla_round
+    from harts.gdn_megatron import make_gdn_tree_params
+
+    f = build_forest([[1, 2, 3], [1, 2, 4]])
+    plan, other = build_gdn_plan(f, chunk_size=C), build_gdn_plan(f, chunk_size=C)
+    q, k, v, g, beta = _inputs(f.num_nodes)
+    graphs = RoundGraphs(plan)
+    with pytest.raises(GdnConfigError, match="graphs were built for another plan"):
+        tree_gated_delta_rule(q, k, v, g, beta, plan=other, state_dtype=torch.float64, graphs=graphs)
+    out = tree_gated_delta_rule(q, k, v, g, beta, plan=plan, state_dtype=torch.float64, graphs=graphs)
+    assert torch.equal(out, tree_gated_delta_rule(q, k, v, g, beta, plan=plan, state_dtype=torch.float64))
+    assert graphs.counts == {"eager": 0, "captured": 0, "replayed": 0}
+    n = plan.num_rounds
+    with pytest.raises(GdnConfigError, match=f"round index {n} is outside the plan's {n} rounds"):
+        fla_round(q[None], k[None], v[None], g[None], beta[None], q.new_zeros(1, 4, 4, 4), graphs=graphs, index=n,
+                  scale=1.0, chunk_size=C)
+    assert isinstance(make_gdn_tree_params(f, backend="dense").gdn_graphs, RoundGraphs)
+    assert make_gdn_tree_params(f, config=GdnTreeConfig(cuda_graphs=False), backend="dense").gdn_graphs is None
+
+
+def test_graphed_call_runs_eagerly_when_capture_fails():
+    """The capture policy: call 1 eager; call 2 tries a capture, and a failure (here: no CUDA) warns once
+    and keeps the call eager for good, with the eager results."""
+    from harts.gdn_graphs import _GraphedCall
+
+    seen = []
+
+    def fn(x, y):
+        seen.append(1)
+        return (x + y, x * y)
+
+    call = _GraphedCall(fn, None, "round 0 forward")
+    a, b = torch.arange(3.0), torch.full((3,), 2.0)
+    assert all(torch.equal(u, w) for u, w in zip(call(a, b), (a + b, a * b)))
+    with pytest.warns(RuntimeWarning, match="capturing FLA's round 0 forward in a CUDA graph failed"):
+        call(a, b)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = call(a, b)
+    assert torch.equal(out[1], a * b) and len(seen) == 3
+    assert call.counts == {"eager": 3, "captured": 0, "replayed": 0}
+
+
 def test_bad_input_raises_typed_errors():
     with pytest.raises(GdnConfigError, match="chunk_size must be one of .* got 48"):
         GdnTreeConfig(chunk_size=48)

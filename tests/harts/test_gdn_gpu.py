@@ -218,3 +218,92 @@ def test_hybrid_model_tree_vs_sequence_fp32(cpu_megatron, attn_backend):
     with _needs_tilelang():
         hybrid_exactness(seqs, pattern="GAG", dtype=torch.float32, device="cuda", attn_backend=attn_backend,
                          gdn=GdnTreeConfig(chunk_size=64), tol=2e-2, forest=forest)  # Megatron: FLA C = 64
+
+
+def _layer_inputs(t, layers, dtype):
+    """Independent ``(q, k, v, g, beta)`` per "layer" (H = 2 query/key heads, HV = 4 value heads)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    out = []
+    for _ in range(layers):
+        q = torch.randn(t, 2, 64, device="cuda", generator=g)
+        k = F.normalize(torch.randn(t, 2, 64, device="cuda", generator=g), dim=-1)
+        out.append((q.repeat_interleave(2, 1).to(dtype), k.repeat_interleave(2, 1).to(dtype),
+                    torch.randn(t, 4, 64, device="cuda", generator=g).to(dtype),
+                    F.logsigmoid(torch.randn(t, 4, device="cuda", generator=g) + 3),
+                    torch.rand(t, 4, device="cuda", generator=g).to(dtype)))
+    return out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("schedule", ["level", "chain"])
+@pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
+def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
+    """Four "layers" share one plan: with :class:`RoundGraphs` the first call of every round and
+    direction runs eagerly, the second is captured, the rest replay. Outputs and every gradient must
+    be bitwise those of FLA's public ``chunk_gated_delta_rule`` (no graphs), and the counts must show
+    the captures and replays happened."""
+    from harts.gdn_graphs import RoundGraphs
+
+    f = build_forest(_forests()[kind], device="cuda")
+    plan = build_gdn_plan(f, chunk_size=64, align=True, schedule=schedule)
+    layers = 4
+    base = _layer_inputs(f.num_nodes, layers, dtype)
+    wt = torch.randn(f.num_nodes, 4, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+
+    def run(graphs):
+        leaves = [[x.clone().requires_grad_(True) for x in layer] for layer in base]
+        outs = [tree_gated_delta_rule(*xs, plan=plan, backend="fla", graphs=graphs) for xs in leaves]
+        loss = sum(((o.float() * wt) * (i + 1)).sum() for i, o in enumerate(outs))
+        with _needs_tilelang():
+            loss.backward()
+        return outs, [[x.grad for x in xs] for xs in leaves]
+
+    ref_o, ref_g = run(None)
+    graphs = RoundGraphs(plan)
+    got_o, got_g = run(graphs)
+    r = plan.num_rounds
+    assert graphs.counts == {"eager": 2 * r, "captured": 2 * r, "replayed": 2 * r * (layers - 1)}, graphs.counts
+    for i in range(layers):
+        assert torch.equal(ref_o[i], got_o[i]), f"layer {i} output differs"
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g[i], got_g[i]):
+            assert torch.equal(a, b), f"layer {i} {name} differs (max {(a - b).abs().max().item():.3e})"
+    # FLA's identity-keyed index memo saw no tensor of a graph's pool: the public path still agrees
+    again_o, again_g = run(None)
+    assert all(torch.equal(a, b) for a, b in zip(ref_o, again_o))
+    assert all(torch.equal(a, b) for xs, ys in zip(ref_g, again_g) for a, b in zip(xs, ys))
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_model_graphs_bitwise_equal_eager(cpu_megatron):
+    """The hybrid GPT (GDN layers ``GGAG``) through ``tree_forward``: ``cuda_graphs=True`` (default)
+    vs ``False`` give bitwise equal log-probs, entropies and parameter gradients, twice in a row
+    (a second microbatch builds fresh graphs)."""
+    from harts.gdn_megatron import make_gdn_tree_params
+    from harts.loss import sequence_entropy, sequence_logprobs
+    from harts.megatron import tree_forward
+    from mcore_distill.testing import seed_all
+    from tests.harts.test_gdn import GDN_CASES, VOCAB, build_hybrid
+
+    seed_all(0)
+    model = build_hybrid("GGAG", dtype=torch.bfloat16, device="cuda")
+    forest = build_forest([s for c in GDN_CASES for s in c.values[0]], vocab_size=VOCAB, device="cuda")
+
+    def step(graphs):
+        model.zero_grad(set_to_none=True)
+        params = make_gdn_tree_params(forest, config=GdnTreeConfig(cuda_graphs=graphs), backend="dense")
+        out = tree_forward(model, forest, params=params)
+        lp, ent = sequence_logprobs(out.logp, forest), sequence_entropy(out.entropy, forest)
+        with _needs_tilelang():
+            (-lp.mean() - 0.01 * ent.mean()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return lp.detach(), ent.detach(), grads, params.gdn_graphs
+
+    ref = step(False)
+    for _ in range(2):
+        got = step(True)
+        assert got[3].counts["replayed"] > 0, got[3].counts
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+        assert ref[2].keys() == got[2].keys()
+        for n in ref[2]:
+            assert torch.equal(ref[2][n], got[2][n]), f"grad {n} differs"
