@@ -208,7 +208,8 @@ def _measure(args, section: str, case: str, providers, build, rows: list) -> dic
                "schedule": plan.schedule if plan else None, "replay_tokens": plan.replay_tokens if plan else 0,
                "export_tokens": plan.export_tokens if plan else 0,
                "pieces": plan.num_pieces if plan else f.num_seqs,
-               "tokens_per_s": f.total_tokens / (tm["min"] / 1e3), **_host_fields(prof, host)}
+               "tokens_per_s": f.total_tokens / (tm["min"] / 1e3), **_host_fields(prof, host),
+               "graph_counts": info.get("graph_counts", dict)()}
         out[provider] = row
         rows.append(row)
         print(f"[{section}] {case} {provider}: {tm['min']:.2f} ms min of {tm['n']} interleaved (p50 {tm['p50']:.2f}; "
@@ -340,12 +341,16 @@ def bench_model(args, dev, rows, bwd):
                 if bwd:
                     loss.backward()
 
-            return step, {"forest": f, "plan": params.gdn_plan, "plan_ms": plan_ms, "mode": "fwd+bwd" if bwd else "fwd"}
+            def graph_counts():  # of the last step: eager / captured / replayed FLA round calls
+                return params.gdn_graphs.counts if params.gdn_graphs is not None else {}
 
-        got = _measure(args, "model", case, MODEL_PROVIDERS, build, rows)
+            return step, {"forest": f, "plan": params.gdn_plan, "plan_ms": plan_ms, "mode": "fwd+bwd" if bwd else "fwd",
+                          "graph_counts": graph_counts}
+
+        got = _measure(args, "model", case, args.providers, build, rows)
         _checkpoint(args, rows, bwd)
         c = build_forest_stats(seqs, dev)[0]
-        ms = {p: r["ms_min"] for p, r in got.items()}
+        ms = {p: got[p]["ms_min"] if p in got else float("nan") for p in MODEL_PROVIDERS}
         table.append({"case": case, "C": c, "schedule": got["tree"]["schedule"], "chain_ms": ms["chain"],
                       "tree_ms": ms["tree"], "level_ms": ms["tree_level"], "unal_ms": ms["tree_unaligned"],
                       "chsched_ms": ms["tree_chainsched"], "eager_ms": ms["tree_eager"],
@@ -385,6 +390,8 @@ def main():
                     help="interleaved timing rounds per case (default 5; quick 1); tables report the minimum")
     ap.add_argument("--sections", default="layer,model")
     ap.add_argument("--cases", default="", help="comma-separated subset of the workloads (default: all)")
+    ap.add_argument("--providers", default=",".join(MODEL_PROVIDERS),
+                    help="model section: comma-separated subset of the providers (chain and tree always run)")
     ap.add_argument("--backend", default=None, choices=["varlen", "flex", "dense"],
                     help="attention layers of the hybrid model (default: varlen on CUDA, no compilation; dense on CPU)")
     ap.add_argument("--widths", choices=sorted(WIDTHS), default="small",
@@ -395,6 +402,11 @@ def main():
     args = ap.parse_args()
     args.iters = args.iters or (1 if args.quick else 5)
     args.cases = [c for c in args.cases.split(",") if c]
+    extra = [p for p in args.providers.split(",") if p and p not in ("chain", "tree")]
+    bad = sorted(set(extra) - set(MODEL_PROVIDERS))
+    if bad:
+        ap.error(f"--providers: unknown {bad}; choose from {list(MODEL_PROVIDERS)}")
+    args.providers = ["chain", "tree"] + [p for p in MODEL_PROVIDERS if p in extra]
     args.t0, args.skipped = time.monotonic(), []
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     _setup()

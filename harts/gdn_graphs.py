@@ -17,9 +17,13 @@ called directly, past FLA's backend dispatch and input guard (the same kernels t
 ``chunk_gated_delta_rule`` runs without a FlashQLA install). A replay runs the captured kernels with
 the configurations of the eager call: results are bitwise those of eager execution (GPU test).
 
-Memory: the graphs of a microbatch share one private pool that holds one call's intermediates
-(chunk states ``h``, ``v_new``, ``dh``, …) until the :class:`RoundGraphs` is dropped with the
-microbatch's parameters, plus static copies of one call's inputs per graph.
+Memory: the graphs of a microbatch share one ``torch.cuda.MemPool`` that holds their
+intermediates (chunk states ``h``, ``v_new``, ``dh``, …) and outputs, plus static copies of one
+call's inputs per graph, until the :class:`RoundGraphs` is dropped with the microbatch's
+parameters. A pool that outlives the microbatch (``TreeGatedDeltaNet`` passes the one its layer
+keeps) hands those blocks to the next microbatch's captures: without it every microbatch
+allocates its graphs' memory with ``cudaMalloc`` afresh (measured 31 calls, 5.6 ms of host time
+per step at Qwen3-Next widths) and frees it with ``cudaFree``, which waits for the device.
 """
 
 from __future__ import annotations
@@ -132,20 +136,21 @@ class RoundGraphs:
     with the microbatch: it keeps the graphs, their memory pool and the plan alive.
     """
 
-    def __init__(self, plan):
+    def __init__(self, plan, *, pool: torch.cuda.MemPool | None = None):
         self.plan = plan
-        self._pool = None
+        self.pool = pool
+        """Memory pool of the captures (set before the first capture; ``None``: a new one then)."""
         self._calls: dict[tuple, _GraphedCall] = {}
 
     def _call(self, index: int, direction: str, scale: float, chunk_size: int) -> _GraphedCall:
         key = (index, direction, scale, chunk_size)
         if key not in self._calls:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            if self.pool is None:
+                self.pool = torch.cuda.MemPool()
             rd = self.plan.rounds[index]
             fn = functools.partial(_fla_fwd if direction == "forward" else _fla_bwd, cu=rd.cu_seqlens,
                                    chunk_indices=rd.chunk_indices, scale=scale, chunk_size=chunk_size)
-            self._calls[key] = _GraphedCall(fn, self._pool, f"round {index} {direction}")
+            self._calls[key] = _GraphedCall(fn, self.pool.id, f"round {index} {direction}")
         return self._calls[key]
 
     @property

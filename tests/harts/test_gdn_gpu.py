@@ -323,6 +323,8 @@ def test_hybrid_model_graphs_bitwise_equal_eager(cpu_megatron):
         gots = [step(True) for _ in range(2)]
     assert torch.equal(ref[0], again[0]) and all(torch.equal(ref[2][n], again[2][n]) for n in ref[2]), \
         "the eager reference is not bitwise reproducible"
+    # the first GDN layer's pool serves both microbatches' captures
+    assert gots[0][3].pool is gots[1][3].pool is model.decoder.layers[0].self_attention._harts_graphs_pool
     for got in gots:
         assert got[3].counts["replayed"] > 0, got[3].counts
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
