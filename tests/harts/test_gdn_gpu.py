@@ -297,7 +297,8 @@ def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
 def test_hybrid_model_graphs_bitwise_equal_eager(cpu_megatron):
     """The hybrid GPT (GDN layers ``GGAG``) through ``tree_forward``: ``cuda_graphs=True`` (default)
     vs ``False`` give bitwise equal log-probs, entropies and parameter gradients, twice in a row
-    (a second microbatch builds fresh graphs); torch's deterministic mode, reference reproduced first."""
+    (each microbatch builds fresh graphs in the first GDN layer's pool, which must not grow after the
+    first); torch's deterministic mode, reference reproduced first."""
     from harts.gdn_megatron import make_gdn_tree_params
     from harts.loss import sequence_entropy, sequence_logprobs
     from harts.megatron import tree_forward
@@ -316,17 +317,23 @@ def test_hybrid_model_graphs_bitwise_equal_eager(cpu_megatron):
         with _needs_tilelang():
             (-lp.mean() - 0.01 * ent.mean()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return lp.detach(), ent.detach(), grads, params.gdn_graphs
+        rg = params.gdn_graphs  # not returned: a microbatch's graphs die with it, as in training
+        return lp.detach(), ent.detach(), grads, (rg.counts, rg.pool) if rg is not None else None
 
     with _deterministic():
         ref, again = step(False), step(False)
-        gots = [step(True) for _ in range(2)]
+        gots, pool_bytes = [], []
+        for _ in range(3):
+            gots.append(step(True))
+            pool_bytes.append(sum(s["total_size"] for s in gots[-1][3][1].snapshot(include_traces=False)))
+    # later microbatches reuse the pool's blocks: it does not grow after the first one
+    assert pool_bytes[1] == pool_bytes[0] and pool_bytes[2] == pool_bytes[0], pool_bytes
     assert torch.equal(ref[0], again[0]) and all(torch.equal(ref[2][n], again[2][n]) for n in ref[2]), \
         "the eager reference is not bitwise reproducible"
-    # the first GDN layer's pool serves both microbatches' captures
-    assert gots[0][3].pool is gots[1][3].pool is model.decoder.layers[0].self_attention._harts_graphs_pool
+    # the first GDN layer's pool serves every microbatch's captures
+    assert gots[0][3][1] is gots[2][3][1] is model.decoder.layers[0].self_attention._harts_graphs_pool
     for got in gots:
-        assert got[3].counts["replayed"] > 0, got[3].counts
+        assert got[3][0]["replayed"] > 0, got[3][0]
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
         assert ref[2].keys() == got[2].keys()
         for n in ref[2]:
