@@ -34,6 +34,9 @@ fi
 # there). FLA's kernels then compile only their chosen configuration instead of timing every one.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
+# scripts/gpu-autotune.tar.gz (tracked, ~20 KB) holds the last exported set, so a fresh checkout on a
+# new machine does not re-tune; a carried .autotune/ (newer) is copied over it.
+[ -f scripts/gpu-autotune.tar.gz ] && tar -xzf scripts/gpu-autotune.tar.gz -C "$TRITON_CACHE_DIR"
 [ -d .autotune ] && cp -r .autotune/. "$TRITON_CACHE_DIR"/
 "$PY" - <<'PY' | tee "$WORK/versions.txt"
 import torch, importlib
