@@ -145,9 +145,10 @@ class RoundGraphs:
     def _call(self, index: int, direction: str, scale: float, chunk_size: int) -> _GraphedCall:
         key = (index, direction, scale, chunk_size)
         if key not in self._calls:
-            if self.pool is None:
-                self.pool = torch.cuda.MemPool()
             rd = self.plan.rounds[index]
+            if self.pool is None:
+                with torch.cuda.device(rd.cu_seqlens.device):
+                    self.pool = torch.cuda.MemPool()
             fn = functools.partial(_fla_fwd if direction == "forward" else _fla_bwd, cu=rd.cu_seqlens,
                                    chunk_indices=rd.chunk_indices, scale=scale, chunk_size=chunk_size)
             self._calls[key] = _GraphedCall(fn, self.pool.id, f"round {index} {direction}")

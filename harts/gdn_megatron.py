@@ -133,13 +133,14 @@ class TreeGatedDeltaNet(GatedDeltaNet):
                                    sequence_len_offset, inference_params=inference_params, **kwargs)
         return self._mix(hidden_states, None)
 
-    def _graphs_pool(self) -> torch.cuda.MemPool:
+    def _graphs_pool(self, device: torch.device) -> torch.cuda.MemPool:
         """Memory pool for the FLA round graphs of the microbatches this layer is the first GDN layer
         of: kept across microbatches, so each one's captures reuse the blocks of the one before
         (:mod:`harts.gdn_graphs`); it keeps the largest microbatch's graph memory reserved."""
         pool = getattr(self, "_harts_graphs_pool", None)
         if pool is None:
-            pool = self._harts_graphs_pool = torch.cuda.MemPool()
+            with torch.cuda.device(device):
+                pool = self._harts_graphs_pool = torch.cuda.MemPool()
         return pool
 
     # -- shared body ---------------------------------------------------------------------------
@@ -185,7 +186,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         g, beta = g_beta(self.A_log, self.dt_bias, alpha, beta)
         if psp is not None:
             if psp.gdn_graphs is not None and psp.gdn_graphs.pool is None and qkv.is_cuda:
-                psp.gdn_graphs.pool = self._graphs_pool()
+                psp.gdn_graphs.pool = self._graphs_pool(qkv.device)
             o = tree_gated_delta_rule(query[0], key[0], value[0], g[0], beta[0], plan=psp.gdn_plan,
                                       backend=backend, state_dtype=psp.gdn_state_dtype,
                                       graphs=psp.gdn_graphs)[None]
