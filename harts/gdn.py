@@ -608,7 +608,7 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         raise GdnShapeError(f"inputs have T={q.shape[0]} rows but the plan was built for T={t}")
     if state_dtype not in (torch.float32, torch.float64):
         raise GdnConfigError(f"state_dtype must be torch.float32 (or float64 for fp64 tests), got {state_dtype}")
-    if graphs is not None and getattr(graphs, "plan", None) is not plan:
+    if graphs is not None and graphs.plan is not plan:
         raise GdnConfigError("graphs were built for another plan: create one RoundGraphs(plan) per microbatch")
     backend = resolve_backend(backend, q.device)
     if state_dtype == torch.float64 and (backend != "torch" or q.dtype != torch.float64):

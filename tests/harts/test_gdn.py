@@ -5,6 +5,8 @@ every parameter gradient in fp64."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -321,8 +323,6 @@ def test_graphed_call_runs_eagerly_when_capture_fails():
     assert all(torch.equal(u, w) for u, w in zip(call(a, b), (a + b, a * b)))
     with pytest.warns(RuntimeWarning, match="capturing FLA's round 0 forward in a CUDA graph failed"):
         call(a, b)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = call(a, b)
