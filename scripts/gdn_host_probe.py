@@ -1,0 +1,104 @@
+"""Where the host spends the hybrid model's tree step (GPU diagnostic for issue #22 item 5).
+
+Builds ``bench.harts_gdn``'s Qwen3-Next-width hybrid GPT (``GGGA`` × 2) on the ρ = 0.75 GRPO group and
+runs the ``tree`` step with CUDA graphs on and off. Forward hooks time each module's forward on the host
+(no device synchronization inside the step), and the GDN layer's own pieces (tree convolution, input
+preparation, g/β, the tree recurrence, the gated norm, the graphed FLA round calls and their captures)
+are timed by wrapping them. Prints, per setting, the forward / backward issue time and wall time of 5
+steps (after 3 warm-up steps) and the host milliseconds per step of the 45 largest items.
+
+Run on the GPU box with the lane's environment (carried wheels on ``PYTHONPATH``, tilelang for FLA's
+GDN backward; docs/gpu-lane.md)::
+
+    python3 scripts/gdn_host_probe.py
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    sys.argv = sys.argv[:1]
+    from bench import harts_gdn as hg
+    from harts import gdn_graphs, gdn_megatron
+    from harts.forest import build_forest
+    from harts.gdn import GdnTreeConfig
+    from harts.loss import sequence_entropy, sequence_logprobs
+    from harts.megatron import tree_forward
+
+    if not torch.cuda.is_available():
+        raise SystemExit("error: scripts/gdn_host_probe.py needs a CUDA device")
+    hg._setup()
+    model, cfg = hg._model(False, "cuda", "GGGA" * 2, "qwen3-next")
+    seqs = dict(hg._workloads(False, cfg.vocab_size))["rho=0.75"]
+    acc: dict[str, float] = collections.defaultdict(float)
+    cnt: dict[str, int] = collections.defaultdict(int)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] += time.perf_counter() - t
+                cnt[name] += 1
+        return wrapper
+
+    starts: dict[str, float] = {}
+    for name, m in model.named_modules():
+        if not name or name.count(".") > 4:
+            continue
+
+        def pre(mod, args, name=name):
+            starts[name] = time.perf_counter()
+
+        def post(mod, args, out, name=name):
+            acc["fwd " + name] += time.perf_counter() - starts[name]
+            cnt["fwd " + name] += 1
+
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+    for fname in ("tree_causal_conv1d_fla", "tree_gated_delta_rule"):
+        setattr(gdn_megatron, fname, timed("fn " + fname, getattr(gdn_megatron, fname)))
+    cls = gdn_megatron.TreeGatedDeltaNet
+    for meth in ("_prepare_input_for_gated_delta_rule", "_compute_g_and_beta", "_apply_gated_norm"):
+        setattr(cls, meth, timed("fn " + meth, getattr(cls, meth)))
+    gdn_graphs._GraphedCall.__call__ = timed("fn graphed round call", gdn_graphs._GraphedCall.__call__)
+    gdn_graphs._GraphedCall._capture = timed("fn round capture", gdn_graphs._GraphedCall._capture)
+
+    for cuda_graphs in (True, False):
+        f = build_forest(seqs, device="cuda")
+        params = gdn_megatron.make_gdn_tree_params(f, config=GdnTreeConfig(cuda_graphs=cuda_graphs), backend="varlen")
+
+        def step(f=f, params=params):
+            hg._fresh_graphs(params)
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            out = tree_forward(model, f, params=params)
+            loss = -sequence_logprobs(out.logp, f).mean() - 0.01 * sequence_entropy(out.entropy, f).mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t0) * 1e3
+
+        for _ in range(3):
+            step()
+        acc.clear()
+        cnt.clear()
+        steps = [step() for _ in range(5)]
+        print(f"\n== cuda_graphs={cuda_graphs}: forward issue / backward issue / wall ms per step")
+        for s in steps:
+            print("   " + " ".join(f"{x:.2f}" for x in s))
+        print("  host ms per step (module forwards and wrapped functions), calls per step:")
+        for k, v in sorted(acc.items(), key=lambda kv: -kv[1])[:45]:
+            print(f"   {v * 1e3 / len(steps):8.3f}  x{cnt[k] // len(steps):<4} {k}")
+
+
+if __name__ == "__main__":
+    main()
