@@ -307,6 +307,13 @@ def _fresh_graphs(params):
         params.gdn_graphs = RoundGraphs(params.gdn_plan)
 
 
+def step_loss(out, f):
+    """The timed step's loss: mean negative sequence log-prob minus 0.01 × mean sequence entropy."""
+    from harts.loss import sequence_entropy, sequence_logprobs
+
+    return -sequence_logprobs(out.logp, f).mean() - 0.01 * sequence_entropy(out.entropy, f).mean()
+
+
 def _same_as_tree(provider: str, tree_schedule: str | None) -> bool:
     """A forced, aligned schedule equal to the one the default ``tree`` provider chose."""
     return provider in ("tree_level", "tree_chainsched") and _FORCED[provider] == tree_schedule
@@ -314,7 +321,6 @@ def _same_as_tree(provider: str, tree_schedule: str | None) -> bool:
 
 def bench_model(args, dev, rows, bwd):
     from harts.gdn_megatron import make_gdn_tree_params
-    from harts.loss import sequence_entropy, sequence_logprobs
     from harts.megatron import tree_forward
 
     model, cfg = _model(args.quick, dev, "GGGA" * (1 if args.quick else 2), args.widths)
@@ -336,8 +342,7 @@ def bench_model(args, dev, rows, bwd):
                 model.zero_grad(set_to_none=True)
                 with torch.set_grad_enabled(bwd):
                     out = tree_forward(model, f, params=params)
-                    lp = sequence_logprobs(out.logp, f)
-                    loss = -lp.mean() - 0.01 * sequence_entropy(out.entropy, f).mean()
+                    loss = step_loss(out, f)
                 if bwd:
                     loss.backward()
 

@@ -28,7 +28,6 @@ def main() -> None:
     from harts import gdn_graphs, gdn_megatron
     from harts.forest import build_forest
     from harts.gdn import GdnTreeConfig
-    from harts.loss import sequence_entropy, sequence_logprobs
     from harts.megatron import tree_forward
 
     if not torch.cuda.is_available():
@@ -80,7 +79,7 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             out = tree_forward(model, f, params=params)
-            loss = -sequence_logprobs(out.logp, f).mean() - 0.01 * sequence_entropy(out.entropy, f).mean()
+            loss = hg.step_loss(out, f)
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
