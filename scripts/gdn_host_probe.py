@@ -4,8 +4,13 @@ Builds ``bench.harts_gdn``'s Qwen3-Next-width hybrid GPT (``GGGA`` × 2) on the 
 runs the ``tree`` step with CUDA graphs on and off. Forward hooks time each module's forward on the host
 (no device synchronization inside the step), and the GDN layer's own pieces (tree convolution, input
 preparation, g/β, the tree recurrence, the gated norm, the graphed FLA round calls and their captures)
-are timed by wrapping them. Prints, per setting, the forward / backward issue time and wall time of 5
-steps (after 3 warm-up steps) and the host milliseconds per step of the 45 largest items.
+are timed by wrapping them; a graphed call's host time is split into its eager first calls, captures,
+and replays (input copies, ``CUDAGraph.replay``, output clones). Prints, per setting, the forward /
+backward issue time and wall time of 5 steps (after 3 warm-up steps), the Python garbage collector's
+collections and time per step, and the host milliseconds per step of the 45 largest items; the
+same steps again with the collector frozen and off (Megatron's ``--manual-gc``); and first the host
+cost of single operations on this machine (microseconds per call, no synchronization), so boxes can
+be compared.
 
 Run on the GPU box with the lane's environment (carried wheels on ``PYTHONPATH``, tilelang for FLA's
 GDN backward; docs/gpu-lane.md)::
@@ -16,10 +21,50 @@ GDN backward; docs/gpu-lane.md)::
 from __future__ import annotations
 
 import collections
+import gc
 import sys
 import time
 
 import torch
+
+
+def op_costs(n: int = 2000) -> dict[str, float]:
+    """Host microseconds per call of single operations on small CUDA tensors (no synchronization inside)."""
+    a = torch.randn(64, 64, device="cuda")
+    b = torch.randn(64, 64, device="cuda")
+    ag = a.clone().requires_grad_()
+    idx = torch.arange(32, device="cuda")
+    lin = torch.nn.Linear(64, 64, device="cuda")
+    graph, static = torch.cuda.CUDAGraph(), a.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        for _ in range(20):
+            static.add_(1.0)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    ops = {
+        "add": lambda: a + b,
+        "add (requires grad)": lambda: ag + b,
+        "copy_": lambda: static.copy_(a),
+        "clone": lambda: a.clone(),
+        "empty": lambda: torch.empty(64, 64, device="cuda"),
+        "index_select": lambda: a.index_select(0, idx),
+        "nn.Linear (requires grad)": lambda: lin(a),
+        "CUDAGraph.replay (20 kernels)": graph.replay,
+    }
+    out = {}
+    for name, fn in ops.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = (time.perf_counter() - t) / n * 1e6
+        torch.cuda.synchronize()
+    return out
 
 
 def main() -> None:
@@ -32,6 +77,9 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("error: scripts/gdn_host_probe.py needs a CUDA device")
+    print("host microseconds per call:")
+    for k, v in op_costs().items():
+        print(f"   {v:8.2f}  {k}")
     hg._setup()
     model, cfg = hg._model(False, "cuda", "GGGA" * 2, "qwen3-next")
     seqs = dict(hg._workloads(False, cfg.vocab_size))["rho=0.75"]
@@ -69,8 +117,26 @@ def main() -> None:
         setattr(cls, meth, timed("fn " + meth, getattr(cls, meth)))
     gdn_graphs._GraphedCall.__call__ = timed("fn graphed round call", gdn_graphs._GraphedCall.__call__)
     gdn_graphs._GraphedCall._capture = timed("fn round capture", gdn_graphs._GraphedCall._capture)
+    eager_fn = gdn_graphs._GraphedCall.__init__
 
-    for cuda_graphs in (True, False):
+    def init(self, fn, pool, name):
+        eager_fn(self, timed("fn graphed call: eager or captured fn", fn), pool, name)
+
+    gdn_graphs._GraphedCall.__init__ = init
+    torch.cuda.CUDAGraph.replay = timed("fn graphed call: CUDAGraph.replay", torch.cuda.CUDAGraph.replay)
+    gc_stats = collections.Counter()
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+            gc_stats[f"gen{info['generation']}"] += 1
+        else:
+            gc_stats["ms"] += (time.perf_counter() - gc_start[0]) * 1e3
+
+    gc.callbacks.append(on_gc)
+
+    for cuda_graphs, manual_gc in ((True, False), (False, False), (True, True)):
         f = build_forest(seqs, device="cuda")
         params = gdn_megatron.make_gdn_tree_params(f, config=GdnTreeConfig(cuda_graphs=cuda_graphs), backend="varlen")
 
@@ -88,12 +154,21 @@ def main() -> None:
 
         for _ in range(3):
             step()
+        if manual_gc:  # Megatron's --manual-gc: the collector off during steps, long-lived objects frozen
+            gc.collect()
+            gc.freeze()
+            gc.disable()
         acc.clear()
         cnt.clear()
+        gc_stats.clear()
         steps = [step() for _ in range(5)]
-        print(f"\n== cuda_graphs={cuda_graphs}: forward issue / backward issue / wall ms per step")
+        if manual_gc:
+            gc.enable()
+            gc.unfreeze()
+        print(f"\n== cuda_graphs={cuda_graphs} manual_gc={manual_gc}: forward issue / backward issue / wall ms per step")
         for s in steps:
             print("   " + " ".join(f"{x:.2f}" for x in s))
+        print("  garbage collector per step: " + ", ".join(f"{k} {v / len(steps):.2f}" for k, v in sorted(gc_stats.items())))
         print("  host ms per step (module forwards and wrapped functions), calls per step:")
         for k, v in sorted(acc.items(), key=lambda kv: -kv[1])[:45]:
             print(f"   {v * 1e3 / len(steps):8.3f}  x{cnt[k] // len(steps):<4} {k}")
