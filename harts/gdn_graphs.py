@@ -24,6 +24,11 @@ parameters. A pool that outlives the microbatch (``TreeGatedDeltaNet`` passes th
 keeps) hands those blocks to the next microbatch's captures: without it every microbatch
 allocates its graphs' memory with ``cudaMalloc`` afresh (measured 31 calls, 5.6 ms of host time
 per step at Qwen3-Next widths) and frees it with ``cudaFree``, which waits for the device.
+
+Pools come from :func:`graph_pool`, which anchors each with a one-kernel graph: torch 2.11's pinned
+host allocator keeps its own count of a pool's live graphs, and a capture into a pool whose graphs
+have all been destroyed (the previous microbatch's, dropped) fails its internal assert
+``use_count > 0`` and leaves the process's capture state broken (GPU test).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import torch
 
 from harts.errors import GdnConfigError
 
-__all__ = ["RoundGraphs", "fla_round"]
+__all__ = ["RoundGraphs", "fla_round", "graph_pool"]
 
 
 def _fla_fwd(q, k, v, g, beta, h0, *, cu, chunk_indices, scale: float, chunk_size: int):
@@ -55,6 +60,35 @@ def _fla_bwd(q, k, v, gc, beta, a, h0, do, dht, *, cu, chunk_indices, scale: flo
         q=q, k=k, v=v, g=gc, beta=beta, A=a, scale=scale, initial_state=h0, do=do, dht=dht,
         cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=chunk_size)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db.to(beta.dtype), dh0
+
+
+def graph_pool(device: torch.device) -> torch.cuda.MemPool:
+    """A ``torch.cuda.MemPool`` on ``device`` for graphs captured, dropped and captured again over time.
+
+    The pool holds an anchor: a graph of one kernel captured into it, kept as long as the pool. Torch
+    2.11 counts a pool's graphs twice, in the device allocator (where the ``MemPool`` object holds a
+    count too) and in the pinned host allocator (where it does not): after the last graph of a pool
+    is destroyed the host count is 0, and the next ``capture_begin`` into the pool fails
+    ``TORCH_INTERNAL_ASSERT(use_count > 0)`` in ``CachingHostAllocator.h``, after which every later
+    capture in the process fails too. The anchor keeps that count at 1 or more.
+    """
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        pool = torch.cuda.MemPool()
+        scratch = torch.zeros(1, device=device)
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        anchor = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            anchor.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+            try:
+                scratch.add_(1)
+            finally:
+                anchor.capture_end()
+        current.wait_stream(side)
+    pool._harts_anchor = (anchor, scratch)
+    return pool
 
 
 def _signature(args) -> tuple:
@@ -147,8 +181,7 @@ class RoundGraphs:
         if key not in self._calls:
             rd = self.plan.rounds[index]
             if self.pool is None:
-                with torch.cuda.device(rd.cu_seqlens.device):
-                    self.pool = torch.cuda.MemPool()
+                self.pool = graph_pool(rd.cu_seqlens.device)
             fn = functools.partial(_fla_fwd if direction == "forward" else _fla_bwd, cu=rd.cu_seqlens,
                                    chunk_indices=rd.chunk_indices, scale=scale, chunk_size=chunk_size)
             self._calls[key] = _GraphedCall(fn, self.pool.id, f"round {index} {direction}")

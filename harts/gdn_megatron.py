@@ -44,7 +44,7 @@ from harts.gdn import (
     tree_causal_conv1d_fla,
     tree_gated_delta_rule,
 )
-from harts.gdn_graphs import RoundGraphs
+from harts.gdn_graphs import RoundGraphs, graph_pool
 from harts.gdn_reference import (
     causal_conv1d_reference,
     l2norm_reference,
@@ -139,8 +139,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         (:mod:`harts.gdn_graphs`); it keeps the largest microbatch's graph memory reserved."""
         pool = getattr(self, "_harts_graphs_pool", None)
         if pool is None:
-            with torch.cuda.device(device):
-                pool = self._harts_graphs_pool = torch.cuda.MemPool()
+            pool = self._harts_graphs_pool = graph_pool(device)
         return pool
 
     # -- shared body ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ with that message. Run: ``pytest -q -m gpu tests/harts/test_gdn_gpu.py``.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -291,6 +292,32 @@ def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
             assert torch.equal(a, b), f"layer {i} {name} differs (max {(a - b).abs().max().item():.3e})"
     assert all(torch.equal(a, b) for a, b in zip(ref_o, after_o))
     assert all(torch.equal(a, b) for xs, ys in zip(ref_g, after_g) for a, b in zip(xs, ys))
+
+
+@pytest.mark.timeout(300)
+def test_kept_pool_captures_after_its_graphs_died():
+    """Three microbatches capture into one :func:`graph_pool`, each dropping its graphs before the next
+    captures (as the first GDN layer's kept pool sees them). Torch 2.11's pinned-host allocator
+    refuses a capture into a pool whose graphs are all gone (internal assert, then every capture of
+    the process fails); the pool's anchor must keep every microbatch capturing and replaying, with
+    outputs bitwise those of FLA's public path."""
+    from harts.gdn_graphs import RoundGraphs, graph_pool
+
+    f = build_forest(_forests()["grpo"], device="cuda")
+    plan = build_gdn_plan(f, chunk_size=64, align=True, schedule="level")
+    layers, r = 3, plan.num_rounds
+    base = _layer_inputs(f.num_nodes, layers, torch.bfloat16)
+    pool = graph_pool(torch.device("cuda"))
+    with _deterministic(), torch.no_grad():
+        ref = [tree_gated_delta_rule(*xs, plan=plan, backend="fla") for xs in base]
+        for _ in range(3):
+            graphs = RoundGraphs(plan, pool=pool)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns: fail here
+                got = [tree_gated_delta_rule(*xs, plan=plan, backend="fla", graphs=graphs) for xs in base]
+            assert graphs.counts == {"eager": r, "captured": r, "replayed": r * (layers - 1)}, graphs.counts
+            assert all(torch.equal(a, b) for a, b in zip(ref, got))
+            del graphs, got  # the microbatch's graphs die before the next one captures
 
 
 @pytest.mark.timeout(600)
