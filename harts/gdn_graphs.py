@@ -25,10 +25,9 @@ keeps) hands those blocks to the next microbatch's captures: without it every mi
 allocates its graphs' memory with ``cudaMalloc`` afresh (measured 31 calls, 5.6 ms of host time
 per step at Qwen3-Next widths) and frees it with ``cudaFree``, which waits for the device.
 
-Pools come from :func:`graph_pool`, which anchors each with a one-kernel graph: torch 2.11's pinned
-host allocator keeps its own count of a pool's live graphs, and a capture into a pool whose graphs
-have all been destroyed (the previous microbatch's, dropped) fails its internal assert
-``use_count > 0`` and leaves the process's capture state broken (GPU test).
+A pool is a :class:`GraphPool`: one capture stream, so the blocks of the previous microbatch's graphs
+are reused, and an anchor graph, without which torch 2.11's pinned-host allocator fails an internal
+assert on the first capture into a pool whose graphs have all been dropped (GPU test).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ import torch
 
 from harts.errors import GdnConfigError
 
-__all__ = ["RoundGraphs", "fla_round", "graph_pool"]
+__all__ = ["GraphPool", "RoundGraphs", "fla_round"]
 
 
 def _fla_fwd(q, k, v, g, beta, h0, *, cu, chunk_indices, scale: float, chunk_size: int):
@@ -62,33 +61,49 @@ def _fla_bwd(q, k, v, gc, beta, a, h0, do, dht, *, cu, chunk_indices, scale: flo
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db.to(beta.dtype), dh0
 
 
-def graph_pool(device: torch.device) -> torch.cuda.MemPool:
-    """A ``torch.cuda.MemPool`` on ``device`` for graphs captured, dropped and captured again over time.
+class GraphPool:
+    """Memory for CUDA graphs that are captured, dropped and captured again over a run: a
+    ``torch.cuda.MemPool`` (``mempool``), the one stream every capture into it runs on (``stream``),
+    and an anchor graph.
 
-    The pool holds an anchor: a graph of one kernel captured into it, kept as long as the pool. Torch
-    2.11 counts a pool's graphs twice, in the device allocator (where the ``MemPool`` object holds a
-    count too) and in the pinned host allocator (where it does not): after the last graph of a pool
-    is destroyed the host count is 0, and the next ``capture_begin`` into the pool fails
-    ``TORCH_INTERNAL_ASSERT(use_count > 0)`` in ``CachingHostAllocator.h``, after which every later
-    capture in the process fails too. The anchor keeps that count at 1 or more.
+    * One stream: the caching allocator keeps a freed block for the stream it was allocated on, so
+      captures on a new side stream each time could not reuse the blocks the previous microbatch's
+      graphs left in the pool (measured: the pool grew by one microbatch's graph memory per
+      microbatch).
+    * The anchor, a graph of one kernel captured into the pool and kept as long as it: torch 2.11
+      counts a pool's graphs twice, in the device allocator (where the ``MemPool`` object holds a
+      count too) and in the pinned host allocator (where nothing else does). After the last graph of
+      the pool is destroyed the host count is 0, and the next ``capture_begin`` into the pool fails
+      ``TORCH_INTERNAL_ASSERT(use_count > 0)`` in ``CachingHostAllocator.h``, after which every later
+      capture of the process fails too (GPU test). The anchor keeps that count at 1 or more.
     """
-    device = torch.device(device)
-    with torch.cuda.device(device):
-        pool = torch.cuda.MemPool()
-        scratch = torch.zeros(1, device=device)
-        current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(current)
-        anchor = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            anchor.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+
+    def __init__(self, device: torch.device | str):
+        device = torch.device(device)
+        with torch.cuda.device(device):
+            self.mempool = torch.cuda.MemPool()
+            self.stream = torch.cuda.Stream(device)
+            self._scratch = torch.zeros(1, device=device)
+            self._anchor = torch.cuda.CUDAGraph()
+            self.capture(self._anchor, self._scratch.add_, 1)
+
+    @property
+    def id(self) -> tuple[int, int]:
+        return self.mempool.id
+
+    def capture(self, graph: torch.cuda.CUDAGraph, fn, *args):
+        """``fn(*args)`` captured into ``graph`` on this pool and stream; returns its outputs. Unlike
+        ``torch.cuda.graph`` this neither synchronizes the device nor empties the allocator's cache."""
+        current = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.mempool.id, capture_error_mode="thread_local")
             try:
-                scratch.add_(1)
+                out = fn(*args)
             finally:
-                anchor.capture_end()
-        current.wait_stream(side)
-    pool._harts_anchor = (anchor, scratch)
-    return pool
+                graph.capture_end()
+        current.wait_stream(self.stream)
+        return out
 
 
 def _signature(args) -> tuple:
@@ -116,8 +131,8 @@ class _GraphedCall:
     Falls back to eager for good (with one warning) if a capture fails.
     """
 
-    def __init__(self, fn, pool, name: str):
-        self.fn, self.pool, self.name = fn, pool, name
+    def __init__(self, fn, graphs: RoundGraphs, name: str):
+        self.fn, self.graphs, self.name = fn, graphs, name
         self.signature, self.calls = None, 0
         self.graph = self.inputs = self.outputs = None
         self.failed = False
@@ -138,26 +153,18 @@ class _GraphedCall:
         return tuple(o.clone() for o in self.outputs)
 
     def _capture(self, args) -> bool:
-        """Capture ``fn`` on static inputs on a side stream. Unlike ``torch.cuda.graph`` this neither
-        synchronizes the device nor empties the allocator's cache (it runs once per microbatch)."""
+        """Capture ``fn`` on static inputs into the microbatch's :class:`GraphPool`."""
         inputs = tuple(torch.empty_like(a) for a in args)
         try:
-            current = torch.cuda.current_stream(args[0].device)
-            side = torch.cuda.Stream(args[0].device)
-            side.wait_stream(current)
+            pool = self.graphs.graph_pool(args[0].device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(side), _fla_tensor_cache_bypassed():
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    outputs = self.fn(*inputs)
-                finally:
-                    graph.capture_end()
+            with _fla_tensor_cache_bypassed():
+                outputs = pool.capture(graph, self.fn, *inputs)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager execution
             self.failed = True
             warnings.warn(f"harts.gdn_graphs: capturing FLA's {self.name} in a CUDA graph failed ({e!r}); "
                           "this microbatch runs it eagerly", RuntimeWarning, stacklevel=3)
             return False
-        current.wait_stream(side)
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
         self.counts["captured"] += 1
         return True
@@ -170,21 +177,25 @@ class RoundGraphs:
     with the microbatch: it keeps the graphs, their memory pool and the plan alive.
     """
 
-    def __init__(self, plan, *, pool: torch.cuda.MemPool | None = None):
+    def __init__(self, plan, *, pool: GraphPool | None = None):
         self.plan = plan
         self.pool = pool
-        """Memory pool of the captures (set before the first capture; ``None``: a new one then)."""
+        """Memory of the captures (set before the first capture; ``None``: a new one then)."""
         self._calls: dict[tuple, _GraphedCall] = {}
+
+    def graph_pool(self, device: torch.device) -> GraphPool:
+        """``pool``, created on ``device`` at the first capture if none was given."""
+        if self.pool is None:
+            self.pool = GraphPool(device)
+        return self.pool
 
     def _call(self, index: int, direction: str, scale: float, chunk_size: int) -> _GraphedCall:
         key = (index, direction, scale, chunk_size)
         if key not in self._calls:
             rd = self.plan.rounds[index]
-            if self.pool is None:
-                self.pool = graph_pool(rd.cu_seqlens.device)
             fn = functools.partial(_fla_fwd if direction == "forward" else _fla_bwd, cu=rd.cu_seqlens,
                                    chunk_indices=rd.chunk_indices, scale=scale, chunk_size=chunk_size)
-            self._calls[key] = _GraphedCall(fn, self.pool.id, f"round {index} {direction}")
+            self._calls[key] = _GraphedCall(fn, self, f"round {index} {direction}")
         return self._calls[key]
 
     @property

@@ -44,7 +44,7 @@ from harts.gdn import (
     tree_causal_conv1d_fla,
     tree_gated_delta_rule,
 )
-from harts.gdn_graphs import RoundGraphs, graph_pool
+from harts.gdn_graphs import GraphPool, RoundGraphs
 from harts.gdn_reference import (
     causal_conv1d_reference,
     l2norm_reference,
@@ -133,13 +133,13 @@ class TreeGatedDeltaNet(GatedDeltaNet):
                                    sequence_len_offset, inference_params=inference_params, **kwargs)
         return self._mix(hidden_states, None)
 
-    def _graphs_pool(self, device: torch.device) -> torch.cuda.MemPool:
+    def _graphs_pool(self, device: torch.device) -> GraphPool:
         """Memory pool for the FLA round graphs of the microbatches this layer is the first GDN layer
         of: kept across microbatches, so each one's captures reuse the blocks of the one before
         (:mod:`harts.gdn_graphs`); it keeps the largest microbatch's graph memory reserved."""
         pool = getattr(self, "_harts_graphs_pool", None)
         if pool is None:
-            pool = self._harts_graphs_pool = graph_pool(device)
+            pool = self._harts_graphs_pool = GraphPool(device)
         return pool
 
     # -- shared body ---------------------------------------------------------------------------

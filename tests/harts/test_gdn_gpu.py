@@ -296,18 +296,18 @@ def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
 
 @pytest.mark.timeout(300)
 def test_kept_pool_captures_after_its_graphs_died():
-    """Three microbatches capture into one :func:`graph_pool`, each dropping its graphs before the next
+    """Three microbatches capture into one :class:`GraphPool`, each dropping its graphs before the next
     captures (as the first GDN layer's kept pool sees them). Torch 2.11's pinned-host allocator
     refuses a capture into a pool whose graphs are all gone (internal assert, then every capture of
     the process fails); the pool's anchor must keep every microbatch capturing and replaying, with
     outputs bitwise those of FLA's public path."""
-    from harts.gdn_graphs import RoundGraphs, graph_pool
+    from harts.gdn_graphs import GraphPool, RoundGraphs
 
     f = build_forest(_forests()["grpo"], device="cuda")
     plan = build_gdn_plan(f, chunk_size=64, align=True, schedule="level")
     layers, r = 3, plan.num_rounds
     base = _layer_inputs(f.num_nodes, layers, torch.bfloat16)
-    pool = graph_pool(torch.device("cuda"))
+    pool = GraphPool("cuda")
     with _deterministic(), torch.no_grad():
         ref = [tree_gated_delta_rule(*xs, plan=plan, backend="fla") for xs in base]
         for _ in range(3):
@@ -352,7 +352,7 @@ def test_hybrid_model_graphs_bitwise_equal_eager(cpu_megatron):
         gots, pool_bytes = [], []
         for _ in range(3):
             gots.append(step(True))
-            pool_bytes.append(sum(s["total_size"] for s in gots[-1][3][1].snapshot(include_traces=False)))
+            pool_bytes.append(sum(s["total_size"] for s in gots[-1][3][1].mempool.snapshot(include_traces=False)))
     # later microbatches reuse the pool's blocks: it does not grow after the first one
     assert pool_bytes[1] == pool_bytes[0] and pool_bytes[2] == pool_bytes[0], pool_bytes
     assert torch.equal(ref[0], again[0]) and all(torch.equal(ref[2][n], again[2][n]) for n in ref[2]), \
