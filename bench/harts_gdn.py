@@ -15,9 +15,7 @@ Sections:
 * ``model``: the hybrid GPT (pattern ``GGGA`` twice: Qwen3-Next's 3:1 interleave) fwd+bwd through
   :func:`harts.megatron.tree_forward` with the tree-aware chunked LM head; ``chain`` (THD packing as
   a forest) vs ``tree`` / ``tree_level`` / ``tree_unaligned`` / ``tree_chainsched``, and
-  ``tree_eager``: ``tree`` with ``GdnTreeConfig(cuda_graphs=False)`` (every FLA round call eager),
-  ``tree_nocompile``: ``tree`` with ``GdnTreeConfig(compiled_glue=False)`` (Megatron's GDN input
-  preparation, g/β and gated norm uncompiled).
+  ``tree_eager``: ``tree`` with ``GdnTreeConfig(cuda_graphs=False)`` (every FLA round call eager).
 
 Every timed step gets new :class:`harts.gdn_graphs.RoundGraphs`, as a new microbatch would: the
 eager first call and the capture of each round and direction are part of every step (the plan
@@ -289,7 +287,7 @@ def build_forest_stats(seqs, dev):
 
 
 LAYER_PROVIDERS = ("chain", "tree", "tree_level", "tree_unaligned", "tree_chainsched")
-MODEL_PROVIDERS = LAYER_PROVIDERS + ("tree_eager", "tree_nocompile")
+MODEL_PROVIDERS = LAYER_PROVIDERS + ("tree_eager",)
 _FORCED = {"tree_level": "level", "tree_unaligned": "level", "tree_chainsched": "chain"}
 
 
@@ -298,7 +296,7 @@ def _gdn_config(provider):
 
     if provider in _FORCED:
         return GdnTreeConfig(align=provider != "tree_unaligned", schedule=_FORCED[provider])
-    return GdnTreeConfig(cuda_graphs=provider != "tree_eager", compiled_glue=provider != "tree_nocompile")
+    return GdnTreeConfig(cuda_graphs=provider != "tree_eager")
 
 
 def _fresh_graphs(params):
@@ -361,7 +359,6 @@ def bench_model(args, dev, rows, bwd):
         table.append({"case": case, "C": c, "schedule": got["tree"]["schedule"], "chain_ms": ms["chain"],
                       "tree_ms": ms["tree"], "level_ms": ms["tree_level"], "unal_ms": ms["tree_unaligned"],
                       "chsched_ms": ms["tree_chainsched"], "eager_ms": ms["tree_eager"],
-                      "nocompile_ms": ms["tree_nocompile"],
                       "tree_x": ms["chain"] / ms["tree"], "tree_x/C": ms["chain"] / ms["tree"] / c, "chain_MiB": got["chain"]["peak_bytes"] / 2**20,
                       "tree_MiB": got["tree"]["peak_bytes"] / 2**20, "tree_plan_ms": got["tree"]["plan_ms"],
                       "chain_kern_ms": got["chain"]["kernel_ms"], "tree_kern_ms": got["tree"]["kernel_ms"],

@@ -86,10 +86,6 @@ class GdnTreeConfig:
     use in a microbatch and replay it for the remaining GDN layers (:mod:`harts.gdn_graphs`; bitwise
     equal results; FLA's host cost per call is paid about twice per round and direction instead of
     once per layer). No effect on the torch backend."""
-    compiled_glue: bool = True
-    """CUDA: run Megatron's input preparation, g/β and gated norm as Megatron does, through
-    ``torch.compile`` (``jit_fuser``: fused kernels, dynamo's guards and wrappers on the host). False:
-    the same functions uncompiled (the same math in unfused kernels, less host time per call)."""
 
     def __post_init__(self) -> None:
         validate_fields(self, error=GdnConfigError, type_error=HartsConfigTypeError)

@@ -26,7 +26,6 @@ recurrence of :mod:`harts.gdn_reference`), which is the per-sequence oracle of t
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -67,8 +66,6 @@ class GdnTreeParams(TreePackedSeqParams):
     """Recurrence kernel, see :class:`harts.gdn.GdnTreeConfig`."""
     gdn_state_dtype: torch.dtype = torch.float32
     """Dtype of handed-off states."""
-    gdn_compiled_glue: bool = True
-    """See :attr:`harts.gdn.GdnTreeConfig.compiled_glue`."""
     gdn_graphs: RoundGraphs | None = None
     """CUDA graphs of the plan's FLA rounds, shared by the microbatch's GDN layers (``None``: eager);
     see :class:`harts.gdn_graphs.RoundGraphs`. One per microbatch: never share across plans."""
@@ -83,7 +80,7 @@ def make_gdn_tree_params(forest: Forest, *, config: GdnTreeConfig | None = None,
                           schedule=config.schedule)
     kw = {f.name: getattr(base, f.name) for f in fields(base)}
     return GdnTreeParams(**kw, gdn_plan=plan, gdn_backend=config.backend,
-                         gdn_state_dtype=getattr(torch, config.state_dtype), gdn_compiled_glue=config.compiled_glue,
+                         gdn_state_dtype=getattr(torch, config.state_dtype),
                          gdn_graphs=RoundGraphs(plan) if config.cuda_graphs else None)
 
 
@@ -145,15 +142,6 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             pool = self._harts_graphs_pool = GraphPool(device)
         return pool
 
-    def _glue(self, *, compiled: bool):
-        """Megatron's input preparation, g/β and gated norm of this layer: as Megatron defines them
-        (``jit_fuser``-compiled) or, ``compiled=False``, the functions under the compile wrapper."""
-        names = ("_prepare_input_for_gated_delta_rule", "_compute_g_and_beta", "_apply_gated_norm")
-        if compiled:
-            return tuple(getattr(self, n) for n in names)
-        return tuple(functools.partial(getattr(getattr(type(self), n), "__wrapped__", getattr(type(self), n)), self)
-                     for n in names)
-
     # -- shared body ---------------------------------------------------------------------------
     def _mix(self, hidden_states: torch.Tensor, psp: GdnTreeParams | None):
         """Base-module math with the conv and recurrence replaced (tree) or plain torch (CPU sequences).
@@ -190,10 +178,10 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         else:
             qkv = causal_conv1d_reference(qkv, weight, bias, activation=self.activation)
         fast = qkv.is_cuda
-        glue = self._glue(compiled=psp is None or psp.gdn_compiled_glue) if fast else None
-        prep = glue[0] if fast else (lambda *a: _plain_prepare(self, *a))
+        prep = self._prepare_input_for_gated_delta_rule if fast else (
+            lambda *a: _plain_prepare(self, *a))
         query, key, value, gate, beta, alpha = prep(qkv, gate, batch, seq_len, beta, alpha)
-        g_beta = glue[1] if fast else _plain_g_beta
+        g_beta = self._compute_g_and_beta if fast else _plain_g_beta
         g, beta = g_beta(self.A_log, self.dt_bias, alpha, beta)
         if psp is not None:
             if psp.gdn_graphs is not None and psp.gdn_graphs.pool is None and qkv.is_cuda:
@@ -205,7 +193,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
             o, _ = recurrent_gated_delta_rule_reference(query, key, value, g, beta)
             o = o.to(value.dtype)
         if fast:
-            norm = glue[2](o, gate)
+            norm = self._apply_gated_norm(o, gate)
         else:
             norm = _plain_gated_norm(self, o, gate)
         norm = norm.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
