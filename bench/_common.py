@@ -100,11 +100,18 @@ def sync() -> None:
 
 def wall_ms(fn: Callable[[], Any]) -> float:
     """Wall milliseconds of one call of ``fn``, device synchronized before and after."""
+    return wall_and_issue_ms(fn)[0]
+
+
+def wall_and_issue_ms(fn: Callable[[], Any]) -> tuple[float, float]:
+    """``(wall, issue)`` milliseconds of one call of ``fn``: wall with the device synchronized before
+    and after, issue until ``fn`` returns (the host's time to launch the work, before the final sync)."""
     sync()
     t0 = time.perf_counter()
     fn()
+    t1 = time.perf_counter()
     sync()
-    return (time.perf_counter() - t0) * 1e3
+    return (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3
 
 
 def time_cuda(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 10) -> dict[str, float]:
@@ -141,18 +148,23 @@ def time_cpu(fn: Callable[[], Any], *, warmup: int = 1, iters: int = 5) -> dict[
 def time_interleaved(fns: dict[str, Callable[[], Any]], *, rounds: int = 5, warmup: int = 1) -> dict[str, dict]:
     """Wall milliseconds of every function in ``fns``, measured in ``rounds`` interleaved rounds (one
     call of each per round; round ``r`` starts at the ``r``-th function, so none always runs first or
-    after the same neighbour): per name the samples, ``min`` and p20/p50/p80. Clock, thermal and
-    host-load drift then hit every function alike; compare minima."""
+    after the same neighbour): per name the samples, ``min`` and p20/p50/p80, and ``issue_samples``:
+    each sample's host time until the function returned (:func:`wall_and_issue_ms`; a step whose wall
+    follows it is host-bound). Clock, thermal and host-load drift then hit every function alike;
+    compare minima."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
             fns[name]()
     samples: dict[str, list[float]] = {n: [] for n in names}
+    issue: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
-            samples[name].append(wall_ms(fns[name]))
-    return {n: {**_quantiles(v), "min": min(v), "samples": v} for n, v in samples.items()}
+            wall, host = wall_and_issue_ms(fns[name])
+            samples[name].append(wall)
+            issue[name].append(host)
+    return {n: {**_quantiles(v), "min": min(v), "samples": v, "issue_samples": issue[n]} for n, v in samples.items()}
 
 
 def peak_memory(fn: Callable[[], Any]) -> int:

@@ -21,4 +21,6 @@ def test_rounds_rotate_and_each_function_keeps_its_own_samples():
         assert got[n]["n"] == 4 and len(got[n]["samples"]) == 4
         assert got[n]["min"] == min(got[n]["samples"]) >= nap * 1e3
         assert got[n]["p20"] <= got[n]["p50"] <= got[n]["p80"]
+        # the host's issue time of a sample is within its wall time (here: the sleep, all on the host)
+        assert all(nap * 1e3 <= i <= w for i, w in zip(got[n]["issue_samples"], got[n]["samples"]))
     assert got["c"]["min"] > got["a"]["min"]
