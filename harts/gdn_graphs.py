@@ -7,7 +7,9 @@ kernels) costs about 1 ms per forward and 1.4 ms per backward call on an H200 ho
 GPU spends on a 16k-token round (docs/harts_gdn.md). :class:`RoundGraphs` runs the first call of
 each (round, direction) eagerly, which compiles and autotunes whatever is new, captures the second
 in a CUDA graph and replays it for every later layer: the host then issues the copies into the
-graph's static inputs, one graph launch and the copies out.
+graph's static inputs, one graph launch and the copies out. Those copies cost about what the graphs
+save: at Qwen3-Next widths the graphed step has a third more GPU operations than the eager one and
+no lower wall time (docs/benchmarks.md, 2026-12-02 15:58).
 
 The forward of a round is FLA's ``chunk_gated_delta_rule_fwd``: ``o``, the final states ``h_T`` and,
 saved for the backward, the chunk-local cumulative gate ``g_c`` and the WY factor
@@ -86,10 +88,6 @@ class GraphPool:
             self._scratch = torch.zeros(1, device=device)
             self._anchor = torch.cuda.CUDAGraph()
             self.capture(self._anchor, self._scratch.add_, 1)
-
-    @property
-    def id(self) -> tuple[int, int]:
-        return self.mempool.id
 
     def capture(self, graph: torch.cuda.CUDAGraph, fn, *args):
         """``fn(*args)`` captured into ``graph`` on this pool and stream; returns its outputs. Unlike
