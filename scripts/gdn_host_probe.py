@@ -4,8 +4,10 @@ Builds ``bench.harts_gdn``'s Qwen3-Next-width hybrid GPT (``GGGA`` × 2) on the 
 runs the ``tree`` step with CUDA graphs on and off. Forward hooks time each module's forward on the host
 (no device synchronization inside the step), and the GDN layer's own pieces (tree convolution, input
 preparation, g/β, the tree recurrence, the gated norm, the graphed FLA round calls and their captures)
-are timed by wrapping them; a graphed call's host time is split into its eager first calls, captures,
-and replays (input copies, ``CUDAGraph.replay``, output clones). Prints, per setting, the forward /
+are timed by wrapping them; a graphed call's host time is split into the wrapped FLA function (its eager
+first calls and its run under capture), the captures and ``CUDAGraph.replay``. Forward hooks on modules
+that Megatron calls inside a compiled region (the gated norm's ``out_norm``) make dynamo recompile that
+region up to its recompile limit: such regions' times are upper bounds. Prints, per setting, the forward /
 backward issue time and wall time of 5 steps (after 3 warm-up steps), the Python garbage collector's
 collections and time per step, and the host milliseconds per step of the 45 largest items; the
 same steps again with the collector frozen and off (Megatron's ``--manual-gc``); and first the host
@@ -119,8 +121,8 @@ def main() -> None:
     gdn_graphs._GraphedCall._capture = timed("fn round capture", gdn_graphs._GraphedCall._capture)
     eager_fn = gdn_graphs._GraphedCall.__init__
 
-    def init(self, fn, pool, name):
-        eager_fn(self, timed("fn graphed call: eager or captured fn", fn), pool, name)
+    def init(self, fn, graphs, name):
+        eager_fn(self, timed("fn graphed call: eager or captured fn", fn), graphs, name)
 
     gdn_graphs._GraphedCall.__init__ = init
     torch.cuda.CUDAGraph.replay = timed("fn graphed call: CUDAGraph.replay", torch.cuda.CUDAGraph.replay)
