@@ -38,6 +38,9 @@ def test_gdn_bench_quick_model_rows(tmp_path):
         assert "same_as" not in got[other] and got[other]["schedule"] != tree["schedule"]
         for r in got.values():
             assert r["issue_ms"] > 0 and r["ms_p50"] > 0 and r["host_top"], r["provider"]
+            # each timed sample's host issue time, within its wall time
+            assert len(r["issue_ms_samples"]) == len(r["ms_samples"]) > 0, r["provider"]
+            assert all(0 < i <= w for i, w in zip(r["issue_ms_samples"], r["ms_samples"])), r["provider"]
 
 
 @pytest.mark.timeout(300)
