@@ -85,7 +85,9 @@ class GdnTreeConfig:
     """FLA backend: capture each round's FLA call (forward and backward) in a CUDA graph at its second
     use in a microbatch and replay it for the remaining GDN layers (:mod:`harts.gdn_graphs`; bitwise
     equal results; FLA's host cost per call is paid about twice per round and direction instead of
-    once per layer). No effect on the torch backend."""
+    once per layer, but each replay copies its inputs and outputs: at Qwen3-Next widths the step's
+    wall time with and without graphs was measured equal, docs/benchmarks.md). No effect on the
+    torch backend."""
 
     def __post_init__(self) -> None:
         validate_fields(self, error=GdnConfigError, type_error=HartsConfigTypeError)
