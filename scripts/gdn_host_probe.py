@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from harts.gdn_graphs import GraphPool
+
 
 def op_costs(n: int = 2000) -> dict[str, float]:
     """Host microseconds per call of single operations on small CUDA tensors (no synchronization inside)."""
@@ -38,14 +40,7 @@ def op_costs(n: int = 2000) -> dict[str, float]:
     idx = torch.arange(32, device="cuda")
     lin = torch.nn.Linear(64, 64, device="cuda")
     graph, static = torch.cuda.CUDAGraph(), a.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph.capture_begin()
-        for _ in range(20):
-            static.add_(1.0)
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
+    GraphPool(a.device).capture(graph, lambda: [static.add_(1.0) for _ in range(20)])
     ops = {
         "add": lambda: a + b,
         "add (requires grad)": lambda: ag + b,
