@@ -15,10 +15,10 @@ Sections:
 * ``model``: the hybrid GPT (pattern ``GGGA`` twice: Qwen3-Next's 3:1 interleave) fwd+bwd through
   :func:`harts.megatron.tree_forward` with the tree-aware chunked LM head; ``chain`` (THD packing as
   a forest) vs ``tree`` / ``tree_level`` / ``tree_unaligned`` / ``tree_chainsched``, and
-  ``tree_eager``: ``tree`` with ``GdnTreeConfig(cuda_graphs=False)`` (every FLA round call eager).
+  ``tree_eager``: ``tree`` with ``GdnTreeConfig(cuda_graphs=False)`` (every layer's recurrence eager).
 
 Every timed step gets new :class:`harts.gdn_graphs.RoundGraphs`, as a new microbatch would: the
-eager first call and the capture of each round and direction are part of every step (the plan
+eager first call and the capture of the recurrence in each direction are part of every step (the plan
 itself is built once and timed apart).
 
 Workloads: GRPO groups swept over sharing ratio ρ ∈ {0, .25, .5, .75, .9} and a multi-turn
@@ -348,7 +348,7 @@ def bench_model(args, dev, rows, bwd):
                 if bwd:
                     loss.backward()
 
-            def graph_counts():  # of the last step: eager / captured / replayed FLA round calls
+            def graph_counts():  # of the last step: eager / captured / replayed recurrence calls
                 return params.gdn_graphs.counts if params.gdn_graphs is not None else {}
 
             return step, {"forest": f, "plan": params.gdn_plan, "plan_ms": plan_ms, "mode": "fwd+bwd" if bwd else "fwd",

@@ -40,7 +40,7 @@ import torch
 
 from harts.errors import GdnConfigError, GdnShapeError, HartsConfigTypeError
 from harts.forest import Forest
-from harts.gdn_reference import chunk_gated_delta_rule_reference
+from harts.gdn_rounds import torch_pieces, tree_recurrence
 from harts.upload import upload
 from mcore_distill.validate import validate_fields
 
@@ -123,6 +123,10 @@ class GdnRound:
     init_sources: tuple
     """``(src_round, src_idx [m], dst_idx [m])`` triples: piece ``dst_idx`` of this round starts from
     the final state of piece ``src_idx`` of round ``src_round``; other pieces start from zeros."""
+    grad_rows: torch.Tensor | None = None
+    """[n] compact row whose output each packed position is (``T`` for replayed and state-only
+    positions, whose outputs are discarded): the backward of :mod:`harts.gdn_rounds` reads the
+    output gradient of position ``j`` from row ``grad_rows[j]`` of ``dout`` extended by a zero row."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,7 +171,8 @@ class GdnPlan:
 
         rounds = tuple(GdnRound(rows=mv(r.rows), cu_seqlens=mv(r.cu_seqlens), cu_seqlens_cpu=r.cu_seqlens_cpu,
                                 chunk_indices=mv(r.chunk_indices), keep=mv(r.keep),
-                                init_sources=tuple((a, mv(b), mv(c)) for a, b, c in r.init_sources))
+                                init_sources=tuple((a, mv(b), mv(c)) for a, b, c in r.init_sources),
+                                grad_rows=mv(r.grad_rows))
                        for r in self.rounds)
         return GdnPlan(num_nodes=self.num_nodes, chunk_size=self.chunk_size, align=self.align, anc=mv(self.anc),
                        rounds=rounds, inverse=mv(self.inverse), replay_tokens=self.replay_tokens,
@@ -466,20 +471,23 @@ def build_gdn_plan(forest: Forest, *, chunk_size: int = 64, align: bool = True, 
         for sr in (np.unique(rnd[src_a[ids[has]]]) if has.any() else []):
             dst = np.flatnonzero(has & (rnd[np.where(has, src_a[ids], 0)] == sr))
             srcs.append((int(sr), pos_in_round[src_a[ids[dst]]], dst))
-        host.append((np.concatenate([rows_of[i] for i in ids]), cu, _chunk_indices(cu, chunk_size), keep, srcs))
+        grad_rows = np.full(int(cu[-1]), t, dtype=np.int64)
+        grad_rows[keep] = kept_rows[-1]
+        host.append((np.concatenate([rows_of[i] for i in ids]), cu, _chunk_indices(cu, chunk_size), keep, srcs,
+                     grad_rows))
     order = np.concatenate(kept_rows) if kept_rows else np.zeros(0, dtype=np.int64)
     inverse = np.empty(t, dtype=np.int64)
     inverse[order] = np.arange(t)
     anc = _ancestor_table(parent, conv_width)
     hist = anc[seg_start, 1:][:, ::-1]  # distance W−1 … 1 before each segment
     flat = [inverse, anc, seg_off, _chunk_indices(seg_off, 64), np.where(hist >= 0, hist, t)]
-    for rows, cu, ci, keep, srcs in host:
-        flat += [rows, cu, ci, keep] + [x for _, si, di in srcs for x in (si, di)]
+    for rows, cu, ci, keep, srcs, grad_rows in host:
+        flat += [rows, cu, ci, keep, grad_rows] + [x for _, si, di in srcs for x in (si, di)]
     dev = iter(upload(flat, forest.parent.device))
     inverse_d, anc_d, seg_cu, conv_ci, hist_d = (next(dev) for _ in range(5))
-    for _rows, cu, _ci, _keep, srcs in host:
+    for _rows, cu, _ci, _keep, srcs, _grad_rows in host:
         rounds.append(GdnRound(rows=next(dev), cu_seqlens=next(dev), cu_seqlens_cpu=torch.from_numpy(cu),
-                               chunk_indices=next(dev), keep=next(dev),
+                               chunk_indices=next(dev), keep=next(dev), grad_rows=next(dev),
                                init_sources=tuple((sr, next(dev), next(dev)) for sr, _, _ in srcs)))
     return GdnPlan(num_nodes=t, chunk_size=chunk_size, align=align, anc=anc_d, rounds=tuple(rounds),
                    inverse=inverse_d, replay_tokens=replay, num_pieces=int(n_p),
@@ -557,15 +565,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, cu_cpu: torch.Tensor, h0: torch.Tensor, scale: float,
-               chunk_size: int, backend: str, chunk_indices: torch.Tensor | None = None, graphs=None,
-               index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               chunk_size: int, backend: str, chunk_indices: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One varlen call: packed ``[n, ...]`` inputs, ``h0 [N, HV, K, V]`` → ``o [n, HV, V]``, ``ht [N, ...]``."""
-    if backend == "fla" and graphs is not None and not torch.is_autocast_enabled(q.device.type):
-        from harts.gdn_graphs import fla_round
-
-        o, ht = fla_round(q[None], k[None], v[None], g[None], beta[None], h0, graphs=graphs, index=index,
-                          scale=scale, chunk_size=chunk_size)
-        return o[0], ht
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
@@ -573,18 +575,7 @@ def _run_round(q, k, v, g, beta, *, cu: torch.Tensor, cu_cpu: torch.Tensor, h0: 
                                        initial_state=h0, output_final_state=True, cu_seqlens=cu,
                                        cu_seqlens_cpu=cu_cpu, chunk_indices=chunk_indices, chunk_size=chunk_size)
         return o[0], ht
-    outs, finals = [], []
-    bounds = cu_cpu.tolist()
-    for i in range(len(bounds) - 1):
-        a, b = bounds[i], bounds[i + 1]
-        # fresh (aligned) buffers per piece, as a lone sequence would have: CPU matmul kernels may
-        # sum in a different order for misaligned views, which would break bitwise alignment checks
-        piece = [x[a:b].clone()[None] for x in (q, k, v, g, beta)]
-        o, ht = chunk_gated_delta_rule_reference(*piece, chunk_size=chunk_size, scale=scale,
-                                                 initial_state=h0[i:i + 1], output_final_state=True)
-        outs.append(o[0])
-        finals.append(ht)
-    return torch.cat(outs).to(v.dtype), torch.cat(finals).to(h0.dtype)
+    return torch_pieces(q, k, v, g, beta, h0, cu_cpu, scale, chunk_size)
 
 
 def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -595,9 +586,11 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
     Each round gathers its rows (replayed ancestors included), starts every piece from its
     source piece's final state (zeros at roots), runs one varlen call and keeps the non-replayed
-    outputs; the kept outputs of all rounds are permuted back to compact order.
-    ``graphs``: the microbatch's :class:`harts.gdn_graphs.RoundGraphs` (built for ``plan``); FLA
-    rounds are then captured once and replayed by the other layers.
+    outputs; the kept outputs of all rounds are permuted back to compact order. On the FLA backend
+    all rounds run in one autograd function (:func:`harts.gdn_rounds.tree_recurrence`); on the torch
+    backend as recorded torch operations (:func:`composed_rounds`).
+    ``graphs``: the microbatch's :class:`harts.gdn_graphs.RoundGraphs` (built for ``plan``); the FLA
+    recurrence is then captured once per direction and replayed by the other layers.
     """
     t = plan.num_nodes
     if q.dim() != 3 or k.shape != q.shape:
@@ -618,22 +611,33 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     if backend == "torch" and q.dtype == torch.float64 and state_dtype != torch.float64:
         raise GdnConfigError("fp64 inputs on the torch backend need state_dtype=float64 (an fp32 handoff would "
                              "round the fork states)")
+    scale = q.shape[2] ** -0.5 if scale is None else scale
+    if backend == "fla":
+        if torch.is_autocast_enabled(q.device.type):
+            graphs = None
+        return tree_recurrence(q, k, v, g, beta, plan=plan, kernels="fla", graphs=graphs, scale=scale,
+                               state_dtype=state_dtype)
+    return composed_rounds(q, k, v, g, beta, plan=plan, scale=scale, backend=backend, state_dtype=state_dtype)
+
+
+def composed_rounds(q, k, v, g, beta, *, plan: GdnPlan, scale: float, backend: str,
+                    state_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The rounds of ``plan`` as plain autograd-recorded torch operations around one varlen call per round
+    (``backend``: ``torch`` or ``fla``, FLA's public ``chunk_gated_delta_rule``): the reference of
+    :func:`harts.gdn_rounds.tree_recurrence` and the torch backend of :func:`tree_gated_delta_rule`."""
     hv, kd, vd = v.shape[1], q.shape[2], v.shape[2]
-    scale = kd ** -0.5 if scale is None else scale
     states, kept = [], []
-    for index, rd in enumerate(plan.rounds):
+    for rd in plan.rounds:
         n_pieces = rd.cu_seqlens.numel() - 1
         h0 = q.new_zeros(n_pieces, hv, kd, vd, dtype=state_dtype)
         for sr, si, di in rd.init_sources:
             h0 = h0.index_copy(0, di, states[sr].index_select(0, si))
         if plan.identity:  # one round over all rows in order, nothing replayed (e.g. a chain forest)
             return _run_round(q, k, v, g, beta, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
-                              chunk_indices=rd.chunk_indices,
-                              chunk_size=plan.chunk_size, backend=backend, graphs=graphs, index=index)[0]
+                              chunk_indices=rd.chunk_indices, chunk_size=plan.chunk_size, backend=backend)[0]
         gather = [x.index_select(0, rd.rows) for x in (q, k, v, g, beta)]
         o, ht = _run_round(*gather, cu=rd.cu_seqlens, cu_cpu=rd.cu_seqlens_cpu, h0=h0, scale=scale,
-                           chunk_indices=rd.chunk_indices,
-                           chunk_size=plan.chunk_size, backend=backend, graphs=graphs, index=index)
+                           chunk_indices=rd.chunk_indices, chunk_size=plan.chunk_size, backend=backend)
         states.append(ht.to(state_dtype))
         kept.append(o.index_select(0, rd.keep))
     return torch.cat(kept).index_select(0, plan.inverse)

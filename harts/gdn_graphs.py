@@ -1,29 +1,22 @@
-"""CUDA graphs of the FLA recurrence calls that the GDN layers of one microbatch share.
+"""CUDA graphs of the GDN recurrence that the GDN layers of one microbatch share.
 
 Every Gated DeltaNet layer of a microbatch runs the rounds of one :class:`harts.gdn.GdnPlan`: the same
-``cu_seqlens``, chunk indices and shapes, only ``q, k, v, g, β`` and the start states differ. FLA's
-host side (its Python, autotuner lookups and Triton's launcher for the 5 forward / 8 backward
-kernels) costs about 1 ms per forward and 1.4 ms per backward call on an H200 host, as much as the
-GPU spends on a 16k-token round (docs/harts_gdn.md). :class:`RoundGraphs` runs the first call of
-each (round, direction) eagerly, which compiles and autotunes whatever is new, captures the second
-in a CUDA graph and replays it for every later layer: the host then issues the copies into the
-graph's static inputs, one graph launch and the copies out. Those copies cost about what the graphs
-save: at Qwen3-Next widths the graphed step has a third more GPU operations than the eager one and
-no lower wall time (docs/benchmarks.md, 2026-12-02 15:58).
-
-The forward of a round is FLA's ``chunk_gated_delta_rule_fwd``: ``o``, the final states ``h_T`` and,
-saved for the backward, the chunk-local cumulative gate ``g_c`` and the WY factor
-``A = (I + tril(diag(β) K Kᵀ ⊙ Γ, −1))⁻¹`` per chunk; the backward is FLA's
-``chunk_gated_delta_rule_bwd`` (it recomputes ``W, U`` and the chunk states from them). Both are
-called directly, past FLA's backend dispatch and input guard (the same kernels the public
-``chunk_gated_delta_rule`` runs without a FlashQLA install). A replay runs the captured kernels with
-the configurations of the eager call: results are bitwise those of eager execution (GPU test).
+gathers, ``cu_seqlens``, chunk indices and shapes, only ``q, k, v, g, β`` differ. On an H200 host the
+recurrence's host side (the gathers and state hand-offs, FLA's Python, autotuner lookups and Triton's
+launcher for the 5 forward / 8 backward kernels of every round) costs more than the GPU spends on a
+16k-token tree (docs/harts_gdn.md). :class:`RoundGraphs` runs the first call of each direction
+(:func:`harts.gdn_rounds.tree_recurrence`'s forward and backward over all rounds) eagerly, which
+compiles and autotunes whatever is new, captures the second in a CUDA graph and replays it for every
+later layer: the host then issues the copies into the graph's static inputs, one graph launch and,
+for the forward, the copies of what the layer keeps (its output, start states and the kernels' saved
+tensors). A replay runs the captured kernels with the configurations of the eager call: results are
+bitwise those of eager execution (GPU test).
 
 Memory: the graphs of a microbatch share one ``torch.cuda.MemPool`` that holds their
-intermediates (chunk states ``h``, ``v_new``, ``dh``, …) and outputs, plus static copies of one
-call's inputs per graph, until the :class:`RoundGraphs` is dropped with the microbatch's
-parameters. A pool that outlives the microbatch (``TreeGatedDeltaNet`` passes the one its layer
-keeps) hands those blocks to the next microbatch's captures: without it every microbatch
+intermediates (gathered rows, chunk states ``h``, ``v_new``, ``dh``, …) and outputs, plus static
+copies of one call's inputs per graph, until the :class:`RoundGraphs` is dropped with the
+microbatch's parameters. A pool that outlives the microbatch (``TreeGatedDeltaNet`` passes the one
+its layer keeps) hands those blocks to the next microbatch's captures: without it every microbatch
 allocates its graphs' memory with ``cudaMalloc`` afresh (measured 31 calls, 5.6 ms of host time
 per step at Qwen3-Next widths) and frees it with ``cudaFree``, which waits for the device.
 
@@ -35,32 +28,11 @@ assert on the first capture into a pool whose graphs have all been dropped (GPU 
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 
 import torch
 
-from harts.errors import GdnConfigError
-
-__all__ = ["GraphPool", "RoundGraphs", "fla_round"]
-
-
-def _fla_fwd(q, k, v, g, beta, h0, *, cu, chunk_indices, scale: float, chunk_size: int):
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-
-    gc, o, a, ht, _, _ = chunk_gated_delta_rule_fwd(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
-        cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=chunk_size)
-    return o.to(q.dtype), ht, gc, a
-
-
-def _fla_bwd(q, k, v, gc, beta, a, h0, do, dht, *, cu, chunk_indices, scale: float, chunk_size: int):
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
-
-    dq, dk, dv, db, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
-        q=q, k=k, v=v, g=gc, beta=beta, A=a, scale=scale, initial_state=h0, do=do, dht=dht,
-        cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=chunk_size)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, db.to(beta.dtype), dh0
+__all__ = ["GraphPool", "RoundGraphs"]
 
 
 class GraphPool:
@@ -126,11 +98,13 @@ def _fla_tensor_cache_bypassed():
 class _GraphedCall:
     """``fn(*tensors)``: eager on the first call of a signature, captured on the second, replayed after.
 
-    Falls back to eager for good (with one warning) if a capture fails.
+    Falls back to eager for good (with one warning) if a capture fails. ``keep_outputs``: a replay
+    returns copies of the graph's outputs (they must outlive the next replay); else the graph's own
+    output tensors, which the next replay overwrites.
     """
 
-    def __init__(self, fn, graphs: RoundGraphs, name: str):
-        self.fn, self.graphs, self.name = fn, graphs, name
+    def __init__(self, fn, graphs: RoundGraphs, name: str, *, keep_outputs: bool = True):
+        self.fn, self.graphs, self.name, self.keep_outputs = fn, graphs, name, keep_outputs
         self.signature, self.calls = None, 0
         self.graph = self.inputs = self.outputs = None
         self.failed = False
@@ -148,7 +122,7 @@ class _GraphedCall:
             dst.copy_(src)
         self.graph.replay()
         self.counts["replayed"] += 1
-        return tuple(o.clone() for o in self.outputs)
+        return tuple(o.clone() for o in self.outputs) if self.keep_outputs else tuple(self.outputs)
 
     def _capture(self, args) -> bool:
         """Capture ``fn`` on static inputs into the microbatch's :class:`GraphPool`."""
@@ -160,7 +134,7 @@ class _GraphedCall:
                 outputs = pool.capture(graph, self.fn, *inputs)
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager execution
             self.failed = True
-            warnings.warn(f"harts.gdn_graphs: capturing FLA's {self.name} in a CUDA graph failed ({e!r}); "
+            warnings.warn(f"harts.gdn_graphs: capturing the {self.name} in a CUDA graph failed ({e!r}); "
                           "this microbatch runs it eagerly", RuntimeWarning, stacklevel=3)
             return False
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
@@ -169,7 +143,8 @@ class _GraphedCall:
 
 
 class RoundGraphs:
-    """CUDA graphs of one microbatch's FLA round calls (forward and backward), shared by its GDN layers.
+    """CUDA graphs of one microbatch's recurrence (forward and backward over all rounds), shared by its
+    GDN layers.
 
     Create one per plan (``make_gdn_tree_params`` does when ``GdnTreeConfig.cuda_graphs``) and drop it
     with the microbatch: it keeps the graphs, their memory pool and the plan alive.
@@ -187,13 +162,10 @@ class RoundGraphs:
             self.pool = GraphPool(device)
         return self.pool
 
-    def _call(self, index: int, direction: str, scale: float, chunk_size: int) -> _GraphedCall:
-        key = (index, direction, scale, chunk_size)
+    def call(self, key: tuple, fn, *, keep_outputs: bool = True) -> _GraphedCall:
+        """The graphed call for ``key`` (``(direction, …)``), built around ``fn`` at its first request."""
         if key not in self._calls:
-            rd = self.plan.rounds[index]
-            fn = functools.partial(_fla_fwd if direction == "forward" else _fla_bwd, cu=rd.cu_seqlens,
-                                   chunk_indices=rd.chunk_indices, scale=scale, chunk_size=chunk_size)
-            self._calls[key] = _GraphedCall(fn, self, f"round {index} {direction}")
+            self._calls[key] = _GraphedCall(fn, self, f"recurrence {key[0]}", keep_outputs=keep_outputs)
         return self._calls[key]
 
     @property
@@ -204,29 +176,3 @@ class RoundGraphs:
             for k, v in c.counts.items():
                 out[k] += v
         return out
-
-
-class _FlaRound(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, graphs, index, scale, chunk_size):
-        o, ht, gc, a = graphs._call(index, "forward", scale, chunk_size)(q, k, v, g, beta, h0)
-        ctx.save_for_backward(q, k, v, gc, beta, a, h0)
-        ctx.graphs, ctx.key, ctx.g_dtype = graphs, (index, "backward", scale, chunk_size), g.dtype
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, gc, beta, a, h0 = ctx.saved_tensors
-        call = ctx.graphs._call(*ctx.key)
-        dq, dk, dv, dg, db, dh0 = call(q, k, v, gc, beta, a, h0, do.contiguous(), dht.contiguous())
-        return dq, dk, dv, dg.to(ctx.g_dtype), db, dh0, None, None, None, None
-
-
-def fla_round(q, k, v, g, beta, h0, *, graphs: RoundGraphs, index: int, scale: float, chunk_size: int):
-    """Round ``index`` of ``graphs.plan`` through FLA: ``q, k [1, n, H, K]``, ``v [1, n, HV, V]``,
-    ``g, beta [1, n, HV]``, ``h0 [N, HV, K, V]`` fp32 → ``o [1, n, HV, V]``, ``h_T [N, HV, K, V]`` fp32
-    (differentiable in every input), eager or replayed from the microbatch's graphs."""
-    if not 0 <= index < len(graphs.plan.rounds):
-        raise GdnConfigError(f"round index {index} is outside the plan's {len(graphs.plan.rounds)} rounds")
-    args = [x.contiguous() for x in (q, k, v, g, beta, h0)]
-    return _FlaRound.apply(*args, graphs, index, scale, chunk_size)

@@ -3,7 +3,7 @@
 Builds ``bench.harts_gdn``'s Qwen3-Next-width hybrid GPT (``GGGA`` × 2) on the ρ = 0.75 GRPO group and
 runs the ``tree`` step with CUDA graphs on and off. Forward hooks time each module's forward on the host
 (no device synchronization inside the step), and the GDN layer's own pieces (tree convolution, input
-preparation, g/β, the tree recurrence, the gated norm, the graphed FLA round calls and their captures)
+preparation, g/β, the tree recurrence, the gated norm, the graphed recurrence calls and their captures)
 are timed by wrapping them; a graphed call's host time is split into the wrapped FLA function (its eager
 first calls and its run under capture), the captures and ``CUDAGraph.replay``. Forward hooks on modules
 that Megatron calls inside a compiled region (the gated norm's ``out_norm``) make dynamo recompile that
@@ -112,12 +112,12 @@ def main() -> None:
     cls = gdn_megatron.TreeGatedDeltaNet
     for meth in ("_prepare_input_for_gated_delta_rule", "_compute_g_and_beta", "_apply_gated_norm"):
         setattr(cls, meth, timed("fn " + meth, getattr(cls, meth)))
-    gdn_graphs._GraphedCall.__call__ = timed("fn graphed round call", gdn_graphs._GraphedCall.__call__)
-    gdn_graphs._GraphedCall._capture = timed("fn round capture", gdn_graphs._GraphedCall._capture)
+    gdn_graphs._GraphedCall.__call__ = timed("fn graphed recurrence call", gdn_graphs._GraphedCall.__call__)
+    gdn_graphs._GraphedCall._capture = timed("fn recurrence capture", gdn_graphs._GraphedCall._capture)
     eager_fn = gdn_graphs._GraphedCall.__init__
 
-    def init(self, fn, graphs, name):
-        eager_fn(self, timed("fn graphed call: eager or captured fn", fn), graphs, name)
+    def init(self, fn, graphs, name, **kw):
+        eager_fn(self, timed("fn graphed call: eager or captured fn", fn), graphs, name, **kw)
 
     gdn_graphs._GraphedCall.__init__ = init
     torch.cuda.CUDAGraph.replay = timed("fn graphed call: CUDAGraph.replay", torch.cuda.CUDAGraph.replay)

@@ -284,11 +284,45 @@ def test_config_is_a_hydra_structured_config():
         OmegaConf.to_object(OmegaConf.merge(cfg, {"chunk_size": 48}))
 
 
+@pytest.mark.parametrize("schedule", ["level", "chain"])
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("seqs", GDN_CASES + [pytest.param("chain-forest", id="chain-forest")])
+def test_one_function_recurrence_equals_composed_rounds_fp64(seqs, align, schedule):
+    """:func:`harts.gdn_rounds.tree_recurrence` (all rounds in one autograd function, explicit backward:
+    output-gradient rows, state-gradient routing, scatter-adds) on the torch kernels equals the
+    composed autograd path in fp64: outputs and every input gradient within 1e-12. The chain schedule
+    adds state-only pieces (several rounds read one source round); the chain forest takes the
+    identity path."""
+    from harts.gdn import composed_rounds
+    from harts.gdn_rounds import tree_recurrence
+
+    if seqs == "chain-forest":
+        f = build_chain_forest(GDN_CASES[0].values[0] + GDN_CASES[3].values[0])
+    else:
+        f = build_forest(seqs).padded(4)
+    plan = build_gdn_plan(f, chunk_size=C, align=align, schedule=schedule)
+    base = _inputs(f.num_nodes, seed=len(f.seq_offsets))
+    wt = torch.randn(f.num_nodes, 4, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    res = []
+    for fn in (lambda *x: tree_recurrence(*x, plan=plan, kernels="torch", state_dtype=torch.float64),
+               lambda *x: composed_rounds(*x, plan=plan, scale=8 ** -0.5, backend="torch", state_dtype=torch.float64)):
+        leaves = [x.clone().requires_grad_(True) for x in base]
+        o = fn(*leaves)
+        (o * wt).sum().backward()
+        res.append((o.detach(), [x.grad for x in leaves]))
+    (o1, g1), (o2, g2) = res
+    assert_close("o", o2, o1, atol=1e-12, rtol=1e-12)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g2, g1):
+        assert a.abs().max() > 0
+        assert_close(name, a, b, atol=1e-12, rtol=1e-12)
+
+
 def test_round_graphs_belong_to_one_plan_and_stay_idle_off_fla():
     """``RoundGraphs`` is built for one plan (another plan is a typed error); on the torch backend it is
     never used (no eager/capture/replay counted) and results equal a run without it."""
-    from harts.gdn_graphs import RoundGraphs, fla_round
+    from harts.gdn_graphs import RoundGraphs
     from harts.gdn_megatron import make_gdn_tree_params
+    from harts.gdn_rounds import tree_recurrence
 
     f = build_forest([[1, 2, 3], [1, 2, 4]])
     plan, other = build_gdn_plan(f, chunk_size=C), build_gdn_plan(f, chunk_size=C)
@@ -299,12 +333,38 @@ def test_round_graphs_belong_to_one_plan_and_stay_idle_off_fla():
     out = tree_gated_delta_rule(q, k, v, g, beta, plan=plan, state_dtype=torch.float64, graphs=graphs)
     assert torch.equal(out, tree_gated_delta_rule(q, k, v, g, beta, plan=plan, state_dtype=torch.float64))
     assert graphs.counts == {"eager": 0, "captured": 0, "replayed": 0}
-    n = plan.num_rounds
-    with pytest.raises(GdnConfigError, match=f"round index {n} is outside the plan's {n} rounds"):
-        fla_round(q[None], k[None], v[None], g[None], beta[None], q.new_zeros(1, 4, 4, 4), graphs=graphs, index=n,
-                  scale=1.0, chunk_size=C)
+    with pytest.raises(GdnConfigError, match="graphs were built for another plan"):
+        tree_recurrence(q, k, v, g, beta, plan=other, kernels="torch", graphs=graphs)
+    with pytest.raises(GdnConfigError, match="kernels must be one of .* got 'cuda'"):
+        tree_recurrence(q, k, v, g, beta, plan=plan, kernels="cuda")
     assert isinstance(make_gdn_tree_params(f, backend="dense").gdn_graphs, RoundGraphs)
     assert make_gdn_tree_params(f, config=GdnTreeConfig(cuda_graphs=False), backend="dense").gdn_graphs is None
+
+
+def test_recurrence_with_graphs_off_cuda_falls_back_to_eager():
+    """Through the autograd function with :class:`RoundGraphs`: three layers, the second tries its
+    captures (forward and backward; no CUDA here), warns and runs eagerly: every layer's output and
+    gradients equal those without graphs."""
+    from harts.gdn_graphs import RoundGraphs
+    from harts.gdn_rounds import tree_recurrence
+
+    f = build_forest(GDN_CASES[0].values[0])
+    plan = build_gdn_plan(f, chunk_size=C)
+    base = _inputs(f.num_nodes)
+    graphs = RoundGraphs(plan)
+    res = []
+    for gr in (None, graphs):
+        leaves = [[x.clone().requires_grad_(True) for x in base] for _ in range(3)]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            outs = [tree_recurrence(*xs, plan=plan, kernels="torch", graphs=gr, state_dtype=torch.float64)
+                    for xs in leaves]
+            sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+        res.append((outs, [[x.grad for x in xs] for xs in leaves]))
+        assert len([w for w in seen if "CUDA graph failed" in str(w.message)]) == (0 if gr is None else 2)
+    assert graphs.counts == {"eager": 6, "captured": 0, "replayed": 0}
+    for (o1, g1), (o2, g2) in zip(zip(*res[0]), zip(*res[1])):
+        assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
 def test_graphed_call_runs_eagerly_when_capture_fails():
@@ -318,10 +378,10 @@ def test_graphed_call_runs_eagerly_when_capture_fails():
         seen.append(1)
         return (x + y, x * y)
 
-    call = _GraphedCall(fn, None, "round 0 forward")
+    call = _GraphedCall(fn, None, "recurrence forward")
     a, b = torch.arange(3.0), torch.full((3,), 2.0)
     assert all(torch.equal(u, w) for u, w in zip(call(a, b), (a + b, a * b)))
-    with pytest.warns(RuntimeWarning, match="capturing FLA's round 0 forward in a CUDA graph failed"):
+    with pytest.warns(RuntimeWarning, match="capturing the recurrence forward in a CUDA graph failed"):
         call(a, b)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -253,11 +253,13 @@ def _deterministic():
 @pytest.mark.parametrize("schedule", ["level", "chain"])
 @pytest.mark.parametrize("kind", ["grpo", "caterpillar"])
 def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
-    """Four "layers" share one plan: with :class:`RoundGraphs` the first call of every round and
-    direction runs eagerly, the second is captured, the rest replay. Outputs and every gradient must
-    be bitwise those of FLA's public ``chunk_gated_delta_rule`` (no graphs), and the counts must show
-    the captures and replays happened. Both under torch's deterministic mode, and the reference
-    must first reproduce itself bitwise."""
+    """Four "layers" share one plan: with :class:`RoundGraphs` the first call of each direction (the
+    recurrence over all rounds) runs eagerly, the second is captured, the rest replay. Outputs and
+    every gradient must be bitwise those of the same function without graphs, and those bitwise the
+    composed path through FLA's public ``chunk_gated_delta_rule`` (autograd-recorded gathers); the
+    counts must show the captures and replays happened. Under torch's deterministic mode, and the
+    reference must first reproduce itself bitwise."""
+    from harts.gdn import composed_rounds
     from harts.gdn_graphs import RoundGraphs
 
     f = build_forest(_forests()[kind], device="cuda")
@@ -266,9 +268,12 @@ def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
     base = _layer_inputs(f.num_nodes, layers, dtype)
     wt = torch.randn(f.num_nodes, 4, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
 
-    def run(graphs):
+    def run(graphs, composed=False):
         leaves = [[x.clone().requires_grad_(True) for x in layer] for layer in base]
-        outs = [tree_gated_delta_rule(*xs, plan=plan, backend="fla", graphs=graphs) for xs in leaves]
+        if composed:
+            outs = [composed_rounds(*xs, plan=plan, scale=64 ** -0.5, backend="fla") for xs in leaves]
+        else:
+            outs = [tree_gated_delta_rule(*xs, plan=plan, backend="fla", graphs=graphs) for xs in leaves]
         loss = sum(((o.float() * wt) * (i + 1)).sum() for i, o in enumerate(outs))
         with _needs_tilelang():
             loss.backward()
@@ -284,8 +289,13 @@ def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
         got_o, got_g = run(graphs)
         # FLA's identity-keyed index memo saw no tensor of a graph's pool: the eager path still agrees
         after_o, after_g = run(None)
-    r = plan.num_rounds
-    assert graphs.counts == {"eager": 2 * r, "captured": 2 * r, "replayed": 2 * r * (layers - 1)}, graphs.counts
+        pub_o, pub_g = run(None, composed=True)
+    assert graphs.counts == {"eager": 2, "captured": 2, "replayed": 2 * (layers - 1)}, graphs.counts
+    for i in range(layers):
+        assert torch.equal(ref_o[i], pub_o[i]), f"layer {i} output differs from the composed public path"
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g[i], pub_g[i]):
+            assert torch.equal(a, b), f"layer {i} {name} differs from the composed public path " \
+                                      f"(max {(a - b).abs().max().item():.3e})"
     for i in range(layers):
         assert torch.equal(ref_o[i], got_o[i]), f"layer {i} output differs"
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g[i], got_g[i]):
@@ -305,7 +315,7 @@ def test_kept_pool_captures_after_its_graphs_died():
 
     f = build_forest(_forests()["grpo"], device="cuda")
     plan = build_gdn_plan(f, chunk_size=64, align=True, schedule="level")
-    layers, r = 3, plan.num_rounds
+    layers = 3
     base = _layer_inputs(f.num_nodes, layers, torch.bfloat16)
     pool = GraphPool("cuda")
     with _deterministic(), torch.no_grad():
@@ -315,7 +325,7 @@ def test_kept_pool_captures_after_its_graphs_died():
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns: fail here
                 got = [tree_gated_delta_rule(*xs, plan=plan, backend="fla", graphs=graphs) for xs in base]
-            assert graphs.counts == {"eager": r, "captured": r, "replayed": r * (layers - 1)}, graphs.counts
+            assert graphs.counts == {"eager": 1, "captured": 1, "replayed": layers - 1}, graphs.counts
             assert all(torch.equal(a, b) for a, b in zip(ref, got))
             del graphs, got  # the microbatch's graphs die before the next one captures
 
