@@ -130,6 +130,7 @@ def _checkpoint(args, rows, bwd):
     return write_results("harts_gdn", rows, {"quick": args.quick, "widths": args.widths,
                                              "mode": "fwd+bwd" if bwd else "fwd",
                                              "chunk_size": 64, "skipped_cases": args.skipped,
+                                             "microbatches": getattr(args, "microbatches", 1),
                                              "model_attention_backend": args.backend})
 
 
@@ -195,11 +196,13 @@ def _measure(args, section: str, case: str, providers, build, rows: list) -> dic
             print(f"[{section}] {case} {provider}: the plan of tree ({tree_schedule} schedule)", flush=True)
             continue
         step, info = built[provider]
-        plan, f, tm = info["plan"], info["forest"], times[provider]
+        mb = info.get("microbatches", 1)  # times below are per microbatch
+        plan, f, tm = info["plan"], info["forest"], _per_microbatch(times[provider], mb)
         mem = peak_memory(step)
         prof = kernel_profile(step)
-        kern = prof.get("kernel_ms", float("nan"))
+        kern = prof.get("kernel_ms", float("nan")) / mb
         host = host_profile(step, top=8 if section == "layer" else 12)
+        host["issue_ms"] /= mb
         row = {"bench": "harts_gdn", "section": section, "case": case, "provider": provider,
                "mode": info["mode"], "ms_min": tm["min"], "ms_p20": tm["p20"], "ms_p50": tm["p50"],
                "ms_p80": tm["p80"], "ms_samples": tm["samples"], "issue_ms_samples": tm["issue_samples"],
@@ -209,7 +212,7 @@ def _measure(args, section: str, case: str, providers, build, rows: list) -> dic
                "schedule": plan.schedule if plan else None, "replay_tokens": plan.replay_tokens if plan else 0,
                "export_tokens": plan.export_tokens if plan else 0,
                "pieces": plan.num_pieces if plan else f.num_seqs,
-               "tokens_per_s": f.total_tokens / (tm["min"] / 1e3), **_host_fields(prof, host),
+               "tokens_per_s": f.total_tokens / (tm["min"] / 1e3), "microbatches": mb, **_host_fields(prof, host),
                "graph_counts": info.get("graph_counts", dict)()}
         out[provider] = row
         rows.append(row)
@@ -316,6 +319,12 @@ def step_loss(out, f):
     return -sequence_logprobs(out.logp, f).mean() - 0.01 * sequence_entropy(out.entropy, f).mean()
 
 
+def _per_microbatch(tm: dict, mb: int) -> dict:
+    """:func:`bench._common.time_interleaved`'s entry of a step of ``mb`` microbatches, per microbatch."""
+    return {k: (v / mb if isinstance(v, float) else [x / mb for x in v] if isinstance(v, list) else v)
+            for k, v in tm.items()}
+
+
 def _same_as_tree(provider: str, tree_schedule: str | None) -> bool:
     """A forced, aligned schedule equal to the one the default ``tree`` provider chose."""
     return provider in ("tree_level", "tree_chainsched") and _FORCED[provider] == tree_schedule
@@ -339,20 +348,21 @@ def bench_model(args, dev, rows, bwd):
                                warmup=1, iters=args.iters)["p50"]
             params = make_gdn_tree_params(f, config=gdn, backend=backend)
 
-            def step():
-                _fresh_graphs(params)
+            def step():  # args.microbatches issued back to back, gradients accumulated, as in training
                 model.zero_grad(set_to_none=True)
-                with torch.set_grad_enabled(bwd):
-                    out = tree_forward(model, f, params=params)
-                    loss = step_loss(out, f)
-                if bwd:
-                    loss.backward()
+                for _ in range(args.microbatches):
+                    _fresh_graphs(params)
+                    with torch.set_grad_enabled(bwd):
+                        out = tree_forward(model, f, params=params)
+                        loss = step_loss(out, f)
+                    if bwd:
+                        loss.backward()
 
             def graph_counts():  # of the last step: eager / captured / replayed recurrence calls
                 return params.gdn_graphs.counts if params.gdn_graphs is not None else {}
 
             return step, {"forest": f, "plan": params.gdn_plan, "plan_ms": plan_ms, "mode": "fwd+bwd" if bwd else "fwd",
-                          "graph_counts": graph_counts}
+                          "graph_counts": graph_counts, "microbatches": args.microbatches}
 
         got = _measure(args, "model", case, args.providers, build, rows)
         _checkpoint(args, rows, bwd)
@@ -404,10 +414,17 @@ def main():
     ap.add_argument("--widths", choices=sorted(WIDTHS), default="small",
                     help="model widths: 'small' (hidden 1024, vocab 32,000: every run until 2026-12-02) or "
                          "'qwen3-next' (Qwen3-Next-80B-A3B's hidden, attention, GDN and vocabulary widths, dense FFN)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="model section: microbatches per timed step, issued back to back with gradients "
+                         "accumulated and one device synchronization at the end (as Megatron's "
+                         "forward_backward_func runs them); times are reported per microbatch. 1 (default): an "
+                         "isolated microbatch, synchronized after it")
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="skip the remaining cases once this many seconds have passed (the JSON names them)")
     args = ap.parse_args()
     args.iters = args.iters or (1 if args.quick else 5)
+    if args.microbatches < 1:
+        ap.error(f"--microbatches must be >= 1, got {args.microbatches}")
     args.cases = [c for c in args.cases.split(",") if c]
     extra = [p for p in args.providers.split(",") if p and p not in ("chain", "tree")]
     bad = sorted(set(extra) - set(MODEL_PROVIDERS))
@@ -428,7 +445,8 @@ def main():
         print("\nGDN layer (ms: minimum over the interleaved rounds; chain = our path without sharing; thd_mcore = Megatron GatedDeltaNet THD):")
         print_table(layer, list(layer[0]))
     if model:
-        print("\nhybrid model GGGA (ms: minimum over the interleaved rounds, fwd+bwd step):")
+        print(f"\nhybrid model GGGA (ms: minimum over the interleaved rounds, fwd+bwd per microbatch, "
+              f"{args.microbatches} per synchronized step):")
         print_table(model, list(model[0]))
 
 

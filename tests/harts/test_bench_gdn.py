@@ -44,6 +44,27 @@ def test_gdn_bench_quick_model_rows(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_gdn_bench_microbatches_report_per_microbatch(tmp_path):
+    """``--microbatches 2``: each timed step issues two microbatches back to back; rows and header say
+    so and every time is per microbatch (the issue time of a sample stays within its wall time)."""
+    proc = subprocess.run([sys.executable, "-m", "bench.harts_gdn", "--quick", "--sections", "model", "--cases",
+                           "rho=0.75", "--providers", "tree_eager", "--microbatches", "2"], cwd=ROOT,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fwd+bwd per microbatch, 2 per synchronized step" in proc.stdout
+    data = json.loads((tmp_path / "harts_gdn.json").read_text())
+    assert data["extra"]["microbatches"] == 2
+    rows = data["rows"]
+    assert {r["provider"] for r in rows} == {"chain", "tree", "tree_eager"}
+    for r in rows:
+        assert r["microbatches"] == 2 and r["ms_min"] == min(r["ms_samples"]) > 0
+        assert all(0 < i <= w for i, w in zip(r["issue_ms_samples"], r["ms_samples"])), r["provider"]
+    bad = subprocess.run([sys.executable, "-m", "bench.harts_gdn", "--quick", "--microbatches", "0"], cwd=ROOT,
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--microbatches must be >= 1, got 0" in bad.stderr
+
+
+@pytest.mark.timeout(300)
 def test_qwen3_next_widths_run_the_tree_path(tmp_path):
     code = """
 import torch

@@ -255,10 +255,14 @@ def _deterministic():
 def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
     """Four "layers" share one plan: with :class:`RoundGraphs` the first call of each direction (the
     recurrence over all rounds) runs eagerly, the second is captured, the rest replay. Outputs and
-    every gradient must be bitwise those of the same function without graphs, and those bitwise the
-    composed path through FLA's public ``chunk_gated_delta_rule`` (autograd-recorded gathers); the
-    counts must show the captures and replays happened. Under torch's deterministic mode, and the
-    reference must first reproduce itself bitwise."""
+    every gradient must be bitwise those of the same function without graphs; the counts must show
+    the captures and replays happened. Under torch's deterministic mode, and the reference must first
+    reproduce itself bitwise. Against the composed path through FLA's public
+    ``chunk_gated_delta_rule`` (autograd-recorded gathers): outputs bitwise; gradients within
+    3 eps(dtype) of their largest entry, because a row gathered by several rounds (replayed rows, the
+    chain schedule's state-only pieces) has its contributions summed in a different order: one
+    ``index_add_`` per round into one buffer, against autograd's per-round buffers added after
+    (measured: caterpillar, chain schedule, bf16: one bf16 ulp of ``dk``)."""
     from harts.gdn import composed_rounds
     from harts.gdn_graphs import RoundGraphs
 
@@ -294,8 +298,8 @@ def test_graphed_rounds_bitwise_equal_eager(kind, schedule, dtype):
     for i in range(layers):
         assert torch.equal(ref_o[i], pub_o[i]), f"layer {i} output differs from the composed public path"
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g[i], pub_g[i]):
-            assert torch.equal(a, b), f"layer {i} {name} differs from the composed public path " \
-                                      f"(max {(a - b).abs().max().item():.3e})"
+            err, bound = (a - b).abs().max().item(), 3 * torch.finfo(a.dtype).eps * b.abs().max().item()
+            assert err <= bound, f"layer {i} {name} differs from the composed public path ({err:.3e} > {bound:.3e})"
     for i in range(layers):
         assert torch.equal(ref_o[i], got_o[i]), f"layer {i} output differs"
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), ref_g[i], got_g[i]):
