@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 
@@ -101,10 +102,15 @@ class _GraphedCall:
     Falls back to eager for good (with one warning) if a capture fails. ``keep_outputs``: a replay
     returns copies of the graph's outputs (they must outlive the next replay); else the graph's own
     output tensors, which the next replay overwrites.
+
+    It refers to its :class:`RoundGraphs` weakly: a reference cycle would leave a dropped microbatch's
+    graphs and pool to Python's cyclic collector, which can run in the middle of a later capture, and
+    destroying a graph or releasing a pool's memory (``cudaFree``) inside a capture invalidates it.
     """
 
-    def __init__(self, fn, graphs: RoundGraphs, name: str, *, keep_outputs: bool = True):
-        self.fn, self.graphs, self.name, self.keep_outputs = fn, graphs, name, keep_outputs
+    def __init__(self, fn, graphs: RoundGraphs | None, name: str, *, keep_outputs: bool = True):
+        self.fn, self.name, self.keep_outputs = fn, name, keep_outputs
+        self._graphs = weakref.ref(graphs) if graphs is not None else lambda: None
         self.signature, self.calls = None, 0
         self.graph = self.inputs = self.outputs = None
         self.failed = False
@@ -128,7 +134,7 @@ class _GraphedCall:
         """Capture ``fn`` on static inputs into the microbatch's :class:`GraphPool`."""
         inputs = tuple(torch.empty_like(a) for a in args)
         try:
-            pool = self.graphs.graph_pool(args[0].device)
+            pool = self._graphs().graph_pool(args[0].device)
             graph = torch.cuda.CUDAGraph()
             with _fla_tensor_cache_bypassed():
                 outputs = pool.capture(graph, self.fn, *inputs)

@@ -367,6 +367,32 @@ def test_recurrence_with_graphs_off_cuda_falls_back_to_eager():
         assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
+def test_dropped_round_graphs_are_freed_without_the_cyclic_collector():
+    """A microbatch's :class:`RoundGraphs` (with its graphed calls, after a forward and backward) is freed
+    by reference counting the moment it is dropped: were it left to Python's cyclic collector, that
+    could run inside a later microbatch's capture, and destroying graphs or releasing a pool there
+    invalidates the capture (seen on the GPU lane as a failed capture, 2026-12-02)."""
+    import gc
+    import weakref
+
+    from harts.gdn_graphs import RoundGraphs
+    from harts.gdn_rounds import tree_recurrence
+
+    f = build_forest(GDN_CASES[0].values[0])
+    plan = build_gdn_plan(f, chunk_size=C)
+    graphs = RoundGraphs(plan)
+    xs = [x.requires_grad_(True) for x in _inputs(f.num_nodes)]
+    tree_recurrence(*xs, plan=plan, kernels="torch", graphs=graphs, state_dtype=torch.float64).sum().backward()
+    assert graphs.counts["eager"] == 2  # the forward and backward calls exist
+    ref = weakref.ref(graphs)
+    gc.disable()
+    try:
+        del graphs
+        assert ref() is None, gc.get_referrers(ref())
+    finally:
+        gc.enable()
+
+
 def test_graphed_call_runs_eagerly_when_capture_fails():
     """The capture policy: call 1 eager; call 2 tries a capture, and a failure (here: no CUDA) warns once
     and keeps the call eager for good, with the eager results."""
