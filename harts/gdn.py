@@ -82,12 +82,11 @@ class GdnTreeConfig:
     much host time as the GPU spends on a 16k-token round, so rounds, not recomputed tokens, set
     the wall clock (a 9-round caterpillar: 314 ms level vs 158 ms chain, docs/harts_gdn.md)."""
     cuda_graphs: bool = True
-    """FLA backend: capture each round's FLA call (forward and backward) in a CUDA graph at its second
-    use in a microbatch and replay it for the remaining GDN layers (:mod:`harts.gdn_graphs`; bitwise
-    equal results; FLA's host cost per call is paid about twice per round and direction instead of
-    once per layer, but each replay copies its inputs and outputs: at Qwen3-Next widths the step's
-    wall time with and without graphs was measured equal, docs/benchmarks.md). No effect on the
-    torch backend."""
+    """FLA backend: capture the layer's recurrence (the forward over all rounds, and the backward) in a
+    CUDA graph at its second use in a microbatch and replay it for the remaining GDN layers
+    (:mod:`harts.gdn_graphs`; bitwise equal results; the host cost is paid twice per direction instead
+    of once per layer, plus each replay's input and output copies: at Qwen3-Next widths 76.2 vs
+    80.7 ms per tree step, docs/benchmarks.md). No effect on the torch backend."""
 
     def __post_init__(self) -> None:
         validate_fields(self, error=GdnConfigError, type_error=HartsConfigTypeError)
