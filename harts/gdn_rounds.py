@@ -24,7 +24,9 @@ and what the kernel keeps for its backward (FLA: the chunk-local cumulative gate
 ``A``). With :class:`harts.gdn_graphs.RoundGraphs` the whole forward (all rounds) is one CUDA graph
 and the whole backward another, captured at their second use in a microbatch and replayed by the
 remaining GDN layers: a replaying layer then costs the host five input copies, one launch and the
-output copies per direction.
+output copies per direction. Without autograd (``no_grad``, or no input requiring a gradient: a
+teacher's scoring pass) only the forward runs, nothing is saved and a replay copies out the output
+alone.
 
 Kernels: ``fla`` (FLA's ``chunk_gated_delta_rule_fwd/_bwd``, called directly: the kernels of the public
 ``chunk_gated_delta_rule``, GPU tests compare them bitwise) and ``torch`` (the chunked reference of
@@ -129,6 +131,11 @@ def _forward(q, k, v, g, beta, *, plan, kernels: str, scale: float, state_dtype:
     return (out, *h0s, *saved)
 
 
+def _forward_output(q, k, v, g, beta, **kw):
+    """``(out,)`` of :func:`_forward`: without autograd nothing else needs to outlive the call."""
+    return (_forward(q, k, v, g, beta, **kw)[0],)
+
+
 def _backward(q, k, v, g, beta, dout, *rest, plan, kernels: str, scale: float, state_dtype: torch.dtype):
     """``(dq, dk, dv, dg, dbeta)`` of :func:`_forward`'s ``out`` given ``dout``; ``rest``: its other outputs."""
     _, bwd, n_saved = _KERNELS[kernels]
@@ -197,4 +204,10 @@ def tree_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise GdnConfigError("graphs were built for another plan: create one RoundGraphs(plan) per microbatch")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = [x.contiguous() for x in (q, k, v, g, beta)]
-    return _Recurrence.apply(*args, plan, kernels, graphs, scale, state_dtype)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in args):
+        return _Recurrence.apply(*args, plan, kernels, graphs, scale, state_dtype)
+    # inference (e.g. a teacher's scoring pass): no saved tensors, a replay copies out the output only
+    fwd = functools.partial(_forward_output, plan=plan, kernels=kernels, scale=scale, state_dtype=state_dtype)
+    if graphs is not None:
+        fwd = graphs.call(("inference", kernels, scale, state_dtype), fwd)
+    return fwd(*args)[0]
