@@ -151,7 +151,7 @@ def _backward(q, k, v, g, beta, dout, *rest, plan, kernels: str, scale: float, s
         do = dext if plan.identity else dext.index_select(0, rd.grad_rows)
         dht = dstates[r]
         if dht is None:  # no piece starts from this round's final states
-            dht = q.new_zeros(_state_shape(rd, v, q.shape[2]), dtype=torch.float32)
+            dht = q.new_zeros(_state_shape(rd, v, q.shape[2]), dtype=state_dtype)
         d = bwd(*xs, h0s[r], tuple(flat[r * n_saved:(r + 1) * n_saved]), do, dht,
                 **_round_kw(rd, scale, plan.chunk_size))
         if plan.identity:
@@ -160,7 +160,7 @@ def _backward(q, k, v, g, beta, dout, *rest, plan, kernels: str, scale: float, s
             acc.index_add_(0, rd.rows, di.to(acc.dtype))
         for sr, si, di in rd.init_sources:
             if dstates[sr] is None:
-                dstates[sr] = q.new_zeros(_state_shape(plan.rounds[sr], v, q.shape[2]), dtype=d[5].dtype)
+                dstates[sr] = q.new_zeros(_state_shape(plan.rounds[sr], v, q.shape[2]), dtype=state_dtype)
             dstates[sr].index_add_(0, si, d[5].index_select(0, di))
     return tuple(grads)
 
