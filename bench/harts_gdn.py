@@ -31,7 +31,10 @@ rounds (sequential kernel calls per GDN layer), replayed tokens (alignment), exp
 (chain schedule's state-only pieces), C. The tables add ``tree_kern_x``, the tree's speedup in
 GPU kernel time, next to the wall-clock ``tree_x``.
 If FLA refuses the backward (Hopper + Triton 3.6 without tilelang) the run times forward only and
-says so in the JSON (``mode``).
+says so in the JSON (``mode``). ``--microbatches M``: each timed step of the model section issues M
+microbatches back to back (gradients accumulated, one synchronization at the end, as a training
+step's ``forward_backward_func`` runs them) and every time is reported per microbatch; the default 1
+times an isolated microbatch.
 
 Run: ``python -m bench.harts_gdn`` on a GPU; ``python -m bench.harts_gdn --quick`` for a CPU smoke
 run (tiny sizes, torch recurrence). On a fresh H200 box two attempts of the full run did not
