@@ -43,4 +43,7 @@ def test_runner_starts_from_hf_folders(cpu_megatron, tmp_path, kind):
     assert res["model"] == "student" and res["params"] == n_hf
     assert all(abs(x["loss"] - x["sampled_kl"]) < 1e-5 for x in res["steps"]) and res["steps"][0]["sampled_kl"] != 0
     same = run(_cfg(small))  # the teacher loads the student's folder: both start equal
-    assert same["steps"][0]["sampled_kl"] == 0.0
+    # equal up to fp32 rounding: the student's training pass and the teacher's no-grad pass may take
+    # different CPU kernels (on an AVX-512/AMX host the hybrid's KL was -1.6e-8, 2026-12-02); a teacher
+    # that is not the student's weights gives a KL of order 1e-2 (the step above)
+    assert abs(same["steps"][0]["sampled_kl"]) <= 1e-6

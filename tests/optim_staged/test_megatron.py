@@ -228,8 +228,11 @@ def _check_dp2_and_reshard(ckpt: str, *, backend: str) -> None:
     # DP=2 -> DP=1 resume == uninterrupted DP=2 run.
     (d1,) = run_ranks(dp1_body, 1, ckpt, timeout=120, backend=backend, env=env)
     assert d1["steps_after_load"] == [SAVE_AT]
-    # First step after loading: same params + data => same grad norm (restored exactly).
-    assert abs(d1["cont_norms"][0] - r0["cont_norms"][0]) <= 1e-12 * r0["cont_norms"][0]
+    # First step after loading: same params + data => the same grad norm up to the order of its fp32
+    # sums (one rank's full-batch sum of squares vs two shards' partial sums reduced by gloo: 5.6e-8
+    # relative on an AVX-512/AMX host, 2026-12-02; bitwise on the hosts before). Unrestored params
+    # would move it by far more.
+    assert abs(d1["cont_norms"][0] - r0["cont_norms"][0]) <= 1e-6 * r0["cont_norms"][0]
     # Later steps differ only by the DP reduction order (fp32 sum of two micro-batch grads in the
     # reduce-scatter vs in the local buffer), which flips a few bf16 roundings; lost or zeroed
     # moments would move params by ~lr = 2e-3 and fail these bounds.
