@@ -40,7 +40,7 @@ import torch
 
 from harts.errors import GdnConfigError, GdnShapeError, HartsConfigTypeError
 from harts.forest import Forest
-from harts.gdn_rounds import torch_pieces, tree_recurrence
+from harts.gdn_rounds import check_graphs_plan, torch_pieces, tree_recurrence
 from harts.upload import upload
 from mcore_distill.validate import validate_fields
 
@@ -602,8 +602,7 @@ def tree_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         raise GdnShapeError(f"inputs have T={q.shape[0]} rows but the plan was built for T={t}")
     if state_dtype not in (torch.float32, torch.float64):
         raise GdnConfigError(f"state_dtype must be torch.float32 (or float64 for fp64 tests), got {state_dtype}")
-    if graphs is not None and graphs.plan is not plan:
-        raise GdnConfigError("graphs were built for another plan: create one RoundGraphs(plan) per microbatch")
+    check_graphs_plan(graphs, plan)
     backend = resolve_backend(backend, q.device)
     if state_dtype == torch.float64 and (backend != "torch" or q.dtype != torch.float64):
         raise GdnConfigError(f"state_dtype=float64 needs backend 'torch' and fp64 inputs, got {backend!r}, {q.dtype}")

@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 from harts.errors import GdnConfigError
 from harts.gdn_reference import chunk_gated_delta_rule_reference
 
-__all__ = ["torch_pieces", "tree_recurrence"]
+__all__ = ["check_graphs_plan", "torch_pieces", "tree_recurrence"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,14 +165,20 @@ def _backward(q, k, v, g, beta, dout, *rest, plan, kernels: str, scale: float, s
     return tuple(grads)
 
 
+def _call(direction: str, fn, kw: dict, graphs, *, keep_outputs: bool = True):
+    """``fn`` bound to ``kw``, graphed in ``graphs`` under ``direction`` unless ``graphs`` is None."""
+    bound = functools.partial(fn, **kw)
+    if graphs is None:
+        return bound
+    key = (direction, kw["kernels"], kw["scale"], kw["state_dtype"])
+    return graphs.call(key, bound, keep_outputs=keep_outputs)
+
+
 class _Recurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, plan, kernels, graphs, scale, state_dtype):
         kw = {"plan": plan, "kernels": kernels, "scale": scale, "state_dtype": state_dtype}
-        fwd = functools.partial(_forward, **kw)
-        if graphs is not None:
-            fwd = graphs.call(("forward", kernels, scale, state_dtype), fwd, keep_outputs=True)
-        out, *rest = fwd(q, k, v, g, beta)
+        out, *rest = _call("forward", _forward, kw, graphs)(q, k, v, g, beta)
         ctx.save_for_backward(q, k, v, g, beta, *rest)
         ctx.kw, ctx.graphs = kw, graphs
         return out
@@ -181,13 +187,9 @@ class _Recurrence(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, g, beta, *rest = ctx.saved_tensors
-        bwd = functools.partial(_backward, **ctx.kw)
-        if ctx.graphs is not None:
-            kw = ctx.kw
-            # the gradients are read by the layer's next backward nodes before any later replay
-            # (they depend on them): no copies out of the graph
-            bwd = ctx.graphs.call(("backward", kw["kernels"], kw["scale"], kw["state_dtype"]), bwd,
-                                  keep_outputs=False)
+        # the gradients are read by the layer's next backward nodes before any later replay (they
+        # depend on them): no copies out of the graph
+        bwd = _call("backward", _backward, ctx.kw, ctx.graphs, keep_outputs=False)
         return (*bwd(q, k, v, g, beta, dout.contiguous(), *rest), None, None, None, None, None)
 
 
@@ -200,14 +202,17 @@ def tree_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     microbatch's :class:`harts.gdn_graphs.RoundGraphs` (``None``: eager)."""
     if kernels not in _KERNELS:
         raise GdnConfigError(f"kernels must be one of {tuple(_KERNELS)}, got {kernels!r}")
-    if graphs is not None and graphs.plan is not plan:
-        raise GdnConfigError("graphs were built for another plan: create one RoundGraphs(plan) per microbatch")
+    check_graphs_plan(graphs, plan)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     args = [x.contiguous() for x in (q, k, v, g, beta)]
     if torch.is_grad_enabled() and any(x.requires_grad for x in args):
         return _Recurrence.apply(*args, plan, kernels, graphs, scale, state_dtype)
     # inference (e.g. a teacher's scoring pass): no saved tensors, a replay copies out the output only
-    fwd = functools.partial(_forward_output, plan=plan, kernels=kernels, scale=scale, state_dtype=state_dtype)
-    if graphs is not None:
-        fwd = graphs.call(("inference", kernels, scale, state_dtype), fwd)
-    return fwd(*args)[0]
+    kw = {"plan": plan, "kernels": kernels, "scale": scale, "state_dtype": state_dtype}
+    return _call("inference", _forward_output, kw, graphs)(*args)[0]
+
+
+def check_graphs_plan(graphs, plan) -> None:
+    """:class:`GdnConfigError` unless ``graphs`` (a :class:`harts.gdn_graphs.RoundGraphs` or None) is ``plan``'s."""
+    if graphs is not None and graphs.plan is not plan:
+        raise GdnConfigError("graphs were built for another plan: create one RoundGraphs(plan) per microbatch")
