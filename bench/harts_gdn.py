@@ -133,7 +133,7 @@ def _checkpoint(args, rows, bwd):
     return write_results("harts_gdn", rows, {"quick": args.quick, "widths": args.widths,
                                              "mode": "fwd+bwd" if bwd else "fwd",
                                              "chunk_size": 64, "skipped_cases": args.skipped,
-                                             "microbatches": getattr(args, "microbatches", 1),
+                                             "microbatches": args.microbatches,
                                              "model_attention_backend": args.backend})
 
 
