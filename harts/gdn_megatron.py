@@ -84,19 +84,31 @@ def make_gdn_tree_params(forest: Forest, *, config: GdnTreeConfig | None = None,
                          gdn_graphs=RoundGraphs(plan) if config.cuda_graphs else None)
 
 
-def _plain_prepare(mod: GatedDeltaNet, qkv, gate, batch, seq_len, beta, alpha):
-    """Plain-torch twin of ``GatedDeltaNet._prepare_input_for_gated_delta_rule`` (l2norm without Triton)."""
+def _split_qkv(mod: GatedDeltaNet, qkv: torch.Tensor, batch: int, seq_len: int):
+    """``qkv [B, S, 2·H·K + HV·V]`` → ``q, k [B, S, H, K]`` (l2-normalized if the layer says so),
+    ``v [B, S, HV, V]``.
+
+    The tree path's (and the CPU sequence path's) replacement for ``GatedDeltaNet._prepare_input_for_gated_delta_rule``,
+    with the same split, reshape and FLA ``l2norm`` on CUDA (the plain formula on CPU), but:
+
+    * q and k keep their H key heads: FLA's kernels and :func:`harts.gdn.tree_gated_delta_rule` take
+      HV > H (grouped value attention: value head j reads key head ``j // (HV/H)``, the head
+      ``repeat_interleave`` would have put there), so the rounds gather and copy half the q/k bytes at
+      Qwen3-Next widths (H = 16, HV = 32) and the repeat's kernels and their backward are gone;
+    * no ``torch.compile`` region: Megatron's breaks its graph around FLA's ``l2norm`` and cost
+      0.87 ms of host per layer forward in a host-bound tree step (docs/benchmarks.md, harts_gdn).
+    """
     qk, value = torch.split(qkv, [2 * mod.qk_dim_local_tp, mod.v_dim_local_tp], dim=-1)
     qk = qk.reshape(batch, seq_len, -1, mod.key_head_dim)
-    value = value.reshape(batch, seq_len, -1, mod.value_head_dim)
     if mod.use_qk_l2norm:
-        qk = l2norm_reference(qk)
+        if qk.is_cuda:
+            from fla.modules.l2norm import l2norm
+            qk = l2norm(qk)
+        else:
+            qk = l2norm_reference(qk)
     n = mod.qk_dim_local_tp // mod.key_head_dim
     query, key = torch.split(qk, [n, n], dim=2)
-    rep = mod.num_value_heads // mod.num_key_heads
-    if rep > 1:
-        query, key = query.repeat_interleave(rep, dim=2), key.repeat_interleave(rep, dim=2)
-    return query, key, value, gate, beta, alpha
+    return query, key, value.reshape(batch, seq_len, -1, mod.value_head_dim)
 
 
 def _plain_g_beta(a_log, dt_bias, alpha, beta):
@@ -178,9 +190,7 @@ class TreeGatedDeltaNet(GatedDeltaNet):
         else:
             qkv = causal_conv1d_reference(qkv, weight, bias, activation=self.activation)
         fast = qkv.is_cuda
-        prep = self._prepare_input_for_gated_delta_rule if fast else (
-            lambda *a: _plain_prepare(self, *a))
-        query, key, value, gate, beta, alpha = prep(qkv, gate, batch, seq_len, beta, alpha)
+        query, key, value = _split_qkv(self, qkv, batch, seq_len)
         g_beta = self._compute_g_and_beta if fast else _plain_g_beta
         g, beta = g_beta(self.A_log, self.dt_bias, alpha, beta)
         if psp is not None:

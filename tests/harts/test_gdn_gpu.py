@@ -76,7 +76,7 @@ def test_fla_rounds_match_fp64_tree(kind, align, schedule):
     gg = F.logsigmoid(torch.randn(t, 4, device="cuda", generator=g) + 3)
     beta = torch.rand(t, 4, device="cuda", generator=g)
     do = torch.randn(t, 4, 64, device="cuda", generator=g)
-    base = (q.repeat_interleave(2, 1), k.repeat_interleave(2, 1), v, gg, beta)  # FLA wants H == HV here
+    base = (q, k, v, gg, beta)  # grouped value attention: H = 2 key heads, HV = 4 value heads
     fl = [x.clone().requires_grad_(True) for x in base]
     o = tree_gated_delta_rule(*fl, plan=plan, backend="fla")
     with _needs_tilelang():
@@ -228,7 +228,7 @@ def _layer_inputs(t, layers, dtype):
     for _ in range(layers):
         q = torch.randn(t, 2, 64, device="cuda", generator=g)
         k = F.normalize(torch.randn(t, 2, 64, device="cuda", generator=g), dim=-1)
-        out.append((q.repeat_interleave(2, 1).to(dtype), k.repeat_interleave(2, 1).to(dtype),
+        out.append((q.to(dtype), k.to(dtype),
                     torch.randn(t, 4, 64, device="cuda", generator=g).to(dtype),
                     F.logsigmoid(torch.randn(t, 4, device="cuda", generator=g) + 3),
                     torch.rand(t, 4, device="cuda", generator=g).to(dtype)))
