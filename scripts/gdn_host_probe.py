@@ -107,10 +107,10 @@ def main() -> None:
 
         m.register_forward_pre_hook(pre)
         m.register_forward_hook(post)
-    for fname in ("tree_causal_conv1d_fla", "tree_gated_delta_rule"):
+    for fname in ("tree_causal_conv1d_fla", "_split_qkv", "tree_gated_delta_rule"):
         setattr(gdn_megatron, fname, timed("fn " + fname, getattr(gdn_megatron, fname)))
     cls = gdn_megatron.TreeGatedDeltaNet
-    for meth in ("_prepare_input_for_gated_delta_rule", "_compute_g_and_beta", "_apply_gated_norm"):
+    for meth in ("_compute_g_and_beta", "_apply_gated_norm"):
         setattr(cls, meth, timed("fn " + meth, getattr(cls, meth)))
     gdn_graphs._GraphedCall.__call__ = timed("fn graphed recurrence call", gdn_graphs._GraphedCall.__call__)
     gdn_graphs._GraphedCall._capture = timed("fn recurrence capture", gdn_graphs._GraphedCall._capture)
