@@ -25,6 +25,7 @@ from harts.gdn import (
 from harts.gdn_reference import (
     causal_conv1d_reference,
     chunk_gated_delta_rule_reference,
+    l2norm_reference,
     recurrent_gated_delta_rule_reference,
 )
 from harts.workload import caterpillar
@@ -598,6 +599,34 @@ def test_spec_swap_and_errors(cpu_megatron):
         tree_forward(model, forest, params=make_gdn_tree_params(
             forest, config=GdnTreeConfig(conv_width=2, state_dtype="float64"), backend="dense"))
 
+
+
+def test_split_qkv_is_megatrons_preparation_without_the_repeat(cpu_megatron, monkeypatch):
+    """The tree path's ``_split_qkv`` against ``GatedDeltaNet._prepare_input_for_gated_delta_rule`` (its
+    undecorated body, with FLA's Triton ``l2norm`` swapped for the same formula in plain torch): value
+    equal, and q/k equal once repeated to the value heads, as FLA's grouped value attention reads them."""
+    import megatron.core.ssm.gated_delta_net.common as mcore_gdn
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from harts.gdn_megatron import _split_qkv
+    from mcore_distill.testing import seed_all
+
+    seed_all(3)
+    mixer = build_hybrid("G", dtype=torch.float64).decoder.layers[0].self_attention
+    rep = mixer.num_value_heads // mixer.num_key_heads
+    assert rep == 2  # GDN_DIMS: 2 key heads, 4 value heads
+    monkeypatch.setattr(mcore_gdn, "l2norm", l2norm_reference)
+    b, s = 1, 7
+    qkv = torch.randn(b, s, 2 * mixer.qk_dim_local_tp + mixer.v_dim_local_tp, dtype=torch.float64)
+    gate, beta, alpha = (torch.randn(b, s, n, dtype=torch.float64) for n in (mixer.v_dim_local_tp, 4, 4))
+    prepare = GatedDeltaNet._prepare_input_for_gated_delta_rule.__wrapped__  # the body under torch.compile
+    q_ref, k_ref, v_ref, *_ = prepare(mixer, qkv, gate, b, s, beta, alpha)
+    q, k, v = _split_qkv(mixer, qkv, b, s)
+    assert q.shape == (b, s, 2, 8) and v.shape == (b, s, 4, 8)
+    assert torch.equal(q.repeat_interleave(rep, dim=2), q_ref)
+    assert torch.equal(k.repeat_interleave(rep, dim=2), k_ref)
+    assert torch.equal(v, v_ref)
+    torch.testing.assert_close(q.norm(dim=-1), torch.ones(b, s, 2, dtype=torch.float64), rtol=0, atol=1e-6)
 
 def _tp2_body(rank, world):
     from mcore_distill.testing import destroy_megatron, init_megatron
