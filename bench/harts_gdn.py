@@ -29,7 +29,8 @@ profiled step (``kernel_ms``: the GPU's busy time; a wall time far above it mean
 by the host), peak memory,
 rounds (sequential kernel calls per GDN layer), replayed tokens (alignment), exported tokens
 (chain schedule's state-only pieces), C. The tables add ``tree_kern_x``, the tree's speedup in
-GPU kernel time, next to the wall-clock ``tree_x``.
+GPU kernel time, next to the wall-clock ``tree_x``, and (model) ``wall/kern``, their ratio (issue #22
+item 5 asks ≥ 0.9).
 If FLA refuses the backward (Hopper + Triton 3.6 without tilelang) the run times forward only and
 says so in the JSON (``mode``). ``--microbatches M``: each timed step of the model section issues M
 microbatches back to back (gradients accumulated, one synchronization at the end, as a training
@@ -378,6 +379,7 @@ def bench_model(args, dev, rows, bwd):
                       "tree_MiB": got["tree"]["peak_bytes"] / 2**20, "tree_plan_ms": got["tree"]["plan_ms"],
                       "chain_kern_ms": got["chain"]["kernel_ms"], "tree_kern_ms": got["tree"]["kernel_ms"],
                       "tree_kern_x": got["chain"]["kernel_ms"] / got["tree"]["kernel_ms"],
+                      "wall/kern": (ms["chain"] / ms["tree"]) / (got["chain"]["kernel_ms"] / got["tree"]["kernel_ms"]),
                       "chain_issue_ms": got["chain"]["issue_ms"], "tree_issue_ms": got["tree"]["issue_ms"]})
     return table
 
