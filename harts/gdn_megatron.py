@@ -95,8 +95,9 @@ def _split_qkv(mod: GatedDeltaNet, qkv: torch.Tensor, batch: int, seq_len: int):
       HV > H (grouped value attention: value head j reads key head ``j // (HV/H)``, the head
       ``repeat_interleave`` would have put there), so the rounds gather and copy half the q/k bytes at
       Qwen3-Next widths (H = 16, HV = 32) and the repeat's kernels and their backward are gone;
-    * no ``torch.compile`` region: Megatron's breaks its graph around FLA's ``l2norm`` and cost
-      0.87 ms of host per layer forward in a host-bound tree step (docs/benchmarks.md, harts_gdn).
+    * no ``torch.compile`` region: Megatron's breaks its graph around FLA's ``l2norm`` (a host probe
+      timed it at 0.87 ms per layer forward; the tree step's wall clock did not move measurably
+      without it, docs/benchmarks.md, harts_gdn 2026-12-03).
     """
     qk, value = torch.split(qkv, [2 * mod.qk_dim_local_tp, mod.v_dim_local_tp], dim=-1)
     qk = qk.reshape(batch, seq_len, -1, mod.key_head_dim)

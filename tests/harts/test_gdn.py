@@ -600,7 +600,6 @@ def test_spec_swap_and_errors(cpu_megatron):
             forest, config=GdnTreeConfig(conv_width=2, state_dtype="float64"), backend="dense"))
 
 
-
 def test_split_qkv_is_megatrons_preparation_without_the_repeat(cpu_megatron, monkeypatch):
     """The tree path's ``_split_qkv`` against ``GatedDeltaNet._prepare_input_for_gated_delta_rule`` (its
     undecorated body, with FLA's Triton ``l2norm`` swapped for the same formula in plain torch): value
@@ -627,6 +626,7 @@ def test_split_qkv_is_megatrons_preparation_without_the_repeat(cpu_megatron, mon
     assert torch.equal(k.repeat_interleave(rep, dim=2), k_ref)
     assert torch.equal(v, v_ref)
     torch.testing.assert_close(q.norm(dim=-1), torch.ones(b, s, 2, dtype=torch.float64), rtol=0, atol=1e-6)
+
 
 def _tp2_body(rank, world):
     from mcore_distill.testing import destroy_megatron, init_megatron
