@@ -199,6 +199,16 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> 
             acc.add_(_mm(d, weight[v0:v1], acc.dtype))
 
 
+def _row_chunks(t: int, chunk: int) -> list[tuple[int, int]]:
+    """Row ranges of the forward: ``chunk`` rows each; a tail of fewer than ``chunk / 8`` rows joins
+    the chunk before it (each chunk reads all of ``W`` twice whatever its rows, so the 3-row tail of
+    a 4,099-row tree microbatch would cost as much of ``W``'s bandwidth as a full chunk)."""
+    starts = list(range(0, t, chunk))
+    if len(starts) > 1 and 8 * (t - starts[-1]) < chunk:
+        starts.pop()
+    return list(zip(starts, starts[1:] + [t], strict=False))
+
+
 def _grad_weight_block(dz: torch.Tensor, h: torch.Tensor, out: torch.Tensor) -> None:
     """``out = dzᵀ h`` (one GEMM over all rows, one rounding to ``out``'s dtype). A ``dz`` in the
     compute dtype is rounded to the model dtype one slice of columns at a time."""
@@ -334,8 +344,7 @@ class _TreeHead(torch.autograd.Function):
         a_ent = torch.zeros(t, hd, dtype=cdtype, device=dev) if cfg.need_grad and cfg.entropy_grad else None
         tgt = torch.zeros(e_child.numel(), dtype=cdtype, device=dev)
         inv_t = torch.full((1,), cfg.inv_temp, dtype=cdtype, device=dev)
-        for r0 in range(0, t, chunk):
-            r1 = min(r0 + chunk, t)
+        for r0, r1 in _row_chunks(t, chunk):
             a0, a1 = off[r0], off[r1]
             if cfg.impl == "triton":
                 _forward_chunk_triton(hidden[r0:r1], weight, row_ptr[r0:], tok_l, tgt, cfg, lse[r0:r1], ent[r0:r1],
@@ -501,7 +510,8 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
         weight: ``[V_local, H]`` output-layer shard (vocab-parallel under TP).
         tokens, parent: ``[T]`` token id and parent row of each compact node (``parent < 0``:
             no incoming edge, log-prob 0).
-        chunk_size: rows per forward chunk: the forward holds ``[chunk_size, V_local]`` values (the
+        chunk_size: rows per forward chunk (a last one shorter than ``chunk_size / 8`` joins the one
+            before it): the forward holds ``[chunk_size, V_local]`` values (the
             model dtype on the Triton path, the compute dtype on the torch path, whose backward
             blocks hold as many); the forward also saves ``A [T, H]`` in fp32 (two with a
             differentiable entropy), freed by the backward.

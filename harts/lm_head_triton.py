@@ -106,8 +106,9 @@ def _x_wt_tma(XD, WD, off_m, off_n, H: tl.constexpr, BM: tl.constexpr, BN: tl.co
 def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
                 H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
                 PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
-                OSTORE: tl.constexpr):
-    """One ``[BM, BN]`` tile of :func:`logit_tiles`: GEMM, then the statistics in the epilogue."""
+                OSTORE: tl.constexpr, EVEN: tl.constexpr):
+    """One ``[BM, BN]`` tile of :func:`logit_tiles`: GEMM, then the statistics in the epilogue
+    (``EVEN``: ``V`` is a multiple of ``BN``, no column is masked)."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < n
@@ -117,13 +118,21 @@ def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n,
     else:
         acc = _x_wt(X, W, tl.minimum(rows, n - 1), tl.minimum(cols, V - 1), stride_x, stride_w, H, BM, BN, BK, ACC,
                     PREC, F32)
-    s = tl.where(cmask[None, :], acc * tl.load(INV), float("-inf"))
+    if EVEN:
+        s = acc * tl.load(INV)
+    else:
+        s = tl.where(cmask[None, :], acc * tl.load(INV), float("-inf"))
     m = tl.max(s, 1)
     sm = s - m[:, None]
     e = tl.exp(sm)
     tot = tl.sum(e, 1)
-    q = tl.sum(tl.where(cmask[None, :], e * sm, 0.0), 1)
-    # targets: store their logits and drop them from E (their gradient is formed exactly elsewhere)
+    if EVEN:
+        q = tl.sum(e * sm, 1)
+    else:
+        q = tl.sum(tl.where(cmask[None, :], e * sm, 0.0), 1)
+    # targets: store their logits and drop them from E (their gradient is formed exactly elsewhere);
+    # a tile holds the target of few of its rows (of a chain row's one target, 1 tile in V / BN), so
+    # the [BM, BN] comparison runs only where one falls
     start = tl.load(PTR + rows, mask=rmask, other=0)
     cnt = tl.load(PTR + rows + 1, mask=rmask, other=0) - start
     kmax = tl.max(cnt, 0)
@@ -131,10 +140,11 @@ def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n,
     while i < kmax:
         has = i < cnt
         tok = tl.load(TOK + start + i, mask=has, other=-1)
-        hit = cols[None, :] == tok[:, None]
         mine = has & (tok >= pid_n * BN) & (tok < pid_n * BN + BN) & (tok < V)
-        tl.store(TGT + start + i, tl.sum(tl.where(hit, s, 0.0), 1), mask=mine)
-        e = tl.where(hit, 0.0, e)
+        if tl.max(mine.to(tl.int32), 0) > 0:
+            hit = cols[None, :] == tok[:, None]
+            tl.store(TGT + start + i, tl.sum(tl.where(hit, s, 0.0), 1), mask=mine)
+            e = tl.where(hit, 0.0, e)
         i += 1
     if STORE_E:
         if OSTORE:  # one bulk tensor store (rows and columns outside E are clipped)
@@ -153,7 +163,7 @@ def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, IN
                         H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
                         PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr,
                         TMA: tl.constexpr, OSTORE: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr,
-                        NP: tl.constexpr, INTERP: tl.constexpr, WS: tl.constexpr = False):
+                        NP: tl.constexpr, INTERP: tl.constexpr, EVEN: tl.constexpr = False, WS: tl.constexpr = False):
     # tile t: row tile t % nm, vocabulary tile t // nm, so that consecutive tiles share a tile of W
     # (the large operand). PERSIST: NP programs walk the tiles t = pid, pid + NP, ... (FLAT: one
     # software-pipelined loop, the next tile's loads overlap this tile's epilogue); else one
@@ -167,15 +177,15 @@ def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, IN
             while it < tiles:
                 t = tl.minimum(pid + it, tiles - 1)  # a repeated last tile writes the same values
                 _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
-                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
+                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE, EVEN)
                 it += NP
         else:
             for t in tl.range(pid, tiles, NP, flatten=FLAT, warp_specialize=WS):
                 _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
-                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
+                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE, EVEN)
     else:
         _logit_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV,
-                    stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE)
+                    stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE, EVEN)
 
 
 @triton.jit
@@ -296,10 +306,11 @@ def _grad_tile(pid_n, pid_m, X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG
     cnt = tl.load(PTR + rows + 1, mask=rmask, other=0) - start
     kmax = tl.max(cnt, 0)
     i = 0
-    while i < kmax:
+    while i < kmax:  # as in _logit_tile: the comparison only in tiles that hold a target
         has = i < cnt
         tok = tl.load(TOK + start + i, mask=has, other=-1) - col0
-        d += tl.where(cols[None, :] == tok[:, None], tl.load(EG + start + i, mask=has, other=0.0)[:, None], 0.0)
+        if tl.max((has & (tok >= pid_n * BN) & (tok < pid_n * BN + BN)).to(tl.int32), 0) > 0:
+            d += tl.where(cols[None, :] == tok[:, None], tl.load(EG + start + i, mask=has, other=0.0)[:, None], 0.0)
         i += 1
     if OSTORE:
         OD.store([pid_m * BM, pid_n * BN], _cast(d * inv_t, DZ.dtype.element_ty, LOW))
@@ -544,7 +555,7 @@ def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: to
     args = dict(X=h, W=w, XD=xd, WD=wd, OD=od, E=pm if e is None else e, PM=pm, PS=ps, PQ=pq, TGT=tgt, PTR=row_ptr, TOK=tok,
                 n=n, V=v, INV=inv_t, stride_x=h.stride(0), stride_w=w.stride(0),
                 stride_e=0 if e is None else e.stride(0), H=hd, BN=TILE_N, ACC=_acc(h.dtype), PREC=_prec(h.dtype),
-                LOW=_low(w.dtype), STORE_E=store_e, F32=_f32_dots(h.dtype))
+                LOW=_low(w.dtype), STORE_E=store_e, F32=_f32_dots(h.dtype), EVEN=v % TILE_N == 0)
 
     def grid(meta):
         tiles_m = triton.cdiv(n, meta["BM"])

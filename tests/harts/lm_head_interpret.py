@@ -5,7 +5,8 @@ to the reference's scale (``max |out − ref| / max(max |ref|, 1e-300)``):
 
 * ``kernel …``: each Triton kernel against its plain-torch reference (same contract, same inputs) in
   fp64, fp32 and bf16 (the GEMM kernels in each variant the GPU's autotuner chooses among), on a forest with forks, a vocabulary shard that some targets fall outside of,
-  ``H`` and ``V`` that are not multiples of the tiles;
+  ``H`` and ``V`` that are not multiples of the tiles, and in fp64 and bf16 again with ``V`` a
+  multiple of the forward's 128-column tile (its epilogue without column masks);
 * ``head …``: :func:`harts.lm_head.tree_lm_head` with ``impl="triton"`` in fp64 against the
   full-logits reference (forward and backward), with and without a differentiable entropy, several
   chunk sizes and vocabulary blocks, a temperature; and in bf16 (relative Frobenius errors);
@@ -47,10 +48,11 @@ def _frob(out, ref) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
-def kernels(dtype: torch.dtype) -> dict[str, float]:
+def kernels(dtype: torch.dtype, v: int = 300) -> dict[str, float]:
+    """``v = 300``: the last vocabulary tile is partial (masked columns); ``v = 256``: two whole tiles."""
     f = build_forest([[t * 37 % 500 for t in s] for s in SEQS])
     g = torch.Generator().manual_seed(0)
-    t, hd, v, v0 = f.num_nodes, 24, 300, 100  # shard [100, 400) of a 500-token vocabulary
+    t, hd, v0 = f.num_nodes, 24, 100  # shard [100, 100 + v) of a 500-token vocabulary
     h = torch.randn(t, hd, generator=g, dtype=torch.float64).to(dtype)
     w = (0.7 * torch.randn(v, hd, generator=g, dtype=torch.float64)).to(dtype)
     from harts.lm_head import head_edges
@@ -88,14 +90,14 @@ def kernels(dtype: torch.dtype) -> dict[str, float]:
         dh_r, gs_r = tri.hidden_grad_reference(a_, ae, lse, ent, ge, row_ptr, tok, g_edge, tgt, w, inv)
         out[f"kernel hidden_grad ent={with_ent}"] = _err(dh, dh_r)
         out[f"kernel hidden_grad G ent={with_ent}"] = _err(gs, gs_r)
-        for c0, nb in ((0, 128), (128, 100), (250, 50)):
+        for c0, nb in ((0, 128), (128, 100), (v - 50, 50)):
             ref = tri.logit_grad_reference(h, w[c0:c0 + nb], c0, lse, gs_r, ge, ent, row_ptr, tok, g_edge, inv)
             for variant, cfg in VARIANTS.items():
                 out_buf = torch.empty(t, -(-nb // 8) * 8, dtype=dtype)[:, :nb]  # 16-byte aligned rows (TMA)
                 dz = tri.logit_grad(h, w[c0:c0 + nb], c0, lse, gs, ge, ent, row_ptr, tok, g_edge, inv, out_buf,
                                     config=cfg and {**cfg, "BN": 32})
                 out[f"kernel logit_grad{variant} ent={with_ent} cols {c0}+{nb}"] = _err(dz, ref)
-    return {f"{k} {str(dtype)[6:]}": val for k, val in out.items()}
+    return {f"{k} {str(dtype)[6:]}" + ("" if v == 300 else f" V={v}"): val for k, val in out.items()}
 
 
 def _head_case(f, *, v, hd, dtype, chunk, vocab_block, temp, ent_grad, seed=0, tp_group=None, rank=0, world=1,
@@ -166,6 +168,8 @@ def main(payload: dict) -> dict[str, float]:
     out = {}
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         out.update(kernels(dtype))
+    for dtype in (torch.float64, torch.bfloat16):
+        out.update(kernels(dtype, v=256))
     out.update(heads())
     if payload.get("tp2", True):
         from mcore_distill.testing import run_ranks

@@ -50,6 +50,25 @@ def test_chunked_head_fp32_plain_packing(ent_grad):
     compare_head(build_chain_forest(seqs), v=253, chunk=16, temp=1.0, ent_grad=ent_grad, dtype=torch.float32, tol=1e-5)
 
 
+def test_forward_row_chunks_fold_a_short_tail():
+    """A last chunk shorter than chunk/8 joins the one before (4,099 rows: four chunks, not a
+    fifth of 3 rows that reads all of W twice); the head stays exact across the joined chunk."""
+    from harts.lm_head import _row_chunks
+
+    assert _row_chunks(4099, 1024) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4099)]
+    assert _row_chunks(16384, 1024)[-1] == (15360, 16384) and len(_row_chunks(16384, 1024)) == 16
+    assert _row_chunks(4224, 1024)[-1] == (4096, 4224)  # 128 rows = chunk / 8: its own chunk
+    assert _row_chunks(10, 16) == [(0, 10)] and _row_chunks(0, 4) == []
+    assert _row_chunks(18, 7) == [(0, 7), (7, 14), (14, 18)]
+    for t, c in ((4099, 1024), (33, 16), (200, 64), (1, 1)):  # a partition of [0, t)
+        ch = _row_chunks(t, c)
+        assert ch[0][0] == 0 and ch[-1][1] == t and all(a[1] == b[0] for a, b in zip(ch, ch[1:], strict=False))
+        assert all(r1 - r0 <= c + c // 8 for r0, r1 in ch)
+    f = build_chain_forest([list(range(3, 20)), list(range(5, 21))])  # 33 rows: chunks of 16 and 17
+    assert f.num_nodes == 33
+    compare_head(f, v=37, chunk=16, temp=0.8, ent_grad=True, dtype=torch.float64, tol=1e-12)
+
+
 def test_head_entropy_detached_by_default():
     f = build_forest([[1, 2, 3]])
     hid = torch.randn(3, 4, requires_grad=True)
