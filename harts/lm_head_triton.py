@@ -297,9 +297,9 @@ def _grad_tile(pid_n, pid_m, X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG
     inv_t = tl.load(INV)
     lp = acc * inv_t - tl.load(LSE + rc)[:, None]
     p = tl.exp(lp)
-    g = tl.load(G + rc)
+    g = tl.load(G + rc) * inv_t  # the 1/τ of dz folded into the per-row (and per-edge) factors
     if HAS_ENT:
-        d = -p * (g[:, None] + tl.load(GH + rc)[:, None] * (lp + tl.load(ENT + rc)[:, None]))
+        d = -p * (g[:, None] + (tl.load(GH + rc) * inv_t)[:, None] * (lp + tl.load(ENT + rc)[:, None]))
     else:
         d = -p * g[:, None]
     start = tl.load(PTR + rows, mask=rmask, other=0)
@@ -310,13 +310,14 @@ def _grad_tile(pid_n, pid_m, X, W, XD, WD, OD, DZ, LSE, G, GH, ENT, PTR, TOK, EG
         has = i < cnt
         tok = tl.load(TOK + start + i, mask=has, other=-1) - col0
         if tl.max((has & (tok >= pid_n * BN) & (tok < pid_n * BN + BN)).to(tl.int32), 0) > 0:
-            d += tl.where(cols[None, :] == tok[:, None], tl.load(EG + start + i, mask=has, other=0.0)[:, None], 0.0)
+            d += tl.where(cols[None, :] == tok[:, None], (tl.load(EG + start + i, mask=has, other=0.0) * inv_t)[:, None],
+                          0.0)
         i += 1
     if OSTORE:
-        OD.store([pid_m * BM, pid_n * BN], _cast(d * inv_t, DZ.dtype.element_ty, LOW))
+        OD.store([pid_m * BM, pid_n * BN], _cast(d, DZ.dtype.element_ty, LOW))
     else:
         tl.store(DZ + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :],
-                 _cast(d * inv_t, DZ.dtype.element_ty, LOW), mask=rmask[:, None] & (cols < nb)[None, :])
+                 _cast(d, DZ.dtype.element_ty, LOW), mask=rmask[:, None] & (cols < nb)[None, :])
 
 
 @triton.jit
