@@ -334,6 +334,7 @@ def run(args) -> dict:
             ms = min(r["samples"])
             row = {"provider": name, "rows": case.name, "T": case.t, "H": h, "V": v, "ms": ms,
                    "ms_median": statistics.median(r["samples"]), "iters": len(r["samples"]),
+                   "samples_ms": [round(s, 3) for s in r["samples"]],
                    "peak_GiB": r["peak"] / 2**30, "grad_rel_err": max(r["err_dW"], r["err_dh"]),
                    "grad_rel_err_dW": r["err_dW"], "grad_rel_err_dhidden": r["err_dh"],
                    "first_call_s": r["first_call_s"],
@@ -369,7 +370,8 @@ def write_record(result) -> None:
            "vocab": result["vocab"],
            "rows": [{"provider": r["provider"], "ms": r["ms"], "peak_GiB": r["peak_GiB"],
                      "grad_rel_err": r["grad_rel_err"], "grad_rel_err_dW": r["grad_rel_err_dW"],
-                     "grad_rel_err_dhidden": r["grad_rel_err_dhidden"]}
+                     "grad_rel_err_dhidden": r["grad_rel_err_dhidden"], "ms_median": r["ms_median"],
+                     "samples_ms": r.get("samples_ms")}
                     for r in result["rows"] if r["rows"] == "chain" and r["provider"] in keep]}
     (out_dir() / "harts_head_peers.json").write_text(json.dumps(rec, indent=1, default=str))
 
