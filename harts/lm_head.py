@@ -206,7 +206,7 @@ def _row_chunks(t: int, chunk: int) -> list[tuple[int, int]]:
     starts = list(range(0, t, chunk))
     if len(starts) > 1 and 8 * (t - starts[-1]) < chunk:
         starts.pop()
-    return list(zip(starts, starts[1:] + [t], strict=False))
+    return list(zip(starts, starts[1:] + [t], strict=True)) if starts else []
 
 
 def _grad_weight_block(dz: torch.Tensor, h: torch.Tensor, out: torch.Tensor) -> None:
@@ -511,7 +511,7 @@ def tree_lm_head(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tenso
         tokens, parent: ``[T]`` token id and parent row of each compact node (``parent < 0``:
             no incoming edge, log-prob 0).
         chunk_size: rows per forward chunk (a last one shorter than ``chunk_size / 8`` joins the one
-            before it): the forward holds ``[chunk_size, V_local]`` values (the
+            before it, which then has up to ⅛ more rows): the forward holds ``[chunk_size, V_local]`` values (the
             model dtype on the Triton path, the compute dtype on the torch path, whose backward
             blocks hold as many); the forward also saves ``A [T, H]`` in fp32 (two with a
             differentiable entropy), freed by the backward.
