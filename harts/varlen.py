@@ -6,9 +6,10 @@ segment ``s`` attends every row of the ancestors of ``s`` and, causally, the row
 itself. Two exact plans, chosen per microbatch by :func:`build_varlen_plan`:
 
 * ``"gather"``: one varlen sequence per segment whose keys are gathered along its ancestor path
-  (bottom-right causal alignment). Simple, one kernel call, but every child re-reads (and in the
-  backward re-accumulates) its prefix: key-side work is ``K = Σ_s |path(s)|`` rows, which for a
-  GRPO group is ΣL, as without sharing.
+  (bottom-right causal alignment); a segment and its first child, which follows it in pre-order,
+  share one sequence. Simple, one kernel call, but every other child re-reads (and in the
+  backward re-accumulates) its prefix: key-side work is ``K = Σ_i |path(last segment of i)|``
+  rows, which for a GRPO group is ΣL minus the prompt.
 * ``"levels"`` (cascade): ``o = merge(o_self, o_1, …, o_Λ)`` where ``o_self`` is plain causal THD
   over the segments themselves (no gather) and ``o_ℓ`` is full (non-causal) attention of the rows
   *below* each depth-ℓ segment ``a`` — the contiguous pre-order range ``[end(a), subtree_end(a))``
@@ -77,19 +78,20 @@ class VarlenLevel:
 
 @dataclass(frozen=True, eq=False)
 class VarlenPlan:
-    """Plan of the varlen backend (see the module docstring). ``cu_q`` are the segment offsets.
+    """Plan of the varlen backend (see the module docstring).
 
-    ``mode == "gather"``: segment ``s`` has queries ``cu_q[s]:cu_q[s+1]`` and keys
-    ``kv_index[cu_k[s]:cu_k[s+1]]``; ``kv_index`` is None for a forest of chains (plain THD: keys
-    are the rows themselves, no gather). ``mode == "levels"``: ``cu_k == cu_q`` is the causal self
-    part and ``levels`` the cascade levels."""
+    ``mode == "gather"``: varlen sequence ``i`` has queries ``cu_q[i]:cu_q[i+1]`` (one segment, or
+    a chain of first children that follow their parents) and keys ``kv_index[cu_k[i]:cu_k[i+1]]``
+    (the last segment's path); ``kv_index`` is None for a forest of chains (plain THD: keys are the
+    rows themselves, no gather, ``cu_q`` the segment offsets). ``mode == "levels"``: ``cu_k ==
+    cu_q`` (the segment offsets) is the causal self part and ``levels`` the cascade levels."""
 
     cu_q: torch.Tensor
-    """[S+1] int32 query (segment) offsets."""
+    """[n+1] int32 query offsets of the ``n`` varlen sequences."""
     cu_k: torch.Tensor
-    """[S+1] int32 key offsets (into ``kv_index`` for gather, = ``cu_q`` otherwise)."""
+    """[n+1] int32 key offsets (into ``kv_index`` for gather, = ``cu_q`` otherwise)."""
     kv_index: torch.Tensor | None
-    """[K] int64 gathered key rows (gather mode, K = Σ_s depth of the segment's last node + 1)."""
+    """[K] int64 gathered key rows (gather mode, K = Σ_i path length of sequence ``i``'s last row)."""
     max_q: int
     max_k: int
     mode: Literal["gather", "levels"] = "gather"
@@ -149,15 +151,22 @@ def build_varlen_plan(seg_offsets, seg_parent, *, mode: VarlenMode = "auto", sav
     mq = int(lens.max())
     if context_rows or not (sp < 0).all():
         if context_rows or mode in ("auto", "gather"):
-            return _gather_plan(so, sp, context_rows, mq, dev, save_gathered_kv)
+            return _gather_plan(so, sp, context_rows, dev, save_gathered_kv)
         return _levels_plan(so, sp, mq, dev)
     cu = upload([so], dev)[0].to(torch.int32)  # no sharing: exactly the THD varlen call, without gathers
     return VarlenPlan(cu_q=cu, cu_k=cu, kv_index=None, max_q=mq, max_k=mq)
 
 
-def _gather_plan(so: np.ndarray, sp: np.ndarray, c: int, mq: int, dev, save_gathered_kv: bool) -> VarlenPlan:
+def _gather_plan(so: np.ndarray, sp: np.ndarray, c: int, dev, save_gathered_kv: bool) -> VarlenPlan:
     """Key-gather plan; with ``c`` context rows (key rows ``0..c-1``, forest row ``r`` is key row
-    ``c + r``) the context is one more root segment above every root, without queries of its own."""
+    ``c + r``) the context is one more root segment above every root, without queries of its own.
+
+    A segment whose first child follows it in pre-order (segment ``s + 1`` with parent ``s``) shares
+    one varlen sequence with that child: the child's keys are the parent's keys followed by its own
+    rows, so causal attention over the rows ``s ++ s+1`` against the child's keys (bottom-right
+    aligned) is exactly both segments' attention, and the parent's keys are gathered once, not
+    twice. Chains of first children form one sequence (on a multi-turn tree, whose turns each
+    have a first child, this gathers 31 % fewer key rows)."""
     n, t = sp.size, int(so[-1])
     path_len = np.diff(so) + c  # with a context, every segment's keys start with all of it
     keys = []
@@ -167,12 +176,20 @@ def _gather_plan(so: np.ndarray, sp: np.ndarray, c: int, mq: int, dev, save_gath
         keys.append(np.concatenate([ctx if sp[s] < 0 else keys[sp[s]], own]))
         if sp[s] >= 0:
             path_len[s] += path_len[sp[s]] - c
-    kv = np.concatenate(keys)
-    cu_q, cu_k, kv_index, ptr, pos = upload([so, _cu(path_len), kv, _cu(np.bincount(kv, minlength=t + c)),
+    # sequence boundaries: every segment except a first child that directly follows its parent
+    head = np.ones(n, dtype=bool)
+    head[1:] = sp[1:] != np.arange(n - 1)
+    starts = np.flatnonzero(head)
+    ends = np.append(starts[1:], n) - 1  # the last (deepest) segment of each sequence
+    cu_q = np.append(so[starts], t)
+    kv = np.concatenate([keys[s] for s in ends])
+    kl = path_len[ends]
+    cu_q, cu_k, kv_index, ptr, pos = upload([cu_q, _cu(kl), kv, _cu(np.bincount(kv, minlength=t + c)),
                                              np.argsort(kv, kind="stable")], dev)
-    return VarlenPlan(cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32), kv_index=kv_index, max_q=mq,
-                      max_k=int(path_len.max()), mode="gather", gathered_rows=int(path_len.sum()) - t,
-                      copy_ptr=ptr.to(torch.int32), copy_pos=pos, save_gathered_kv=save_gathered_kv)
+    return VarlenPlan(cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32), kv_index=kv_index,
+                      max_q=int(np.diff(so[np.append(starts, n)]).max()), max_k=int(kl.max()), mode="gather",
+                      gathered_rows=int(kl.sum()) - t, copy_ptr=ptr.to(torch.int32), copy_pos=pos,
+                      save_gathered_kv=save_gathered_kv)
 
 
 def _levels_plan(so: np.ndarray, sp: np.ndarray, mq: int, dev) -> VarlenPlan:

@@ -118,7 +118,14 @@ def test_varlen_plan_equals_dense(seqs, mode):
     if chains:  # a forest of chains: keys are the rows themselves, no gather, no levels
         assert plan.kv_index is None and torch.equal(plan.cu_k, plan.cu_q) and not plan.levels
     elif plan.mode == "gather":
-        assert plan.kv_index.numel() == int((f.depth[f.seg_offsets[1:] - 1] + 1).sum())
+        # a segment and its first child (next in pre-order) share a sequence; its keys are the
+        # path of the sequence's last segment, so only sequence ends count
+        sp = f.seg_parent
+        first_child = torch.cat([sp[1:] == torch.arange(sp.numel() - 1), torch.tensor([False])])
+        assert torch.equal(plan.cu_q.long(), torch.cat([f.seg_offsets[:-1][~torch.roll(first_child, 1)],
+                                                         f.seg_offsets[-1:]]))
+        ends = f.seg_offsets[1:][~first_child] - 1
+        assert plan.kv_index.numel() == int((f.depth[ends] + 1).sum())
         # the copy CSR is the inverse of the gather: row r's copies, in gathered order
         rows = torch.repeat_interleave(torch.arange(f.num_nodes), plan.copy_ptr.diff().long())
         assert torch.equal(plan.kv_index[plan.copy_pos], rows)
@@ -148,13 +155,16 @@ def test_varlen_plan_equals_dense(seqs, mode):
 
 def test_varlen_plan_modes_and_gathered_rows():
     """``auto`` is the key gather (the faster plan on the GPU lane once shared rows' gradients are
-    summed by the segment-sum kernel); ``gathered_rows`` counts the duplicated keys (gather) or
+    summed by the segment-sum kernel), where a segment and its first child share a sequence;
+    ``gathered_rows`` counts the duplicated keys (gather) or
     the extra query rows (levels: each row once per strict-ancestor level); a forest of chains
     gathers nothing."""
     grpo = [[1] * 40 + [2 + i] * 10 for i in range(8)]  # prefix 40 shared by 8 responses of 10
     f = build_forest(grpo)
     plan = build_varlen_plan(f.seg_offsets, f.seg_parent)
-    assert plan.mode == "gather" and plan.gathered_rows == 8 * 40 and plan.copy_ptr.numel() == f.num_nodes + 1
+    # the prompt shares a sequence with its first response: the other 7 gather it
+    assert plan.mode == "gather" and plan.gathered_rows == 7 * 40 and plan.copy_ptr.numel() == f.num_nodes + 1
+    assert plan.cu_q.tolist() == [0] + [50 + 10 * i for i in range(8)] and plan.max_q == 50
     lv = build_varlen_plan(f.seg_offsets, f.seg_parent, mode="levels")
     assert lv.gathered_rows == 80 and len(lv.levels) == 1 and lv.kv_index is None and lv.copy_ptr is None
     nested = [[1] * 10 + [2] * 5 + [3 + i] * 4 for i in range(3)] + [[1] * 10 + [9] * 6]
