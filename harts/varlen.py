@@ -322,26 +322,34 @@ def sum_row_copies_reference(g: torch.Tensor, index: torch.Tensor, num_rows: int
     return dx.to(g.dtype)
 
 
+_GATHER_ROWS, _GATHER_WARPS = 4, 4
+"""Gathered rows per program and warps of :func:`gather_kv_triton` (``bench/harts_kv_gather.py``
+times the alternatives)."""
+
+
 @functools.cache
 def _kv_kernels():
-    """Triton gather-with-head-expansion and its transpose (compiled lazily on first use). One
-    program per row moves both ``k`` and ``v``: a ``[Hkv, D]`` tile each (padded to powers of two)."""
+    """Triton gather-with-head-expansion and its transpose (compiled lazily on first use). The
+    gather moves ``ROWS`` rows of both ``k`` and ``v`` per program, each row a ``[Hkv, D]`` tile
+    flattened (padded to powers of two), so the row indices and then all rows' loads are issued
+    together; the sum handles one row per program."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def gather(k, v, ok, ov, index, sk_row, sk_head, sv_row, sv_head,
-               HKV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
-        src = tl.load(index + i)
-        h = tl.arange(0, HP)[:, None]
-        d = tl.arange(0, DP)[None, :]
-        m = (h < HKV) & (d < D)
-        kt = tl.load(k + src * sk_row + h * sk_head + d, mask=m)
-        vt = tl.load(v + src * sv_row + h * sv_head + d, mask=m)
-        base = i * (HKV * REP * D)
+    def gather(k, v, ok, ov, index, n, sk_row, sk_head, sv_row, sv_head, HKV: tl.constexpr, REP: tl.constexpr,
+               D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rm = i < n
+        src = tl.load(index + i, mask=rm, other=0)
+        e = tl.arange(0, HP * DP)
+        h, d = e // DP, e % DP
+        m = rm[:, None] & ((h < HKV) & (d < D))[None, :]
+        kt = tl.load(k + src[:, None] * sk_row + (h * sk_head + d)[None, :], mask=m)
+        vt = tl.load(v + src[:, None] * sv_row + (h * sv_head + d)[None, :], mask=m)
+        base = i[:, None] * (HKV * REP * D)
         for j in tl.static_range(REP):
-            off = base + (h * REP + j) * D + d
+            off = base + ((h * REP + j) * D + d)[None, :]
             tl.store(ok + off, kt, mask=m)
             tl.store(ov + off, vt, mask=m)
 
@@ -389,16 +397,22 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, heads: int)
     return (kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)) if rep > 1 else (kk, vv)
 
 
-def gather_kv_triton(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, heads: int
+def gather_kv_triton(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, heads: int, *,
+                     rows_per_program: int = _GATHER_ROWS, num_warps: int = _GATHER_WARPS
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gather_kv` in one Triton launch for both tensors (a plain copy: bitwise equal)."""
+    """:func:`gather_kv` in one Triton launch for both tensors (a plain copy: bitwise equal);
+    ``rows_per_program`` (a power of two) and ``num_warps``: the launch shape."""
+    if rows_per_program < 1 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
     hkv, dim = k.shape[1], k.shape[2]
     k, v = _last_dim_dense(k), _last_dim_dense(v)
-    ok = torch.empty(index.numel(), heads, dim, dtype=k.dtype, device=k.device)
+    n = index.numel()
+    ok = torch.empty(n, heads, dim, dtype=k.dtype, device=k.device)
     ov = torch.empty_like(ok)
-    if index.numel() and dim:
-        _kv_kernels()[0][(index.numel(),)](k, v, ok, ov, index, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                           HKV=hkv, REP=heads // hkv, D=dim, HP=_p2(hkv), DP=_p2(dim), num_warps=4)
+    if n and dim:
+        _kv_kernels()[0][(-(-n // rows_per_program),)](
+            k, v, ok, ov, index, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), HKV=hkv, REP=heads // hkv,
+            D=dim, HP=_p2(hkv), DP=_p2(dim), ROWS=rows_per_program, num_warps=num_warps)
     return ok, ov
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from harts.attention import build_block_mask, build_varlen_plan, tree_attention
 from harts.forest import build_forest
 from harts.reference import tree_mask
+from harts.varlen import gather_kv_triton
 from mcore_distill.testing import assert_close
 from tests.harts.cases import CASES
 
@@ -179,6 +180,8 @@ def test_varlen_plan_modes_and_gathered_rows():
 
 def test_bad_attention_input():
     q, k, v = _qkv(5)
+    with pytest.raises(ValueError, match="rows_per_program must be a power of two, got 3"):
+        gather_kv_triton(k, v, torch.arange(5), 4, rows_per_program=3)
     with pytest.raises(ValueError, match="backend must be"):
         tree_attention(q, k, v, last=torch.arange(5), backend="flash")
     with pytest.raises(ValueError, match="needs varlen_plan"):

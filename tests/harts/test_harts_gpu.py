@@ -239,8 +239,9 @@ def _gather_plan():
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 128), (2, 2, 64), (6, 3, 40), (6, 2, 64)])
 def test_gather_kv_triton_is_exact_copy(heads, kv_heads, dim):
     """The Triton key/value gather with head expansion equals ``index_select`` +
-    ``repeat_interleave`` bit for bit, with ``v`` a strided slice of a fused QKV tensor."""
-    from harts.varlen import gather_kv
+    ``repeat_interleave`` bit for bit, with ``v`` a strided slice of a fused QKV tensor, whatever
+    the rows per program."""
+    from harts.varlen import gather_kv, gather_kv_triton
 
     f, plan = _gather_plan()
     t, rep = f.num_nodes, heads // kv_heads
@@ -252,6 +253,9 @@ def test_gather_kv_triton_is_exact_copy(heads, kv_heads, dim):
     assert kk.shape == vv.shape == (plan.kv_index.numel(), heads, dim) and kk.is_contiguous()
     assert torch.equal(kk, k[plan.kv_index].repeat_interleave(rep, 1))
     assert torch.equal(vv, v[plan.kv_index].repeat_interleave(rep, 1))
+    for rows in (1, 8):  # other launch shapes (the default is 4 rows per program)
+        for a, b in zip(gather_kv_triton(k, v, plan.kv_index, heads, rows_per_program=rows), (kk, vv), strict=True):
+            assert torch.equal(a, b), rows
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 128), (2, 2, 64), (6, 3, 40), (6, 2, 64)])
