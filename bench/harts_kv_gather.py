@@ -37,7 +37,7 @@ def _plan(case: str):
 
 
 def _variants(t: int, plan, reps: int):
-    from harts.varlen import gather_kv_triton, sum_kv_copies, sum_row_copies_reference
+    from harts.varlen import gather_kv_torch, gather_kv_triton, sum_kv_copies, sum_row_copies_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rep = HQ // HKV
@@ -56,13 +56,7 @@ def _variants(t: int, plan, reps: int):
 
     for heads, op in ((HKV, "gather grouped (forward)"), (HQ, "gather expanded (backward)")):
         moved = 2 * n * heads * D * el + 2 * t * HKV * D * el  # write the copies, read the rows once
-        r = heads // HKV
-
-        def torch_gather(heads=heads, r=r):
-            kk, vv = k.index_select(0, idx), v.index_select(0, idx)
-            return (kk.repeat_interleave(r, 1), vv.repeat_interleave(r, 1)) if r > 1 else (kk, vv)
-
-        out[(op, "torch")] = (loop(torch_gather), moved)
+        out[(op, "torch")] = (loop(lambda heads=heads: gather_kv_torch(k, v, idx, heads)), moved)
         for rows in (1, 2, 4, 8):
             for warps in (4, 8):
                 out[(op, f"triton rows={rows} warps={warps}")] = (

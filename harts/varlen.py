@@ -54,7 +54,7 @@ from harts.reference import bottom_right_causal, segment_attention_reference
 from harts.upload import upload
 
 __all__ = ["VarlenLevel", "VarlenMode", "VarlenPlan", "attention_backward", "attention_with_lse",
-           "build_varlen_plan", "gather_kv", "gather_kv_triton", "sum_kv_copies", "sum_row_copies_reference",
+           "build_varlen_plan", "gather_kv", "gather_kv_torch", "gather_kv_triton", "sum_kv_copies", "sum_row_copies_reference",
            "varlen_tree_attention"]
 
 VarlenMode = Literal["auto", "gather", "levels"]
@@ -181,13 +181,13 @@ def _gather_plan(so: np.ndarray, sp: np.ndarray, c: int, dev, save_gathered_kv: 
     head[1:] = sp[1:] != np.arange(n - 1)
     starts = np.flatnonzero(head)
     ends = np.append(starts[1:], n) - 1  # the last (deepest) segment of each sequence
-    cu_q = np.append(so[starts], t)
+    seq_q = np.append(so[starts], t)
     kv = np.concatenate([keys[s] for s in ends])
     kl = path_len[ends]
-    cu_q, cu_k, kv_index, ptr, pos = upload([cu_q, _cu(kl), kv, _cu(np.bincount(kv, minlength=t + c)),
+    cu_q, cu_k, kv_index, ptr, pos = upload([seq_q, _cu(kl), kv, _cu(np.bincount(kv, minlength=t + c)),
                                              np.argsort(kv, kind="stable")], dev)
     return VarlenPlan(cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32), kv_index=kv_index,
-                      max_q=int(np.diff(so[np.append(starts, n)]).max()), max_k=int(kl.max()), mode="gather",
+                      max_q=int(np.diff(seq_q).max()), max_k=int(kl.max()), mode="gather",
                       gathered_rows=int(kl.sum()) - t, copy_ptr=ptr.to(torch.int32), copy_pos=pos,
                       save_gathered_kv=save_gathered_kv)
 
@@ -389,9 +389,13 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, heads: int)
     """``(k[index], v[index])`` with each of the ``Hkv`` heads repeated ``rep = heads / Hkv`` times
     (query head ``h`` reads key head ``h // rep``, as grouped-query attention does): ``k, v [T, Hkv, D]``
     (any row/head strides, e.g. ``v`` sliced out of a fused QKV) → two contiguous ``[K, heads, D]``.
-    CUDA: :func:`gather_kv_triton`; elsewhere ``index_select`` + ``repeat_interleave``."""
-    if k.is_cuda:
-        return gather_kv_triton(k, v, index, heads)
+    CUDA: :func:`gather_kv_triton`; elsewhere :func:`gather_kv_torch`."""
+    return gather_kv_triton(k, v, index, heads) if k.is_cuda else gather_kv_torch(k, v, index, heads)
+
+
+def gather_kv_torch(k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, heads: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gather_kv` in plain torch (``index_select`` + ``repeat_interleave``), on any device."""
     rep = heads // k.shape[1]
     kk, vv = k.index_select(0, index), v.index_select(0, index)
     return (kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)) if rep > 1 else (kk, vv)
