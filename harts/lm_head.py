@@ -295,10 +295,14 @@ def _forward_chunk_torch(h, weight, tok_l, rows, cfg, lse, ent, a, a_ent):
     return tgt
 
 
-def _forward_chunk_triton(h, weight, row_ptr, tok_l, tgt, cfg, lse, ent, a, a_ent, inv_t):
+def _forward_chunk_triton(h, weight, row_ptr, tok_l, tgt, cfg, lse, ent, a, a_ent, inv_t, ref=None, scale=None):
     from harts import lm_head_triton as tri
 
-    e, pm, ps, pq = tri.logit_tiles(h, weight, row_ptr, tok_l, tgt, inv_t, store_e=a is not None)
+    e, pm, ps, pq = tri.logit_tiles(h, weight, row_ptr, tok_l, tgt, inv_t, store_e=a is not None, ref=ref)
+    if ref is not None:  # E relative to the rows' target logits: P = scale · E, so A = scale · (E W)
+        tri.combine_tiles(pm, ps, pq, lse=lse, ent=ent, e=e, ref=ref, scale=scale)
+        _product_into(a, e, weight)
+        return
     group = cfg.group
     if group is not None and dist.get_world_size(group) > 1:
         m, se, es = tri.combine_tiles(pm, ps, pq)
@@ -344,11 +348,21 @@ class _TreeHead(torch.autograd.Function):
         a_ent = torch.zeros(t, hd, dtype=cdtype, device=dev) if cfg.need_grad and cfg.entropy_grad else None
         tgt = torch.zeros(e_child.numel(), dtype=cdtype, device=dev)
         inv_t = torch.full((1,), cfg.inv_temp, dtype=cdtype, device=dev)
+        # Triton, unsharded, no entropy gradient: E relative to each row's target logit, so one factor
+        # per row (applied in the backward's dh) replaces the per-tile rescaling pass over E
+        ref = scale = None
+        if cfg.impl == "triton" and a is not None and a_ent is None and not (group is not None and
+                                                                             dist.get_world_size(group) > 1):
+            from harts import lm_head_triton as tri
+
+            ref = tri.target_logit_max(hidden, weight, row_ptr, tok_l, inv_t)
+            scale = torch.empty(t, dtype=cdtype, device=dev)
         for r0, r1 in _row_chunks(t, chunk):
             a0, a1 = off[r0], off[r1]
             if cfg.impl == "triton":
                 _forward_chunk_triton(hidden[r0:r1], weight, row_ptr[r0:], tok_l, tgt, cfg, lse[r0:r1], ent[r0:r1],
-                                      None if a is None else a[r0:r1], None if a_ent is None else a_ent[r0:r1], inv_t)
+                                      None if a is None else a[r0:r1], None if a_ent is None else a_ent[r0:r1], inv_t,
+                                      None if ref is None else ref[r0:r1], None if scale is None else scale[r0:r1])
                 if group is not None and dist.get_world_size(group) > 1:
                     _all_reduce(tgt[a0:a1], dist.ReduceOp.SUM, group)
             else:
@@ -358,7 +372,7 @@ class _TreeHead(torch.autograd.Function):
         logp[e_child] = tgt - lse[e_parent]  # every edge at once (fewer launches than per chunk)
         ctx.save_for_backward(hidden, weight, e_child, e_parent, tok_l, row_ptr, lse, ent, tgt)
         ctx.cfg = cfg
-        ctx.a, ctx.a_ent = a, a_ent  # consumed (freed) by the backward
+        ctx.a, ctx.a_ent, ctx.scale = a, a_ent, scale  # consumed (freed) by the backward
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -368,8 +382,8 @@ class _TreeHead(torch.autograd.Function):
         cfg = ctx.cfg
         if ctx.a is None:
             raise RuntimeError("tree_lm_head: no saved A (the backward ran twice, or the forward ran without grad)")
-        a, a_ent = ctx.a, ctx.a_ent
-        ctx.a = ctx.a_ent = None  # freed as soon as dh is formed
+        a, a_ent, scale = ctx.a, ctx.a_ent, ctx.scale
+        ctx.a = ctx.a_ent = ctx.scale = None  # freed as soon as dh is formed
         want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_logp is None and g_ent is None) or hidden.shape[0] == 0:
             return (torch.zeros_like(hidden) if want_dh else None, torch.zeros_like(weight) if want_dw else None,
@@ -390,7 +404,7 @@ class _TreeHead(torch.autograd.Function):
 
             gsum = torch.empty(t, dtype=cdtype, device=hidden.device)
             dh = a if (tp and cfg.reduce_grad_input) else torch.empty_like(hidden)
-            tri.hidden_grad(a, a_ent, lse, ent, g_ent, row_ptr, tok_l, g_edge, tgt, weight, inv_t, dh, gsum)
+            tri.hidden_grad(a, a_ent, lse, ent, g_ent, row_ptr, tok_l, g_edge, tgt, weight, inv_t, dh, gsum, scale)
         else:
             gsum = torch.zeros(t, dtype=cdtype, device=hidden.device).index_add_(0, e_parent, g_edge)
             dh = _hidden_grad_torch(a, a_ent, gsum, g_edge, g_ent, e_parent, tok_l, tgt, lse, ent, weight, cfg)

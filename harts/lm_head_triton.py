@@ -17,6 +17,14 @@ by parent row); ``tok[c]`` is the child's token as a local id (outside ``[0, V)`
   caller forms ``A = P W`` with one cuBLAS GEMM (fp32 output). (A Triton GEMM that applied the
   scale in its prologue, to the A operand in registers before ``wgmma``, ran 17× slower than
   this pair on an H200 and was dropped.)
+* Without that pass (the head's default: unsharded, no entropy gradient): :func:`target_logit_max`
+  gives each row a reference ``r_u``, the largest logit of its targets, and ``logit_tiles(ref=)``
+  stores ``E = e^{s − r_u}`` in every tile whose maximum is within :data:`REF_SLACK` of it
+  (``e^{s − m_t} · e^{m_t − r_u}``: one multiply, no second exp). Then ``P_u = e^{r_u − lse_u} E_u``
+  is one factor per row, which :func:`combine_tiles` writes and :func:`hidden_grad` applies to
+  ``A = E W``; a row with a tile above ``r_u + REF_SLACK`` (its targets more than 60 nats below its
+  maximum) is rescaled to ``P`` in place by the combine instead. This saves a read and a write of
+  ``[T, V]`` values (2.5 ms at T = 16,384, V = 151,936 on an H200).
 * :func:`hidden_grad`: ``dh_u = (Σ_c coef_c W[tok_c] − G_u A_u − g^H_u A^H_u) / τ`` with
   ``G_u = Σ_c g_c`` and ``coef_c = g_c − G_u p_c − g^H_u p_c (log p_c + H_u)``: the target
   columns enter with their exact fp32 coefficient, so ``1 − p`` never cancels in a rounded sum.
@@ -42,12 +50,18 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TILE_N", "logit_tiles", "combine_tiles", "scale_tiles", "hidden_grad", "logit_grad",
-           "logit_tiles_reference", "combine_tiles_reference", "scale_tiles_reference",
-           "hidden_grad_reference", "logit_grad_reference", "tuned_config", "tuning_record"]
+__all__ = ["REF_SLACK", "TILE_N", "logit_tiles", "combine_tiles", "target_logit_max", "scale_tiles", "hidden_grad",
+           "logit_grad", "logit_tiles_reference", "combine_tiles_reference", "combine_scale_reference",
+           "target_logit_max_reference", "scale_tiles_reference", "hidden_grad_reference", "logit_grad_reference",
+           "tuned_config", "tuning_record"]
 
 TILE_N = 128
 """Vocabulary columns per forward tile: the granularity of the partial softmax statistics."""
+
+REF_SLACK = 60.0
+"""With row references ``r`` (:func:`logit_tiles` ``ref=``), a tile whose maximum ``m_t`` is at most
+``r + REF_SLACK`` stores ``E = e^{s − r}``: entries up to ``e^60`` (bf16 and the fp32 sum ``E W``
+over 151,936 columns stay finite), entries below ``e^{−87}`` of ``r`` flush to 0 as before."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,12 +117,13 @@ def _x_wt_tma(XD, WD, off_m, off_n, H: tl.constexpr, BM: tl.constexpr, BN: tl.co
 
 
 @triton.jit
-def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
-                H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
-                PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr, TMA: tl.constexpr,
-                OSTORE: tl.constexpr, EVEN: tl.constexpr):
+def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, REF, SLACK, n, V, INV, stride_x,
+                stride_w, stride_e, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr,
+                TMA: tl.constexpr, OSTORE: tl.constexpr, EVEN: tl.constexpr, HAS_REF: tl.constexpr):
     """One ``[BM, BN]`` tile of :func:`logit_tiles`: GEMM, then the statistics in the epilogue
-    (``EVEN``: ``V`` is a multiple of ``BN``, no column is masked)."""
+    (``EVEN``: ``V`` is a multiple of ``BN``, no column is masked; ``HAS_REF``: ``E`` relative to
+    the rows' references where the tile's maximum is within ``SLACK`` of them)."""
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_n * BN + tl.arange(0, BN)
     rmask = rows < n
@@ -147,6 +162,9 @@ def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n,
             e = tl.where(hit, 0.0, e)
         i += 1
     if STORE_E:
+        if HAS_REF:  # e^{s − m} e^{m − r} = e^{s − r}: one multiply per element, no second exp
+            r = tl.load(REF + rows, mask=rmask, other=float("-inf"))
+            e = e * tl.where(m - r <= SLACK, tl.exp(tl.minimum(m - r, SLACK)), 1.0)[:, None]
         if OSTORE:  # one bulk tensor store (rows and columns outside E are clipped)
             OD.store([pid_m * BM, pid_n * BN], _cast(e, E.dtype.element_ty, LOW))
         else:
@@ -159,11 +177,12 @@ def _logit_tile(pid_m, pid_n, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n,
 
 
 @triton.jit
-def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x, stride_w, stride_e,
-                        H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr,
-                        PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr, F32: tl.constexpr,
-                        TMA: tl.constexpr, OSTORE: tl.constexpr, PERSIST: tl.constexpr, FLAT: tl.constexpr,
-                        NP: tl.constexpr, INTERP: tl.constexpr, EVEN: tl.constexpr = False, WS: tl.constexpr = False):
+def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, REF, SLACK, n, V, INV, stride_x, stride_w,
+                        stride_e, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        ACC: tl.constexpr, PREC: tl.constexpr, LOW: tl.constexpr, STORE_E: tl.constexpr,
+                        F32: tl.constexpr, TMA: tl.constexpr, OSTORE: tl.constexpr, PERSIST: tl.constexpr,
+                        FLAT: tl.constexpr, NP: tl.constexpr, INTERP: tl.constexpr, EVEN: tl.constexpr = False,
+                        HAS_REF: tl.constexpr = False, WS: tl.constexpr = False):
     # tile t: row tile t % nm, vocabulary tile t // nm, so that consecutive tiles share a tile of W
     # (the large operand). PERSIST: NP programs walk the tiles t = pid, pid + NP, ... (FLAT: one
     # software-pipelined loop, the next tile's loads overlap this tile's epilogue); else one
@@ -176,22 +195,26 @@ def _logit_tiles_kernel(X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, IN
             it = 0
             while it < tiles:
                 t = tl.minimum(pid + it, tiles - 1)  # a repeated last tile writes the same values
-                _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
-                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE, EVEN)
+                _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, REF, SLACK, n, V, INV,
+                            stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE,
+                            EVEN, HAS_REF)
                 it += NP
         else:
             for t in tl.range(pid, tiles, NP, flatten=FLAT, warp_specialize=WS):
-                _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV, stride_x,
-                            stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE, EVEN)
+                _logit_tile(t % nm, t // nm, X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, REF, SLACK, n, V, INV,
+                            stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE,
+                            EVEN, HAS_REF)
     else:
-        _logit_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, n, V, INV,
-                    stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE, EVEN)
+        _logit_tile(tl.program_id(0), tl.program_id(1), X, W, XD, WD, OD, E, PM, PS, PQ, TGT, PTR, TOK, REF, SLACK, n,
+                    V, INV, stride_x, stride_w, stride_e, H, BM, BN, BK, ACC, PREC, LOW, STORE_E, F32, TMA, OSTORE,
+                    EVEN, HAS_REF)
 
 
 @triton.jit
-def _combine_kernel(PM, PS, PQ, OM, OS, OQ, n, NT: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
-                    FINAL: tl.constexpr):
-    # FINAL: write lse = M + log S into OM and the entropy log S − Q / S into OS (OQ unused)
+def _combine_kernel(PM, PS, PQ, OM, OS, OQ, E, REF, SCALE, SLACK, n, stride_e, V, NT: tl.constexpr, BR: tl.constexpr,
+                    BT: tl.constexpr, FINAL: tl.constexpr, HAS_REF: tl.constexpr, LOW: tl.constexpr, TN: tl.constexpr):
+    # FINAL: write lse = M + log S into OM and the entropy log S − Q / S into OS (OQ unused);
+    # HAS_REF (with FINAL): E of logit_tiles(ref=REF) -> the factor P = SCALE · E, see combine_tiles
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < n
     ts = tl.arange(0, BT)
@@ -215,6 +238,23 @@ def _combine_kernel(PM, PS, PQ, OM, OS, OQ, n, NT: tl.constexpr, BR: tl.constexp
         ls = tl.log(tl.where(rmask, tot, 1.0))
         tl.store(OM + rows, big + ls, mask=rmask)
         tl.store(OS + rows, ls - q / tl.where(rmask, tot, 1.0), mask=rmask)
+        if HAS_REF:
+            r = tl.load(REF + rows, mask=rmask, other=float("-inf"))
+            lse = big + ls
+            good = big - r <= SLACK  # every tile of the row stored E relative to r
+            fix = rmask & (big - r > SLACK) & (r > float("-inf"))
+            tl.store(SCALE + rows, tl.where(good, tl.exp(r - lse), tl.where(fix, 1.0, 0.0)),
+                     mask=rmask)
+            if tl.max(fix.to(tl.int32), 0) > 0:  # rare: rescale those rows' tiles to P = e^{s − lse} here
+                cs = tl.arange(0, TN)
+                rp = E + rows.to(tl.int64)[:, None] * stride_e
+                for t in range(0, NT):
+                    m = tl.load(PM + t * n + rows, mask=fix, other=0.0)
+                    c = tl.exp(tl.where(m - r <= SLACK, r, m) - lse)
+                    cols = t * TN + cs
+                    msk = fix[:, None] & (cols < V)[None, :]
+                    x = tl.load(rp + cols[None, :], mask=msk, other=0.0).to(PM.dtype.element_ty) * c[:, None]
+                    tl.store(rp + cols[None, :], _cast(x, E.dtype.element_ty, LOW), mask=msk)
     else:
         tl.store(OM + rows, big, mask=rmask)
         tl.store(OS + rows, tot, mask=rmask)
@@ -242,9 +282,9 @@ def _scale_tiles_kernel(E, PM, LSE, ENT, n, stride_e, V: tl.constexpr, TN: tl.co
 
 
 @triton.jit
-def _hidden_grad_kernel(A, AH, LSE, ENT, GH, PTR, TOK, EG, TGT, W, OUT, GOUT, INV, stride_a, stride_ah, stride_w,
+def _hidden_grad_kernel(A, AH, SC, LSE, ENT, GH, PTR, TOK, EG, TGT, W, OUT, GOUT, INV, stride_a, stride_ah, stride_w,
                         stride_o, H: tl.constexpr, V: tl.constexpr, BH: tl.constexpr, HAS_ENT: tl.constexpr,
-                        LOW: tl.constexpr):
+                        LOW: tl.constexpr, HAS_SC: tl.constexpr):
     u = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     hs = hb * BH + tl.arange(0, BH)
@@ -253,6 +293,8 @@ def _hidden_grad_kernel(A, AH, LSE, ENT, GH, PTR, TOK, EG, TGT, W, OUT, GOUT, IN
     end = tl.load(PTR + u + 1)
     lse = tl.load(LSE + u)
     a = tl.load(A + u * stride_a + hs, mask=hm, other=0.0)
+    if HAS_SC:  # A = E W of logit_tiles(ref=...): P W = scale · A
+        a = a * tl.load(SC + u)
     gsum = tl.zeros([1], a.dtype)
     i = start
     while i < end:
@@ -278,6 +320,29 @@ def _hidden_grad_kernel(A, AH, LSE, ENT, GH, PTR, TOK, EG, TGT, W, OUT, GOUT, IN
     tl.store(OUT + u * stride_o + hs, _cast(acc * tl.load(INV), OUT.dtype.element_ty, LOW), mask=hm)
     if hb == 0:
         tl.store(GOUT + u + tl.arange(0, 1), gsum)
+
+
+@triton.jit
+def _target_max_kernel(X, W, PTR, TOK, INV, OUT, stride_x, stride_w, V, H: tl.constexpr, BH: tl.constexpr,
+                       ACC: tl.constexpr):
+    # row u: max over its edges c with a token in [0, V) of the logit s[u, tok_c] (−inf: none)
+    u = tl.program_id(0).to(tl.int64)
+    hs = tl.arange(0, BH)
+    best = tl.full([1], float("-inf"), ACC)
+    i = tl.load(PTR + u)
+    end = tl.load(PTR + u + 1)
+    while i < end:
+        tok = tl.load(TOK + i)
+        own = (tok >= 0) & (tok < V)
+        wp = W + tl.minimum(tl.maximum(tok, 0), V - 1).to(tl.int64) * stride_w
+        acc = tl.zeros([BH], ACC)
+        for k0 in range(0, H, BH):
+            hm = k0 + hs < H
+            acc += tl.load(X + u * stride_x + k0 + hs, mask=hm, other=0.0).to(ACC) * \
+                tl.load(wp + k0 + hs, mask=hm & own, other=0.0).to(ACC)
+        best = tl.where(own, tl.maximum(best, tl.sum(acc, 0) * tl.load(INV)), best)
+        i += 1
+    tl.store(OUT + u + tl.arange(0, 1), best)
 
 
 @triton.jit
@@ -534,7 +599,8 @@ def _rows_dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: torch.Tensor, tgt: torch.Tensor,
-                inv_t: torch.Tensor, *, store_e: bool = True, config: dict | None = None):
+                inv_t: torch.Tensor, *, store_e: bool = True, ref: torch.Tensor | None = None,
+                slack: float | None = None, config: dict | None = None):
     """Forward tiles of the rows ``h [n, H]`` (see the module docstring); ``inv_t``: ``1/τ`` as a
     one-element tensor of the accumulation dtype (fp64 stays exact; a Python float would pass as fp32).
 
@@ -542,6 +608,11 @@ def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: to
     edges whose token lies in this shard). Returns ``E [n, V]`` (``w``'s dtype) and the partials
     ``m, S, Q`` as ``[ceil(V / TILE_N), n]`` each (fp32; fp64 for fp64 inputs); ``E`` is None
     when ``store_e`` is False (statistics only).
+
+    ``ref [n]`` (the accumulation dtype, ``−inf``: none): a reference per row, e.g.
+    :func:`target_logit_max`. Tile ``t`` of row ``u`` then stores ``E = e^{s − r_t}`` with
+    ``r_t = ref_u`` where ``m_t ≤ ref_u + slack``, else ``r_t = m_t`` as without ``ref`` (the
+    partials do not change); :func:`combine_tiles` turns that into one factor per row.
     """
     n, hd = h.shape
     v = w.shape[0]
@@ -553,10 +624,13 @@ def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: to
     e = torch.empty(n, -(-v // 64) * 64, dtype=w.dtype, device=h.device)[:, :v] if store_e else None
     tma = _tma_ok(h, w) and (e is None or _tma_ok(e))
     xd, wd, od = _descriptors(h, w, e, config, TILE_N) if tma else (None, None, None)
+    has_ref = ref is not None and store_e
+    slack = float(REF_SLACK if slack is None else slack)
     args = dict(X=h, W=w, XD=xd, WD=wd, OD=od, E=pm if e is None else e, PM=pm, PS=ps, PQ=pq, TGT=tgt, PTR=row_ptr, TOK=tok,
-                n=n, V=v, INV=inv_t, stride_x=h.stride(0), stride_w=w.stride(0),
-                stride_e=0 if e is None else e.stride(0), H=hd, BN=TILE_N, ACC=_acc(h.dtype), PREC=_prec(h.dtype),
-                LOW=_low(w.dtype), STORE_E=store_e, F32=_f32_dots(h.dtype), EVEN=v % TILE_N == 0)
+                REF=ref if has_ref else pm, SLACK=slack, n=n, V=v, INV=inv_t, stride_x=h.stride(0),
+                stride_w=w.stride(0), stride_e=0 if e is None else e.stride(0), H=hd, BN=TILE_N, ACC=_acc(h.dtype),
+                PREC=_prec(h.dtype), LOW=_low(w.dtype), STORE_E=store_e, F32=_f32_dots(h.dtype), EVEN=v % TILE_N == 0,
+                HAS_REF=has_ref)
 
     def grid(meta):
         tiles_m = triton.cdiv(n, meta["BM"])
@@ -566,18 +640,50 @@ def logit_tiles(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: to
 
 
 def combine_tiles(pm: torch.Tensor, ps: torch.Tensor, pq: torch.Tensor, *, lse: torch.Tensor | None = None,
-                  ent: torch.Tensor | None = None):
+                  ent: torch.Tensor | None = None, e: torch.Tensor | None = None, ref: torch.Tensor | None = None,
+                  scale: torch.Tensor | None = None, slack: float | None = None):
     """``(M, S, Q) [n]`` of the tile partials ``[tiles, n]`` (module docstring); with ``lse`` and
     ``ent`` given (``[n]`` each, the partials' dtype), writes ``lse = M + log S`` and the entropy
-    ``log S − Q / S`` there instead and returns ``(lse, ent)``."""
+    ``log S − Q / S`` there instead and returns ``(lse, ent)``.
+
+    With ``e``, ``ref`` (of ``logit_tiles(..., ref=ref, slack=slack)``) and ``scale [n]`` also
+    writes the factor ``scale_u`` with ``P_u = scale_u · E_u`` (the probabilities without the
+    target columns): ``e^{ref_u − lse_u}`` where every tile of the row used ``ref_u`` (``M_u ≤
+    ref_u + slack``); else, for a row with a reference, its tiles of ``e`` are rescaled in place to
+    ``P_u`` here and ``scale_u = 1``; rows without a reference get 0 (no target: ``A_u`` unused)."""
     nt, n = pm.shape
     br, bt = (16, 16) if _interpreting() else (8, 128)  # 8 rows per program: ≈ one wave per 1024-row chunk
+    grid = (triton.cdiv(n, br),)
+    slack = float(REF_SLACK if slack is None else slack)
     if lse is not None:
-        _combine_kernel[(triton.cdiv(n, br),)](pm, ps, pq, lse, ent, lse, n, NT=nt, BR=br, BT=bt, FINAL=True)
+        has_ref = e is not None
+        if has_ref and (ref is None or scale is None or e.shape[0] != n):
+            raise ValueError("combine_tiles: e needs ref and scale, and e must have the partials' rows")
+        _combine_kernel[grid](pm, ps, pq, lse, ent, lse, e if has_ref else pm, ref if has_ref else lse,
+                              scale if has_ref else lse, slack, n, e.stride(0) if has_ref else 0,
+                              e.shape[1] if has_ref else 0, NT=nt, BR=br, BT=bt, FINAL=True, HAS_REF=has_ref,
+                              LOW=has_ref and _low(e.dtype), TN=TILE_N)
         return lse, ent
     out = torch.empty(3, n, dtype=pm.dtype, device=pm.device)
-    _combine_kernel[(triton.cdiv(n, br),)](pm, ps, pq, out[0], out[1], out[2], n, NT=nt, BR=br, BT=bt, FINAL=False)
+    _combine_kernel[grid](pm, ps, pq, out[0], out[1], out[2], pm, pm, pm, 0.0, n, 0, 0, NT=nt, BR=br, BT=bt,
+                          FINAL=False, HAS_REF=False, LOW=False, TN=TILE_N)
     return out[0], out[1], out[2]
+
+
+def target_logit_max(h: torch.Tensor, w: torch.Tensor, row_ptr: torch.Tensor, tok: torch.Tensor,
+                     inv_t: torch.Tensor) -> torch.Tensor:
+    """``[n]``: per row ``u`` of ``h [n, H]`` the largest logit ``h_u · w_{tok_c} / τ`` of its edges
+    ``c`` whose token lies in this shard (``−inf``: none); the accumulation dtype. A reference for
+    :func:`logit_tiles`: a sampled token's logit is rarely far below its row's maximum."""
+    n, hd = h.shape
+    out = torch.empty(n, dtype=_acc_dtype(h.dtype), device=h.device)
+    if n == 0:
+        return out
+    h, w = _rows_dense(h), _rows_dense(w)
+    bh = 16 if _interpreting() else min(1024, triton.next_power_of_2(hd))
+    _target_max_kernel[(n,)](h, w, row_ptr, tok, inv_t, out, h.stride(0), w.stride(0), w.shape[0], H=hd, BH=bh,
+                             ACC=_acc(h.dtype))
+    return out
 
 
 def scale_tiles(e: torch.Tensor, pm: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, *,
@@ -596,8 +702,10 @@ def scale_tiles(e: torch.Tensor, pm: torch.Tensor, lse: torch.Tensor, ent: torch
 
 def hidden_grad(a: torch.Tensor, a_ent: torch.Tensor | None, lse: torch.Tensor, ent: torch.Tensor,
                 g_ent: torch.Tensor | None, row_ptr: torch.Tensor, tok: torch.Tensor, g_edge: torch.Tensor,
-                tgt: torch.Tensor, w: torch.Tensor, inv_t: torch.Tensor, out: torch.Tensor, gsum: torch.Tensor) -> None:
-    """``out [T, H] = dh`` (before any tensor-parallel sum; may alias ``a``) and ``gsum [T] = G``."""
+                tgt: torch.Tensor, w: torch.Tensor, inv_t: torch.Tensor, out: torch.Tensor, gsum: torch.Tensor,
+                scale: torch.Tensor | None = None) -> None:
+    """``out [T, H] = dh`` (before any tensor-parallel sum; may alias ``a``) and ``gsum [T] = G``;
+    ``scale [T]``: ``A = scale · a`` per row (:func:`combine_tiles` with ``ref``)."""
     t, hd = a.shape
     if t == 0:
         return
@@ -605,9 +713,9 @@ def hidden_grad(a: torch.Tensor, a_ent: torch.Tensor | None, lse: torch.Tensor, 
     bh = min(1024, triton.next_power_of_2(hd)) if not _interpreting() else 16
     has_ent = a_ent is not None and g_ent is not None
     _hidden_grad_kernel[(t, triton.cdiv(hd, bh))](
-        a, a_ent if has_ent else a, lse, ent, g_ent if has_ent else lse, row_ptr, tok, g_edge, tgt, w, out, gsum,
-        inv_t, a.stride(0), (a_ent if has_ent else a).stride(0), w.stride(0), out.stride(0), H=hd, V=w.shape[0],
-        BH=bh, HAS_ENT=has_ent, LOW=_low(out.dtype))
+        a, a_ent if has_ent else a, lse if scale is None else scale, lse, ent, g_ent if has_ent else lse, row_ptr, tok,
+        g_edge, tgt, w, out, gsum, inv_t, a.stride(0), (a_ent if has_ent else a).stride(0), w.stride(0), out.stride(0),
+        H=hd, V=w.shape[0], BH=bh, HAS_ENT=has_ent, LOW=_low(out.dtype), HAS_SC=scale is not None)
 
 
 def logit_grad(h: torch.Tensor, w_block: torch.Tensor, col0: int, lse: torch.Tensor, gsum: torch.Tensor,
@@ -643,7 +751,8 @@ def _edge_rows(row_ptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(int(row_ptr[0]), int(row_ptr[-1]), device=row_ptr.device), rows
 
 
-def logit_tiles_reference(h, w, row_ptr, tok, tgt, inv_t):
+def logit_tiles_reference(h, w, row_ptr, tok, tgt, inv_t, ref=None, slack=None):
+    slack = REF_SLACK if slack is None else slack
     acc = _acc_dtype(h.dtype)
     s = (h.to(acc) @ w.to(acc).T) * inv_t
     n, v = s.shape
@@ -655,6 +764,9 @@ def logit_tiles_reference(h, w, row_ptr, tok, tgt, inv_t):
     e = torch.exp(sp - m[..., None])
     tot = e.sum(-1)
     q = torch.where(e > 0, e * (sp - m[..., None]), 0.0).sum(-1)
+    if ref is not None:  # e^{s − r_t}: r_t = ref where m_t <= ref + slack, else m_t
+        d = m - ref[:, None]
+        e = e * torch.where(d <= slack, torch.exp(d.clamp(max=slack)), 1.0)[..., None]
     e = e.reshape(n, -1)[:, :v].clone()
     idx, rows = _edge_rows(row_ptr)
     t = tok[idx]
@@ -670,6 +782,28 @@ def combine_tiles_reference(pm, ps, pq):
     return big, (ps * wt).sum(0), ((pq + (pm - big) * ps) * wt).sum(0)
 
 
+def combine_scale_reference(e, pm, lse, ref, slack=None):
+    slack = REF_SLACK if slack is None else slack
+    """(E with the rows that need it rescaled to P, scale) of :func:`combine_tiles` with ``ref``."""
+    acc = pm.dtype
+    good = pm.amax(0) - ref <= slack
+    fix = ~good & (ref > float("-inf"))
+    scale = torch.where(good, torch.exp(ref - lse), torch.where(fix, 1.0, 0.0)).to(acc)
+    r_t = torch.where(pm - ref <= slack, ref, pm)  # [tiles, n]: each tile's reference
+    c = torch.exp(r_t - lse).T.repeat_interleave(TILE_N, 1)[:, :e.shape[1]]
+    return torch.where(fix[:, None], (e.to(acc) * c).to(e.dtype), e), scale
+
+
+def target_logit_max_reference(h, w, row_ptr, tok, inv_t):
+    acc = _acc_dtype(h.dtype)
+    idx, rows = _edge_rows(row_ptr)
+    t = tok[idx].long()
+    own = (t >= 0) & (t < w.shape[0])
+    s = (h[rows[own]].to(acc) * w[t[own]].to(acc)).sum(-1) * inv_t
+    out = torch.full((h.shape[0],), float("-inf"), dtype=acc, device=h.device)
+    return out.scatter_reduce(0, rows[own], s, reduce="amax")
+
+
 def scale_tiles_reference(e, pm, lse, ent, *, entropy=False):
     acc = _acc_dtype(e.dtype)
     ef = e.to(acc)
@@ -680,8 +814,10 @@ def scale_tiles_reference(e, pm, lse, ent, *, entropy=False):
     return x.to(e.dtype)
 
 
-def hidden_grad_reference(a, a_ent, lse, ent, g_ent, row_ptr, tok, g_edge, tgt, w, inv_t):
+def hidden_grad_reference(a, a_ent, lse, ent, g_ent, row_ptr, tok, g_edge, tgt, w, inv_t, scale=None):
     t, _ = a.shape
+    if scale is not None:
+        a = a * scale[:, None]
     v = w.shape[0]
     idx, rows = _edge_rows(row_ptr)
     gsum = torch.zeros(t, dtype=a.dtype, device=a.device).index_add_(0, rows, g_edge[idx])

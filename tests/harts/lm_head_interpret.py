@@ -80,6 +80,7 @@ def kernels(dtype: torch.dtype, v: int = 300) -> dict[str, float]:
     out["kernel scale_tiles p"] = _err(tri.scale_tiles(e.clone(), pm, lse, ent), p_ref)
     out["kernel scale_tiles entropy"] = _err(tri.scale_tiles(p_ref.clone(), pm, lse, ent, entropy=True),
                                              tri.scale_tiles_reference(p_ref, pm, lse, ent, entropy=True))
+    out.update(_ref_kernels(h, w, row_ptr, tok, inv, e, pm, ps, pq, lse))
     a_, a_ent = torch.randn(2, t, hd, generator=g, dtype=torch.float64).to(acc)
     g_edge, g_ent = torch.randn(tok.numel(), generator=g, dtype=torch.float64).to(acc), torch.randn(
         t, generator=g, dtype=torch.float64).to(acc)
@@ -90,6 +91,11 @@ def kernels(dtype: torch.dtype, v: int = 300) -> dict[str, float]:
         dh_r, gs_r = tri.hidden_grad_reference(a_, ae, lse, ent, ge, row_ptr, tok, g_edge, tgt, w, inv)
         out[f"kernel hidden_grad ent={with_ent}"] = _err(dh, dh_r)
         out[f"kernel hidden_grad G ent={with_ent}"] = _err(gs, gs_r)
+        if not with_ent:  # A given as E W of logit_tiles(ref=...) and its row factor
+            sc = torch.rand(t, generator=g, dtype=torch.float64).to(acc)
+            tri.hidden_grad(a_, None, lse, ent, None, row_ptr, tok, g_edge, tgt, w, inv, dh, gs, scale=sc)
+            dh_r, _ = tri.hidden_grad_reference(a_, None, lse, ent, None, row_ptr, tok, g_edge, tgt, w, inv, scale=sc)
+            out["kernel hidden_grad ent=False scaled A"] = _err(dh, dh_r)
         for c0, nb in ((0, 128), (128, 100), (v - 50, 50)):
             ref = tri.logit_grad_reference(h, w[c0:c0 + nb], c0, lse, gs_r, ge, ent, row_ptr, tok, g_edge, inv)
             for variant, cfg in VARIANTS.items():
@@ -98,6 +104,43 @@ def kernels(dtype: torch.dtype, v: int = 300) -> dict[str, float]:
                                     config=cfg and {**cfg, "BN": 32})
                 out[f"kernel logit_grad{variant} ent={with_ent} cols {c0}+{nb}"] = _err(dz, ref)
     return {f"{k} {str(dtype)[6:]}" + ("" if v == 300 else f" V={v}"): val for k, val in out.items()}
+
+
+def _ref_kernels(h, w, row_ptr, tok, inv, e_plain, pm_plain, ps, pq, lse) -> dict[str, float]:
+    """The row-reference path: :func:`target_logit_max`, ``logit_tiles(ref=)`` and ``combine_tiles``
+    writing the row factor (and rescaling the rows it must) against their references, and the
+    product ``scale · E`` against the probabilities of the per-tile path (``scale_tiles``), at the
+    default slack (every row within it here) and at slack 12 (rows of both kinds)."""
+    out = {}
+    acc = pm_plain.dtype
+    ref = tri.target_logit_max(h, w, row_ptr, tok, inv)
+    ref_r = tri.target_logit_max_reference(h, w, row_ptr, tok, inv)
+    fin = torch.isfinite(ref_r)
+    out["kernel target_logit_max"] = _err(ref[fin], ref_r[fin])
+    out["kernel target_logit_max rows without a target"] = float(not torch.equal(torch.isfinite(ref), fin))
+    p_plain = tri.scale_tiles_reference(e_plain, pm_plain, lse, None)
+    for slack in (None, 12.0):
+        tag = f"slack={slack or tri.REF_SLACK:g}"
+        tgt_r = torch.zeros(tok.numel(), dtype=acc)
+        er = tri.logit_tiles_reference(h, w, row_ptr, tok, tgt_r, inv, ref=ref, slack=slack)[0]
+        for variant in ("", " tma-persistent-store"):
+            cfg = VARIANTS[variant]
+            tgt = torch.zeros(tok.numel(), dtype=acc)
+            e, pm, _, _ = tri.logit_tiles(h, w, row_ptr, tok, tgt, inv, ref=ref, slack=slack,
+                                          config=cfg and {**cfg, "BN": 16})
+            out[f"kernel logit_tiles ref{variant} {tag} E "] = _err(e, er)
+        lse_f, ent_f, sc = (torch.empty(h.shape[0], dtype=acc) for _ in range(3))
+        e_fix, sc_r = tri.combine_scale_reference(e, pm, lse, ref, slack)
+        tri.combine_tiles(pm, ps, pq, lse=lse_f, ent=ent_f, e=e, ref=ref, scale=sc, slack=slack)
+        out[f"kernel combine ref {tag} lse"] = _err(lse_f, lse)
+        out[f"kernel combine ref {tag} E "] = _err(e, e_fix)
+        out[f"kernel combine ref {tag} scale"] = _err(sc, sc_r)
+        # P = scale · E is the per-tile path's P on every row with a target (the rows whose A is used)
+        out[f"kernel combine ref {tag} P as scale_tiles"] = _err(sc[fin, None] * e[fin].to(acc), p_plain[fin].to(acc))
+        fixed = int(((sc == 1.0) & fin).sum())
+        if slack is not None:  # this forest at slack 12: rows rescaled in place and rows left to the factor
+            out[f"kernel combine ref {tag} both kinds of rows"] = float(not 0 < fixed < int(fin.sum()))
+    return out
 
 
 def _head_case(f, *, v, hd, dtype, chunk, vocab_block, temp, ent_grad, seed=0, tp_group=None, rank=0, world=1,
@@ -153,6 +196,19 @@ def heads() -> dict[str, float]:
     e = _head_case(f, v=301, hd=20, dtype=torch.bfloat16, chunk=16, vocab_block=128, temp=1.0, ent_grad=True)
     for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
         out[f"head bf16 {name}"] = val
+    # without an entropy gradient E is stored relative to each row's target logit; rows whose maximum
+    # is more than REF_SLACK above it are rescaled in the combine: slack 7 (both kinds of rows) and
+    # -1 (every row rescaled), fp64 and bf16
+    default = tri.REF_SLACK
+    for slack in (7.0, -1.0):
+        tri.REF_SLACK = slack
+        try:
+            for dtype in (torch.float64, torch.bfloat16):
+                e = _head_case(f, v=301, hd=20, dtype=dtype, chunk=16, vocab_block=64, temp=0.8, ent_grad=False)
+                for name, val in zip(("logp", "entropy", "dhidden", "dweight"), e, strict=True):
+                    out[f"head {'fp64' if dtype == torch.float64 else 'bf16'} slack={slack:g} {name}"] = val
+        finally:
+            tri.REF_SLACK = default
     return out
 
 
