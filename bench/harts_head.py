@@ -196,12 +196,14 @@ def cublas_tflops(case) -> float:
 
 
 def sweep_variants(quick: bool):
+    import harts.lm_head as lm_head
     import harts.lm_head_triton as tri
 
     if quick:
         return {"torch c16": ({"impl": "torch", "chunk_size": 16}, None)}
     return {
         "triton default": ({}, None),
+        "triton, per-tile rescaling of E (no row reference)": ({}, (lm_head, "_ROW_REFERENCE", False)),
         "triton vb2048": ({"vocab_block": 2048}, None),
         "triton vb1024": ({"vocab_block": 1024}, None),
         "triton, pointer kernels only (no TMA)": ({}, (tri, "_tma_ok", lambda *ts: False)),

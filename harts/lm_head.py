@@ -47,6 +47,7 @@ _ROW_BLOCKS = 8  # the torch path's softmax temporaries are [ceil(rows / 8), col
 _SLICE_FRACTION = 16  # vocab slices keep [slice, H] fp32 products ≤ 1/16 of a chunk
 _TRITON_VOCAB_BLOCK = 2048  # narrowest default backward vocabulary block of the Triton path
 _TRITON_DZ_ELEMS = 2048 * 16384  # default dz block size: [T, block] holds at most this many elements
+_ROW_REFERENCE = True  # Triton forward: E relative to each row's target logit (False: the per-tile pass; A/B runs)
 
 
 class TreeHeadOutput(tuple):
@@ -351,8 +352,8 @@ class _TreeHead(torch.autograd.Function):
         # Triton, unsharded, no entropy gradient: E relative to each row's target logit, so one factor
         # per row (applied in the backward's dh) replaces the per-tile rescaling pass over E
         ref = scale = None
-        if cfg.impl == "triton" and a is not None and a_ent is None and not (group is not None and
-                                                                             dist.get_world_size(group) > 1):
+        if _ROW_REFERENCE and cfg.impl == "triton" and a is not None and a_ent is None and not (
+                group is not None and dist.get_world_size(group) > 1):
             from harts import lm_head_triton as tri
 
             ref = tri.target_logit_max(hidden, weight, row_ptr, tok_l, inv_t)
