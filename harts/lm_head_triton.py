@@ -783,8 +783,8 @@ def combine_tiles_reference(pm, ps, pq):
 
 
 def combine_scale_reference(e, pm, lse, ref, slack=None):
-    slack = REF_SLACK if slack is None else slack
     """(E with the rows that need it rescaled to P, scale) of :func:`combine_tiles` with ``ref``."""
+    slack = REF_SLACK if slack is None else slack
     acc = pm.dtype
     good = pm.amax(0) - ref <= slack
     fix = ~good & (ref > float("-inf"))
