@@ -25,9 +25,9 @@ issue's: 3 GEMMs of 2·T·H·V at 989 TFLOP/s (dense bf16, H100/H200 datasheet);
 GEMMs (the logits twice), so its own ceiling is 4/3 of that time. The bf16 rate that cuBLAS reaches on
 the head's ``[T, H] × [H, V]`` product in the same run is printed as the practical ceiling.
 
-``--sweep`` times variants of the harts head (the backward vocabulary block, the pointer-based
-Triton kernels alone, i.e. without the tensor-descriptor/persistent family the autotuner may pick, a
-differentiable entropy). ``--profile`` adds the harts head's GPU kernel time by kernel and where the
+``--sweep`` times variants of the harts head (the per-tile rescaling of ``E`` instead of the
+row references, the backward vocabulary block, the pointer-based Triton kernels alone, i.e. without
+the tensor-descriptor/persistent family the autotuner may pick, a differentiable entropy). ``--profile`` adds the harts head's GPU kernel time by kernel and where the
 GPU idled during the call (host-starved gaps vs launch latency). The Triton GEMMs' autotuning record
 (every configuration's time, the chosen one) is printed and written too.
 
