@@ -27,8 +27,9 @@ the head's ``[T, H] × [H, V]`` product in the same run is printed as the practi
 
 ``--sweep`` times variants of the harts head (the per-tile rescaling of ``E`` instead of the
 row references, the backward vocabulary block, the pointer-based Triton kernels alone, i.e. without
-the tensor-descriptor/persistent family the autotuner may pick, a differentiable entropy). ``--profile`` adds the harts head's GPU kernel time by kernel and where the
-GPU idled during the call (host-starved gaps vs launch latency). The Triton GEMMs' autotuning record
+the tensor-descriptor/persistent family the autotuner may pick, a differentiable entropy).
+``--profile`` adds the harts head's GPU kernel time by kernel and where the GPU idled during the
+call (host-starved gaps vs launch latency). The Triton GEMMs' autotuning record
 (every configuration's time, the chosen one) is printed and written too.
 
 Run: ``python -m bench.harts_head`` (GPU; ``--quick`` on CPU: tiny sizes, torch path). Writes

@@ -338,6 +338,7 @@ class _TreeHead(torch.autograd.Function):
     def forward(ctx, hidden, weight, e_child, e_parent, e_tok, row_ptr, cfg: _Cfg):
         t, hd = hidden.shape
         off, chunk, group = cfg.off, cfg.chunk, cfg.group
+        tp = group is not None and dist.get_world_size(group) > 1
         cdtype = torch.promote_types(hidden.dtype, torch.float32)
         dev = hidden.device
         lse = torch.empty(t, dtype=cdtype, device=dev)
@@ -352,8 +353,7 @@ class _TreeHead(torch.autograd.Function):
         # Triton, unsharded, no entropy gradient: E relative to each row's target logit, so one factor
         # per row (applied in the backward's dh) replaces the per-tile rescaling pass over E
         ref = scale = None
-        if _ROW_REFERENCE and cfg.impl == "triton" and a is not None and a_ent is None and not (
-                group is not None and dist.get_world_size(group) > 1):
+        if _ROW_REFERENCE and cfg.impl == "triton" and a is not None and a_ent is None and not tp:
             from harts import lm_head_triton as tri
 
             ref = tri.target_logit_max(hidden, weight, row_ptr, tok_l, inv_t)
@@ -364,7 +364,7 @@ class _TreeHead(torch.autograd.Function):
                 _forward_chunk_triton(hidden[r0:r1], weight, row_ptr[r0:], tok_l, tgt, cfg, lse[r0:r1], ent[r0:r1],
                                       None if a is None else a[r0:r1], None if a_ent is None else a_ent[r0:r1], inv_t,
                                       None if ref is None else ref[r0:r1], None if scale is None else scale[r0:r1])
-                if group is not None and dist.get_world_size(group) > 1:
+                if tp:
                     _all_reduce(tgt[a0:a1], dist.ReduceOp.SUM, group)
             else:
                 tgt[a0:a1] = _forward_chunk_torch(hidden[r0:r1], weight, tok_l[a0:a1], e_parent[a0:a1] - r0, cfg,
